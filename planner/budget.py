@@ -1,0 +1,40 @@
+"""What a budget must at least be, and budgets given as a fraction of the keep-all peak."""
+
+from __future__ import annotations
+
+from planner.errors import BudgetError
+from planner.profile import GraphProfile
+from planner.units import format_bytes
+
+
+def node_floor_bytes(profile: GraphProfile, node_id: str) -> int:
+    """Memory that computing `node_id` needs at least: its inputs, its output and its smallest workspace."""
+    node = profile.node_by_id[node_id]
+    inputs = sum(profile.node_by_id[source].size_bytes for source in dict.fromkeys(node.inputs))
+    return inputs + node.size_bytes + node.smallest_workspace.workspace_bytes
+
+
+def minimum_budget_bytes(profile: GraphProfile) -> int:
+    """No plan of any strategy fits below this: fixed memory plus the largest single node."""
+    return profile.fixed_bytes + max(node_floor_bytes(profile, node_id) for node_id in profile.order)
+
+
+def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
+    minimum = minimum_budget_bytes(profile)
+    if budget_bytes < minimum:
+        worst = max(profile.order, key=lambda node_id: node_floor_bytes(profile, node_id))
+        raise BudgetError(
+            f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below what any plan needs: "
+            f"{minimum} bytes ({format_bytes(minimum)}), that is fixed memory {profile.fixed_bytes} bytes plus "
+            f"node {worst!r} with its inputs and smallest workspace",
+            minimum_budget_bytes=minimum,
+        )
+
+
+def budget_from_ratio(profile: GraphProfile, memory_ratio: float) -> int:
+    """A fraction of the keep-all peak with the fastest implementations, as the MO-SOS paper measures."""
+    if not 0 < memory_ratio <= 1.0 or memory_ratio != memory_ratio:
+        raise BudgetError(f"memory ratio must be in (0, 1], got {memory_ratio}")
+    from planner.strategies.keep_all import keep_all_peak_bytes
+
+    return int(keep_all_peak_bytes(profile) * memory_ratio)

@@ -1,0 +1,45 @@
+"""The Typer application and the error handling every command shares."""
+
+from __future__ import annotations
+
+import functools
+
+import typer
+from rich.console import Console
+
+from planner.errors import MososError
+
+app = typer.Typer(
+    name="mosos",
+    help="Plan training steps that fit in GPU memory: keep, offload, recompute, and pick algorithms.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+error_console = Console(stderr=True)
+
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+
+
+def friendly(command):
+    """Bad input ends with a message and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except MososError as error:
+            error_console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
+            code = getattr(error, "exit_code", EXIT_BAD_INPUT)
+            raise typer.Exit(code) from None
+        except KeyboardInterrupt:
+            error_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def main() -> None:
+    app(prog_name="mosos")

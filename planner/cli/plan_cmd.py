@@ -1,0 +1,146 @@
+"""`mosos plan`: plan a profile under a budget and compare strategies."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from planner.budget import budget_from_ratio
+from planner.cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
+from planner.comparison import ComparisonRow, compare
+from planner.errors import MososError
+from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
+from planner.profile import load_profile
+from planner.strategies.keep_all import keep_all_schedule
+from planner.simulator import simulate
+from planner.units import format_bytes, parse_bytes
+
+
+class _Progress:
+    """A live line for long solves: each improving solution, the bound, the gap, the time."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.live: Live | None = None
+        self.started = time.monotonic()
+
+    def __enter__(self):
+        if self.enabled:
+            self.live = Live(console=error_console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def __call__(self, event: dict) -> None:
+        if self.live is None:
+            return
+        parts = [f"[bold]{event.get('strategy', '')}[/]", f"{time.monotonic() - self.started:6.1f} s"]
+        if event.get("objective") is not None:
+            parts.append(f"best {event['objective']:.4g}")
+        if event.get("bound") is not None:
+            parts.append(f"bound {event['bound']:.4g}")
+        if event.get("gap") is not None:
+            parts.append(f"gap {100 * event['gap']:.2f}%")
+        if event.get("solutions") is not None:
+            parts.append(f"{event['solutions']} solutions")
+        self.live.update("  ".join(parts))
+
+
+def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: float, budget: int | None) -> Table:
+    table = Table(title=title)
+    for header in ("strategy", "step time", "overhead", "peak memory", "fits", "offloaded", "recompute", "algos changed", "solver"):
+        table.add_column(header, justify="left" if header in ("strategy", "solver") else "right")
+    for row in rows:
+        summary = row.schedule.summary if row.schedule is not None else None
+        if summary is None:
+            minimum = f" (needs >= {format_bytes(row.minimum_budget_bytes)})" if row.minimum_budget_bytes else ""
+            table.add_row(row.strategy, "infeasible" + minimum, "", "", "no", "", "", "", "")
+            continue
+        fits = "yes" if budget is None or summary.peak_memory_bytes <= budget else "no"
+        solver = ""
+        if summary.solver is not None:
+            gap = f", gap {100 * summary.solver.gap:.2f}%" if summary.solver.gap is not None else ""
+            solver = f"{summary.solver.status} {summary.solver.wall_time_s:.1f}s{gap}"
+        table.add_row(
+            row.strategy,
+            f"{summary.predicted_step_time_ms:.2f} ms",
+            f"{100 * (summary.predicted_step_time_ms / lower_bound_ms - 1):+.2f}%" if lower_bound_ms else "",
+            format_bytes(summary.peak_memory_bytes),
+            fits,
+            format_bytes(summary.offloaded_bytes),
+            f"{summary.recompute_time_ms:.2f} ms",
+            str(summary.implementations_changed),
+            solver,
+        )
+    return table
+
+
+@app.command("plan")
+@friendly
+def plan_command(
+    profile_path: Path = typer.Argument(..., metavar="PROFILE"),
+    budget: str = typer.Option(None, help="memory budget: 10GiB, 12GB or bytes"),
+    memory_ratio: float = typer.Option(None, help="budget as a fraction of the keep-all peak, e.g. 0.6"),
+    strategy: str = typer.Option("mosos", help="which planner; see --compare all for every one"),
+    time_limit: float = typer.Option(60.0, help="solver time limit per strategy, seconds"),
+    workers: int = typer.Option(None, help="solver threads (default: all cores)"),
+    seed: int = typer.Option(0, help="solver seed; with --workers 1 the plan is reproducible"),
+    compare_with: str = typer.Option(None, "--compare", help="'all' or a comma-separated list of strategies to compare"),
+    output: Path = typer.Option(None, "-o", "--output", help="write the schedule here"),
+    as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
+) -> None:
+    """Plan PROFILE within a budget, check it in the simulator, and compare strategies."""
+    profile = load_profile(profile_path)
+    names = strategy_names()
+    budget_bytes = resolve_budget(profile, parse_bytes(budget) if budget else None, memory_ratio)
+    if compare_with:
+        wanted = names if compare_with.strip() == "all" else [s.strip() for s in compare_with.split(",") if s.strip()]
+        unknown = [s for s in wanted if s not in names]
+        if unknown:
+            raise MososError(f"unknown strategy {unknown[0]!r} in --compare; known: {', '.join(names)}")
+    else:
+        wanted = []
+    order = [strategy] + [s for s in wanted if s != strategy]
+    with _Progress(enabled=not as_json and error_console.is_terminal) as progress:
+        options = dict(time_limit_s=time_limit, workers=workers, seed=seed, progress=progress)
+        try:
+            chosen = plan(profile, budget_bytes, strategy=strategy, **options)
+        except InfeasibleBudget as error:
+            if as_json:
+                typer.echo(json.dumps({"feasible": False, "error": str(error), "minimum_budget_bytes": error.minimum_budget_bytes}))
+            else:
+                error_console.print(f"[bold red]infeasible:[/] {error}", highlight=False)
+            raise typer.Exit(EXIT_INFEASIBLE) from None
+        rows = [ComparisonRow(strategy, chosen)] + compare(profile, budget_bytes, order[1:], **options)
+    lower_bound_ms = simulate(profile, keep_all_schedule(profile), keep_timeline=False).step_time_ms
+    if output:
+        output.write_text(chosen.to_json())
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "profile": profile.name,
+                    "budget_bytes": budget_bytes,
+                    "lower_bound_ms": lower_bound_ms,
+                    "strategies": [row.as_dict(lower_bound_ms) for row in rows],
+                    "schedule_path": str(output) if output else None,
+                },
+                indent=2,
+            )
+        )
+        return
+    budget_text = f"budget {format_bytes(budget_bytes)}" if budget_bytes is not None else "no budget"
+    if memory_ratio is not None:
+        budget_text += f" ({memory_ratio:g} of the keep-all peak)"
+    console.print(_comparison_table(f"{profile.name}: {budget_text}", rows, lower_bound_ms, budget_bytes))
+    console.print(f"lower bound (keep-all, fastest algorithms, no budget): {lower_bound_ms:.2f} ms")
+    if output:
+        console.print(f"wrote {output}")

@@ -1,0 +1,64 @@
+"""`mosos simulate`: replay a schedule, report figures or the first violation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from planner.cli.app import app, console, error_console, friendly
+from planner.errors import ScheduleRejected
+from planner.profile import load_profile
+from planner.schedule import load_schedule
+from planner.simulator import simulate
+from planner.units import format_bytes, parse_bytes
+
+EXIT_REJECTED = 4
+
+
+@app.command("simulate")
+@friendly
+def simulate_command(
+    profile_path: Path = typer.Argument(..., metavar="PROFILE"),
+    schedule_path: Path = typer.Argument(..., metavar="SCHEDULE"),
+    budget: str = typer.Option(None, help="check against this budget instead of the schedule's own"),
+    as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
+    trace: Path = typer.Option(None, help="write a Chrome trace (Perfetto, chrome://tracing)"),
+    plot: Path = typer.Option(None, help="draw memory over time with the budget line (PNG)"),
+) -> None:
+    """Replay SCHEDULE on PROFILE: step time, stalls, per-stream busy time and peak memory."""
+    profile = load_profile(profile_path)
+    schedule = load_schedule(schedule_path)
+    try:
+        result = simulate(profile, schedule, parse_bytes(budget) if budget else None)
+    except ScheduleRejected as rejection:
+        if as_json:
+            typer.echo(json.dumps({"valid": False, "violation": rejection.as_dict()}, indent=2))
+        else:
+            error_console.print(f"[bold red]rejected:[/] {rejection}", highlight=False)
+        raise typer.Exit(EXIT_REJECTED) from None
+    if trace:
+        from planner.trace import write_chrome_trace
+
+        write_chrome_trace(result, trace, title=f"{profile.name}")
+    if plot:
+        from planner.plot import plot_memory
+
+        plot_memory(result, plot, title=f"{profile.name}: device memory")
+    if as_json:
+        typer.echo(json.dumps({"valid": True, **result.figures()}, indent=2))
+        return
+    table = Table(title=f"{profile.name}: simulated step", show_header=False)
+    table.add_row("step time", f"{result.step_time_ms:.3f} ms")
+    table.add_row("stall time", f"{result.stall_time_ms:.3f} ms")
+    table.add_row("busy: compute / d2h / h2d", f"{result.compute_busy_ms:.3f} / {result.d2h_busy_ms:.3f} / {result.h2d_busy_ms:.3f} ms")
+    table.add_row("recompute time", f"{result.recompute_time_ms:.3f} ms")
+    table.add_row("peak memory", f"{format_bytes(result.peak_memory_bytes)} ({result.peak_memory_bytes} bytes) at {result.peak_time_ms:.3f} ms")
+    table.add_row("budget", format_bytes(result.budget_bytes) if result.budget_bytes is not None else "none")
+    table.add_row("offloaded / prefetched", f"{format_bytes(result.offloaded_bytes)} / {format_bytes(result.prefetched_bytes)}")
+    console.print(table)
+    for path in (trace, plot):
+        if path:
+            console.print(f"wrote {path}")

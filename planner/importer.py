@@ -1,0 +1,133 @@
+"""Import the networkx node-link training graphs that Checkmate and Moccasin publish.
+
+Two dialects: Checkmate graphs (`backward`, `cost_cpu`, `cost_ram`, links with
+`source`/`target`) and random layered graphs (`out_cost`, `duration`, links
+with keys "0"/"1", `graph.order`). An imported graph has one implementation
+per node and no transfer bandwidth unless one is given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from planner.errors import Issue, ProfileError
+from planner.profile import PROFILE_SCHEMA_VERSION, GraphProfile, parse_profile, read_json
+
+
+class GraphImportError(ProfileError):
+    document = "graph to import"
+
+
+def _dialect(data: dict) -> str:
+    nodes = data.get("nodes") or []
+    if nodes and all("cost_ram" in node for node in nodes):
+        return "checkmate"
+    if nodes and all("out_cost" in node for node in nodes):
+        return "random-layered"
+    raise GraphImportError(
+        [Issue("nodes", "not a known graph dialect: expected every node to have 'cost_ram' (Checkmate) "
+                        "or 'out_cost' (random layered)")]
+    )
+
+
+def _node_key(node: dict, index: int, issues: list[Issue]) -> str | None:
+    key = node.get("id", node.get("name"))
+    if key is None:
+        issues.append(Issue(f"nodes[{index}]", "node has neither 'id' nor 'name'"))
+        return None
+    return str(key)
+
+
+def _number(node: dict, field: str, index: int, issues: list[Issue], default=None):
+    value = node.get(field, default)
+    if value is None:
+        issues.append(Issue(f"nodes[{index}].{field}", "required field is missing"))
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        issues.append(Issue(f"nodes[{index}].{field}", f"must be a number, got {value!r}"))
+        return 0
+    return value
+
+
+def graph_to_profile_data(
+    data: Any,
+    *,
+    name: str | None = None,
+    time_unit_ms: float = 1.0,
+    memory_capacity_bytes: int | None = None,
+    d2h_bandwidth_gb_per_s: float | None = None,
+    h2d_bandwidth_gb_per_s: float | None = None,
+    source: str | None = None,
+) -> dict:
+    """Translate a node-link document into a profile document (not yet validated)."""
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("links"), list):
+        raise GraphImportError([Issue("", "expected a networkx node-link object with 'nodes' and 'links' lists")], source)
+    dialect = _dialect(data)
+    issues: list[Issue] = []
+    size_field, time_field = ("cost_ram", "cost_cpu") if dialect == "checkmate" else ("out_cost", "duration")
+    keys: list[str | None] = [_node_key(node, i, issues) for i, node in enumerate(data["nodes"])]
+    inputs: dict[str, list[str]] = {key: [] for key in keys if key is not None}
+    source_key, target_key = ("source", "target") if dialect == "checkmate" else ("0", "1")
+    for i, link in enumerate(data["links"]):
+        if not isinstance(link, dict) or source_key not in link or target_key not in link:
+            issues.append(Issue(f"links[{i}]", f"a link needs {source_key!r} and {target_key!r}"))
+            continue
+        src, dst = str(link[source_key]), str(link[target_key])
+        if dst not in inputs:
+            issues.append(Issue(f"links[{i}].{target_key}", f"link to {dst!r}, which is not a node"))
+            continue
+        inputs[dst].append(src)
+    if issues:
+        raise GraphImportError(issues, source)
+    backward = {key: bool(node.get("backward", False)) for key, node in zip(keys, data["nodes"])}
+    nodes = []
+    for i, (key, node) in enumerate(zip(keys, data["nodes"])):
+        kind = "forward"
+        if backward[key]:
+            reads_backward = any(backward.get(src, False) for src in inputs[key])
+            kind = "backward" if reads_backward else "loss"
+        time = _number(node, time_field, i, issues)
+        nodes.append(
+            {
+                "id": key,
+                "name": str(node.get("name", key)),
+                "kind": kind,
+                "op_type": str(node.get("op_type", "imported")),
+                "output_bytes": _number(node, size_field, i, issues),
+                "inputs": inputs[key],
+                "implementations": [{"name": "default", "time_ms": time * time_unit_ms, "workspace_bytes": 0}],
+            }
+        )
+    if issues:
+        raise GraphImportError(issues, source)
+    order = (data.get("graph") or {}).get("order")
+    if isinstance(order, list) and sorted(map(str, order)) == sorted(inputs):
+        rank = {str(key): i for i, key in enumerate(order)}
+        nodes.sort(key=lambda node: rank[node["id"]])
+    graph_name = (data.get("graph") or {}).get("name")
+    total_bytes = sum(node["output_bytes"] for node in nodes)
+    return {
+        "schema_version": PROFILE_SCHEMA_VERSION,
+        "name": name or str(graph_name or (Path(source).stem if source else "imported graph")),
+        "hardware": {
+            "name": "unspecified (imported graph)",
+            "memory_capacity_bytes": memory_capacity_bytes or max(1, total_bytes),
+            "d2h_bandwidth_gb_per_s": d2h_bandwidth_gb_per_s,
+            "h2d_bandwidth_gb_per_s": h2d_bandwidth_gb_per_s,
+        },
+        "nodes": nodes,
+        "provenance": {
+            "source": "imported",
+            "notes": f"{dialect} node-link graph {graph_name!r}"
+            + (f" from {Path(source).name}" if source else "")
+            + f"; time_ms = cost x {time_unit_ms}",
+        },
+    }
+
+
+def import_graph(path: str | Path, **options) -> GraphProfile:
+    path = Path(path)
+    data = read_json(path, GraphImportError)
+    profile_data = graph_to_profile_data(data, source=str(path), **options)
+    return parse_profile(profile_data, str(path))

@@ -1,0 +1,67 @@
+"""`plan()`: the one entry point the CLI, the service and the executor call."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from planner.budget import budget_from_ratio, check_budget
+from planner.errors import BudgetError, MososError
+from planner.profile import GraphProfile
+from planner.schedule import Schedule
+from planner.strategies import STRATEGIES, SolveOptions, load_all
+
+
+class UnknownStrategy(MososError):
+    pass
+
+
+class InfeasibleBudget(BudgetError):
+    """The strategy found no plan within the budget; says the smallest budget it can meet."""
+
+
+def resolve_budget(profile: GraphProfile, budget_bytes: int | None, memory_ratio: float | None) -> int | None:
+    if budget_bytes is not None and memory_ratio is not None:
+        raise BudgetError("give either a budget in bytes or a memory ratio, not both")
+    if memory_ratio is not None:
+        budget_bytes = budget_from_ratio(profile, memory_ratio)
+    if budget_bytes is not None:
+        check_budget(profile, budget_bytes)
+    return budget_bytes
+
+
+def strategy_names() -> list[str]:
+    return sorted(load_all())
+
+
+def plan(
+    profile: GraphProfile,
+    budget_bytes: int | None = None,
+    *,
+    memory_ratio: float | None = None,
+    strategy: str = "mosos",
+    time_limit_s: float = 60.0,
+    workers: int | None = None,
+    seed: int = 0,
+    progress: Callable[[dict], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Schedule:
+    """Plan one training step of `profile` within `budget_bytes` (or `memory_ratio` of the keep-all peak).
+
+    The returned schedule has been replayed by the simulator; its summary holds
+    the simulated figures.
+    """
+    strategies = load_all()
+    if strategy not in strategies:
+        raise UnknownStrategy(f"unknown strategy {strategy!r}; known: {', '.join(sorted(strategies))}")
+    info = strategies[strategy]
+    budget = resolve_budget(profile, budget_bytes, memory_ratio)
+    if budget is None and info.uses_budget:
+        raise BudgetError(f"strategy {strategy!r} needs a budget: give budget_bytes or memory_ratio")
+    if time_limit_s <= 0:
+        raise MososError(f"time limit must be positive, got {time_limit_s} s")
+    if workers is not None and workers < 1:
+        raise MososError(f"workers must be at least 1, got {workers}")
+    options = SolveOptions(
+        time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=should_stop
+    )
+    return info.function(profile, budget, options)

@@ -1,0 +1,328 @@
+"""The GraphProfile contract: what the planner knows about one training step.
+
+Everything a planner, baseline, simulator or executor needs is here, with the
+unit in every field name. Graph-level rules (ids, edges, cycles) are checked
+when the document is loaded, so later code can trust it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import networkx as nx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from planner.errors import Issue, ProfileError
+from planner.validation import issues_from_validation_error
+
+PROFILE_SCHEMA_VERSION = "1.0"
+SUPPORTED_PROFILE_VERSIONS = ("1.0",)
+
+NodeKind = Literal["forward", "loss", "backward"]
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=False)
+
+
+class Hardware(_Strict):
+    """The device the step runs on and its link to host memory."""
+
+    name: str = Field(min_length=1, description="Device name, e.g. 'Tesla P40'.")
+    memory_capacity_bytes: int = Field(gt=0, description="Device memory in bytes.")
+    d2h_bandwidth_gb_per_s: float | None = Field(
+        default=None, gt=0, description="Device-to-host copy bandwidth, 1e9 bytes per second. None: no offloading."
+    )
+    h2d_bandwidth_gb_per_s: float | None = Field(
+        default=None, gt=0, description="Host-to-device copy bandwidth, 1e9 bytes per second. None: no prefetching."
+    )
+    transfer_latency_ms: float = Field(default=0.0, ge=0, description="Fixed cost added to every transfer.")
+
+    @property
+    def can_transfer(self) -> bool:
+        return self.d2h_bandwidth_gb_per_s is not None and self.h2d_bandwidth_gb_per_s is not None
+
+    def offload_time_ms(self, size_bytes: int) -> float:
+        assert self.d2h_bandwidth_gb_per_s is not None
+        return self.transfer_latency_ms + size_bytes / (self.d2h_bandwidth_gb_per_s * 1e6)
+
+    def prefetch_time_ms(self, size_bytes: int) -> float:
+        assert self.h2d_bandwidth_gb_per_s is not None
+        return self.transfer_latency_ms + size_bytes / (self.h2d_bandwidth_gb_per_s * 1e6)
+
+
+class FixedMemory(_Strict):
+    """Memory resident for the whole step, whatever the plan."""
+
+    inputs_bytes: int = Field(default=0, ge=0)
+    parameters_bytes: int = Field(default=0, ge=0)
+    gradients_bytes: int = Field(default=0, ge=0)
+    optimizer_state_bytes: int = Field(default=0, ge=0)
+    other_bytes: int = Field(default=0, ge=0, description="Framework context, buffers, anything else resident.")
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.inputs_bytes
+            + self.parameters_bytes
+            + self.gradients_bytes
+            + self.optimizer_state_bytes
+            + self.other_bytes
+        )
+
+
+class Implementation(_Strict):
+    """One way to compute a node, e.g. one cuDNN convolution algorithm."""
+
+    name: str = Field(min_length=1)
+    time_ms: float = Field(ge=0)
+    workspace_bytes: int = Field(default=0, ge=0)
+
+
+class Node(_Strict):
+    """One operator of the training step; it produces one tensor."""
+
+    id: str = Field(min_length=1, description="Stable id, unique in the profile.")
+    name: str = Field(default="", description="Readable name; defaults to the id.")
+    kind: NodeKind
+    op_type: str = Field(default="op")
+    output_bytes: int = Field(ge=0, description="Size of the tensor this node produces.")
+    extra_saved_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes saved for backward beyond the output (pooling indices, masks, statistics); "
+        "they live and move with the output.",
+    )
+    module: str | None = Field(default=None, description="Qualified name of the model module it came from.")
+    forward_node: str | None = Field(
+        default=None, description="For a backward node: the forward node it differentiates."
+    )
+    inputs: list[str] = Field(default_factory=list, description="Ids of the nodes whose tensors this node reads.")
+    implementations: list[Implementation] = Field(description="At least one.")
+
+    @field_validator("implementations")
+    @classmethod
+    def _at_least_one(cls, value: list[Implementation]) -> list[Implementation]:
+        if not value:
+            raise ValueError("a node needs at least one implementation (time and workspace)")
+        names = [impl.name for impl in value]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"implementation names must be unique within a node; repeated: {duplicates}")
+        return value
+
+    @property
+    def size_bytes(self) -> int:
+        """What keeping, moving or freeing this node's tensor costs."""
+        return self.output_bytes + self.extra_saved_bytes
+
+    @property
+    def fastest(self) -> Implementation:
+        return min(self.implementations, key=lambda impl: (impl.time_ms, impl.workspace_bytes))
+
+    @property
+    def smallest_workspace(self) -> Implementation:
+        return min(self.implementations, key=lambda impl: (impl.workspace_bytes, impl.time_ms))
+
+    def implementation(self, name: str) -> Implementation:
+        for impl in self.implementations:
+            if impl.name == name:
+                return impl
+        raise KeyError(name)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.id
+
+
+class Provenance(_Strict):
+    """Where the numbers came from, so nobody mistakes an estimate for a measurement."""
+
+    source: Literal["measured", "estimated", "imported", "handmade"]
+    device: str | None = None
+    measured_at: datetime | None = None
+    estimator: str | None = Field(default=None, description="Model and version that estimated the figures.")
+    repeats: int | None = Field(default=None, ge=1)
+    spread_percent: float | None = Field(default=None, ge=0)
+    tool: str | None = Field(default=None, description="Tool and version that wrote the profile.")
+    notes: str | None = None
+
+
+class GraphValidationError(ValueError):
+    """Carries graph-level issues through pydantic with their own JSON paths."""
+
+    def __init__(self, issues: list[Issue]):
+        self.issues = issues
+        super().__init__("; ".join(str(i) for i in issues))
+
+
+class GraphProfile(_Strict):
+    """A profiled (or estimated, or imported) training step."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"title": "GraphProfile"})
+
+    schema_version: str = Field(default=PROFILE_SCHEMA_VERSION, description="Version of this contract.")
+    name: str = Field(min_length=1, description="What was profiled, e.g. 'vgg19 batch 144 on P40'.")
+    hardware: Hardware
+    fixed_memory: FixedMemory = Field(default_factory=FixedMemory)
+    nodes: list[Node] = Field(min_length=1)
+    provenance: Provenance
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, value: str) -> str:
+        if value not in SUPPORTED_PROFILE_VERSIONS:
+            raise ValueError(
+                f"unknown profile schema version {value!r}; this mosos reads {', '.join(SUPPORTED_PROFILE_VERSIONS)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> "GraphProfile":
+        issues = check_graph(self.nodes)
+        if issues:
+            raise GraphValidationError(issues)
+        return self
+
+    # Derived views. Profiles are treated as immutable once loaded.
+
+    @cached_property
+    def node_by_id(self) -> dict[str, Node]:
+        return {node.id: node for node in self.nodes}
+
+    @cached_property
+    def order(self) -> list[str]:
+        """Execution order: a topological order that keeps the listed order where it can."""
+        return execution_order(self.nodes)
+
+    @cached_property
+    def position(self) -> dict[str, int]:
+        return {node_id: index for index, node_id in enumerate(self.order)}
+
+    @cached_property
+    def consumers(self) -> dict[str, list[str]]:
+        readers: dict[str, list[str]] = {node.id: [] for node in self.nodes}
+        for node_id in self.order:
+            for source in dict.fromkeys(self.node_by_id[node_id].inputs):
+                readers[source].append(node_id)
+        return readers
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.fixed_memory.total_bytes
+
+    def digest(self) -> str:
+        """Canonical hash: two profiles with the same content have the same digest."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return self.model_dump_json(indent=indent, exclude_none=True)
+
+
+def check_graph(nodes: list[Node]) -> list[Issue]:
+    """Graph-level rules that a single node cannot check on its own."""
+    issues: list[Issue] = []
+    index_of: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        if node.id in index_of:
+            issues.append(
+                Issue(f"nodes[{i}].id", f"duplicate node id {node.id!r} (first used by nodes[{index_of[node.id]}])")
+            )
+        else:
+            index_of[node.id] = i
+    for i, node in enumerate(nodes):
+        for k, source in enumerate(node.inputs):
+            if source not in index_of:
+                issues.append(Issue(f"nodes[{i}].inputs[{k}]", f"node {node.id!r} reads {source!r}, which is not a node"))
+            elif source == node.id:
+                issues.append(Issue(f"nodes[{i}].inputs[{k}]", f"node {node.id!r} reads its own output"))
+    if issues:
+        return issues
+    graph = nx.DiGraph()
+    graph.add_nodes_from(node.id for node in nodes)
+    graph.add_edges_from((source, node.id) for node in nodes for source in node.inputs)
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        names = [edge[0] for edge in cycle] + [cycle[0][0]]
+        first = index_of[cycle[-1][1]]
+        issues.append(
+            Issue(f"nodes[{first}].inputs", "the graph has a cycle: " + " -> ".join(repr(n) for n in names))
+        )
+        return issues
+    kinds = {node.id: node.kind for node in nodes}
+    for i, node in enumerate(nodes):
+        if node.forward_node is None:
+            continue
+        if node.kind != "backward":
+            issues.append(Issue(f"nodes[{i}].forward_node", f"only backward nodes differentiate a forward node; {node.id!r} is {node.kind}"))
+        elif node.forward_node not in index_of:
+            issues.append(Issue(f"nodes[{i}].forward_node", f"{node.forward_node!r} is not a node"))
+        elif kinds[node.forward_node] == "backward":
+            issues.append(Issue(f"nodes[{i}].forward_node", f"{node.forward_node!r} is a backward node, not a forward one"))
+        elif not any(kinds[source] != "backward" for source in node.inputs):
+            issues.append(
+                Issue(
+                    f"nodes[{i}].inputs",
+                    f"backward node {node.id!r} claims to differentiate {node.forward_node!r} "
+                    "but reads no tensor of the forward pass",
+                )
+            )
+    return issues
+
+
+def execution_order(nodes: list[Node]) -> list[str]:
+    rank = {node.id: i for i, node in enumerate(nodes)}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(rank)
+    graph.add_edges_from((source, node.id) for node in nodes for source in node.inputs)
+    return list(nx.lexicographical_topological_sort(graph, key=rank.__getitem__))
+
+
+def parse_profile(data: Any, source: str | None = None) -> GraphProfile:
+    """Validate a decoded JSON document; every problem comes back as path + sentence."""
+    if not isinstance(data, dict):
+        raise ProfileError([Issue("", f"a profile is a JSON object, not {type(data).__name__}")], source)
+    version = data.get("schema_version", PROFILE_SCHEMA_VERSION)
+    if version not in SUPPORTED_PROFILE_VERSIONS:
+        raise ProfileError(
+            [
+                Issue(
+                    "schema_version",
+                    f"unknown profile schema version {version!r}; this mosos reads "
+                    f"{', '.join(SUPPORTED_PROFILE_VERSIONS)}",
+                )
+            ],
+            source,
+        )
+    try:
+        return GraphProfile.model_validate(data)
+    except ValidationError as error:
+        raise ProfileError(issues_from_validation_error(error), source) from None
+
+
+def load_profile(path: str | Path) -> GraphProfile:
+    path = Path(path)
+    return parse_profile(read_json(path, ProfileError), str(path))
+
+
+def read_json(path: Path, error_type: type) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise error_type([Issue("", "file not found")], str(path)) from None
+    except OSError as error:
+        raise error_type([Issue("", f"cannot read the file: {error.strerror}")], str(path)) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise error_type(
+            [Issue("", f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}")], str(path)
+        ) from None

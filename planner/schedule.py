@@ -1,0 +1,162 @@
+"""The Schedule contract: one plan for one profile and one budget.
+
+A schedule is a program on three streams. The compute stream runs the
+operations in order; `offload` and `prefetch` start copies on the
+device-to-host and host-to-device streams, `wait` makes the compute stream
+wait for a copy, `free` releases a tensor's device memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from planner.errors import Issue, ScheduleError
+from planner.validation import issues_from_validation_error
+
+SCHEDULE_SCHEMA_VERSION = "1.0"
+SUPPORTED_SCHEDULE_VERSIONS = ("1.0",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class Compute(_Strict):
+    """Compute node `node` with implementation `implementation` on the compute stream."""
+
+    op: Literal["compute"] = "compute"
+    node: str
+    implementation: str
+
+    def describe(self) -> str:
+        return f"compute {self.node} with {self.implementation}"
+
+
+class Offload(_Strict):
+    """Start copying `tensor` to host memory on the device-to-host stream."""
+
+    op: Literal["offload"] = "offload"
+    tensor: str
+
+    def describe(self) -> str:
+        return f"offload {self.tensor}"
+
+
+class Prefetch(_Strict):
+    """Allocate `tensor` on the device and start copying it back on the host-to-device stream."""
+
+    op: Literal["prefetch"] = "prefetch"
+    tensor: str
+
+    def describe(self) -> str:
+        return f"prefetch {self.tensor}"
+
+
+class Wait(_Strict):
+    """Make the compute stream wait until the latest `transfer` of `tensor` has finished."""
+
+    op: Literal["wait"] = "wait"
+    tensor: str
+    transfer: Literal["offload", "prefetch"]
+
+    def describe(self) -> str:
+        return f"wait for {self.transfer} of {self.tensor}"
+
+
+class Free(_Strict):
+    """Release the device copy of `tensor` (once any offload reading it has finished)."""
+
+    op: Literal["free"] = "free"
+    tensor: str
+
+    def describe(self) -> str:
+        return f"free {self.tensor}"
+
+
+Operation = Annotated[Union[Compute, Offload, Prefetch, Wait, Free], Field(discriminator="op")]
+
+
+class Stage(_Strict):
+    """Operations issued while computing `node` for the first time (MO-SOS stage t)."""
+
+    index: int = Field(ge=0)
+    node: str | None = Field(default=None, description="The node first computed in this stage, if any.")
+    operations: list[Operation] = Field(default_factory=list)
+
+
+class SolverInfo(_Strict):
+    status: str = Field(description="OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, ...")
+    objective: float | None = None
+    bound: float | None = None
+    gap: float | None = Field(default=None, description="(objective - bound) / objective.")
+    wall_time_s: float = Field(ge=0)
+    time_to_first_solution_s: float | None = None
+    workers: int | None = None
+    seed: int | None = None
+    encoding: str | None = None
+
+
+class Summary(_Strict):
+    """Figures from the simulator, never from the planner's own objective."""
+
+    strategy: str
+    predicted_step_time_ms: float = Field(ge=0)
+    compute_time_ms: float = Field(ge=0, description="Busy time of the compute stream.")
+    stall_time_ms: float = Field(ge=0, description="Time the compute stream waited for copies.")
+    recompute_time_ms: float = Field(ge=0)
+    peak_memory_bytes: int = Field(ge=0)
+    offloaded_bytes: int = Field(ge=0)
+    prefetched_bytes: int = Field(ge=0)
+    implementations_changed: int = Field(
+        default=0, ge=0, description="Computations not using the node's fastest implementation."
+    )
+    solver: SolverInfo | None = None
+
+
+class Schedule(_Strict):
+    schema_version: str = SCHEDULE_SCHEMA_VERSION
+    profile_name: str
+    profile_digest: str = Field(description="GraphProfile.digest() of the profile it was made for.")
+    budget_bytes: int | None = Field(default=None, ge=0, description="None: no memory limit.")
+    stages: list[Stage]
+    compute_order: list[str] = Field(description="Node ids in the order they are computed, repeats included.")
+    summary: Summary | None = None
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_version(cls, value: str) -> str:
+        if value not in SUPPORTED_SCHEDULE_VERSIONS:
+            raise ValueError(
+                f"unknown schedule schema version {value!r}; this mosos reads {', '.join(SUPPORTED_SCHEDULE_VERSIONS)}"
+            )
+        return value
+
+    def operations(self):
+        """(stage index, operation index in the whole program, operation), in program order."""
+        position = 0
+        for stage in self.stages:
+            for operation in stage.operations:
+                yield stage.index, position, operation
+                position += 1
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return self.model_dump_json(indent=indent, exclude_none=True)
+
+
+def parse_schedule(data: Any, source: str | None = None) -> Schedule:
+    if not isinstance(data, dict):
+        raise ScheduleError([Issue("", f"a schedule is a JSON object, not {type(data).__name__}")], source)
+    try:
+        return Schedule.model_validate(data)
+    except ValidationError as error:
+        raise ScheduleError(issues_from_validation_error(error), source) from None
+
+
+def load_schedule(path: str | Path) -> Schedule:
+    from planner.profile import read_json
+
+    path = Path(path)
+    return parse_schedule(read_json(path, ScheduleError), str(path))

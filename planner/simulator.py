@@ -1,0 +1,335 @@
+"""The referee: replays a schedule on three streams and tracks memory to the byte.
+
+Model (the executor follows the same rules):
+
+- The compute stream runs compute operations in program order; `wait` makes it
+  idle until a copy ends, and that idle time is stall.
+- `offload j` starts on the device-to-host stream when both the compute stream
+  reaches it and the stream is free; copies on one stream run one at a time.
+- `prefetch j` allocates j's device buffer when the compute stream reaches it,
+  and starts copying when the host-to-device stream is free and j's offload has
+  finished. A computation may read j only after a `wait` for that prefetch.
+- A compute allocates its output and its implementation's workspace when it
+  starts; the workspace is released when it ends.
+- `free j` releases j's device memory at once, or when the offload reading j
+  ends if that is later.
+- At equal times, releases happen before allocations.
+
+Peak memory is fixed memory plus the largest sum of live buffers at any
+instant. A schedule that breaks a rule or the budget is rejected with the
+first violation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from planner.errors import ScheduleRejected
+from planner.profile import GraphProfile
+from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
+
+STREAMS = ("compute", "d2h", "h2d")
+
+
+class Span(BaseModel):
+    stream: str
+    label: str
+    start_ms: float
+    end_ms: float
+    stage: int
+
+
+class MemoryPoint(BaseModel):
+    time_ms: float
+    used_bytes: int
+
+
+class SimulationResult(BaseModel):
+    step_time_ms: float
+    stall_time_ms: float
+    compute_busy_ms: float
+    d2h_busy_ms: float
+    h2d_busy_ms: float
+    recompute_time_ms: float
+    peak_memory_bytes: int
+    peak_time_ms: float
+    fixed_memory_bytes: int
+    budget_bytes: int | None
+    offloaded_bytes: int
+    prefetched_bytes: int
+    implementations_changed: int
+    memory_timeline: list[MemoryPoint] = Field(default_factory=list)
+    spans: list[Span] = Field(default_factory=list)
+
+    def figures(self) -> dict:
+        """The headline numbers, without timeline and spans."""
+        return self.model_dump(exclude={"memory_timeline", "spans"})
+
+
+@dataclass
+class _MemoryEvent:
+    time_ms: float
+    delta_bytes: int
+    sequence: int
+    stage: int
+    operation_index: int
+    operation: str
+    tensor: str
+
+
+@dataclass
+class _TensorState:
+    on_device: bool = False
+    prefetch_end_ms: float | None = None  # set while a prefetch has not been waited for
+    offload_end_ms: float | None = None  # end of the latest offload
+    has_host_copy: bool = False
+    computed: bool = False
+
+
+@dataclass
+class _Replay:
+    profile: GraphProfile
+    budget_bytes: int | None
+    compute_ms: float = 0.0
+    d2h_ms: float = 0.0
+    h2d_ms: float = 0.0
+    compute_busy_ms: float = 0.0
+    d2h_busy_ms: float = 0.0
+    h2d_busy_ms: float = 0.0
+    recompute_ms: float = 0.0
+    offloaded_bytes: int = 0
+    prefetched_bytes: int = 0
+    implementations_changed: int = 0
+    tensors: dict[str, _TensorState] = field(default_factory=dict)
+    events: list[_MemoryEvent] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    computed_order: list[str] = field(default_factory=list)
+
+    def memory(self, time_ms, delta, stage, index, operation, tensor):
+        self.events.append(_MemoryEvent(time_ms, delta, len(self.events), stage, index, operation, tensor))
+
+
+def _reject(reason: str, stage: int, index: int, operation, tensor: str | None = None, **extra) -> ScheduleRejected:
+    return ScheduleRejected(
+        reason, stage=stage, operation_index=index, operation=operation.describe(), tensor=tensor, **extra
+    )
+
+
+def simulate(
+    profile: GraphProfile,
+    schedule: Schedule,
+    budget_bytes: int | None = None,
+    *,
+    check_digest: bool = True,
+    keep_timeline: bool = True,
+) -> SimulationResult:
+    """Replay `schedule`; the budget defaults to the schedule's own."""
+    if check_digest and schedule.profile_digest != profile.digest():
+        raise ScheduleRejected(
+            f"the schedule was made for another profile ({schedule.profile_name!r}, digest "
+            f"{schedule.profile_digest[:12]}) than this one ({profile.name!r}, digest {profile.digest()[:12]})"
+        )
+    budget = schedule.budget_bytes if budget_bytes is None else budget_bytes
+    replay = _Replay(profile, budget, tensors={node_id: _TensorState() for node_id in profile.order})
+    handlers = {Compute: _compute, Offload: _offload, Prefetch: _prefetch, Wait: _wait, Free: _free}
+    for stage, index, operation in schedule.operations():
+        handlers[type(operation)](replay, stage, index, operation)
+    never = [node_id for node_id in profile.order if not replay.tensors[node_id].computed]
+    if never:
+        raise ScheduleRejected(f"node {never[0]!r} is never computed ({len(never)} node(s) missing)")
+    if replay.computed_order != schedule.compute_order:
+        mismatch = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(replay.computed_order, schedule.compute_order))
+                if a != b
+            ),
+            min(len(replay.computed_order), len(schedule.compute_order)),
+        )
+        raise ScheduleRejected(
+            f"compute_order disagrees with the operations at position {mismatch}: the operations compute "
+            f"{len(replay.computed_order)} nodes, compute_order lists {len(schedule.compute_order)}"
+        )
+    return _finish(replay, keep_timeline)
+
+
+def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> None:
+    node = replay.profile.node_by_id.get(operation.node)
+    if node is None:
+        raise _reject(f"{operation.node!r} is not a node of the profile", stage, index, operation, operation.node)
+    try:
+        implementation = node.implementation(operation.implementation)
+    except KeyError:
+        known = ", ".join(impl.name for impl in node.implementations)
+        raise _reject(
+            f"node {node.id!r} has no implementation {operation.implementation!r} (it has: {known})",
+            stage,
+            index,
+            operation,
+            node.id,
+        ) from None
+    for source in dict.fromkeys(node.inputs):
+        state = replay.tensors[source]
+        if not state.on_device:
+            raise _reject(
+                f"missing input: {node.id!r} reads {source!r}, which is not on the device", stage, index, operation, source
+            )
+        if state.prefetch_end_ms is not None:
+            raise _reject(
+                f"{node.id!r} reads {source!r} before waiting for its prefetch", stage, index, operation, source
+            )
+    state = replay.tensors[node.id]
+    if state.on_device:
+        raise _reject(f"{node.id!r} is computed while its output is still on the device", stage, index, operation, node.id)
+    if state.prefetch_end_ms is not None:
+        raise _reject(f"{node.id!r} is computed while its prefetch is in flight", stage, index, operation, node.id)
+    start = replay.compute_ms
+    end = start + implementation.time_ms
+    description = operation.describe()
+    replay.memory(start, node.size_bytes, stage, index, description, node.id)
+    if implementation.workspace_bytes:
+        replay.memory(start, implementation.workspace_bytes, stage, index, description + " (workspace)", node.id)
+        replay.memory(end, -implementation.workspace_bytes, stage, index, description + " (workspace)", node.id)
+    if state.computed:
+        replay.recompute_ms += implementation.time_ms
+    if implementation.name != node.fastest.name:
+        replay.implementations_changed += 1
+    state.computed = True
+    state.on_device = True
+    replay.compute_ms = end
+    replay.compute_busy_ms += implementation.time_ms
+    replay.computed_order.append(node.id)
+    replay.spans.append(Span(stream="compute", label=f"{node.label} [{implementation.name}]", start_ms=start, end_ms=end, stage=stage))
+
+
+def _known_tensor(replay: _Replay, stage: int, index: int, operation, tensor: str) -> _TensorState:
+    state = replay.tensors.get(tensor)
+    if state is None:
+        raise _reject(f"{tensor!r} is not a node of the profile", stage, index, operation, tensor)
+    return state
+
+
+def _offload(replay: _Replay, stage: int, index: int, operation: Offload) -> None:
+    hardware = replay.profile.hardware
+    if hardware.d2h_bandwidth_gb_per_s is None:
+        raise _reject("the profile has no device-to-host bandwidth, so nothing can be offloaded", stage, index, operation, operation.tensor)
+    state = _known_tensor(replay, stage, index, operation, operation.tensor)
+    if not state.on_device:
+        raise _reject(f"{operation.tensor!r} is offloaded but is not on the device", stage, index, operation, operation.tensor)
+    if state.prefetch_end_ms is not None:
+        raise _reject(f"{operation.tensor!r} is offloaded before its prefetch was waited for", stage, index, operation, operation.tensor)
+    size = replay.profile.node_by_id[operation.tensor].size_bytes
+    start = max(replay.compute_ms, replay.d2h_ms)
+    duration = hardware.offload_time_ms(size)
+    end = start + duration
+    replay.d2h_ms = end
+    replay.d2h_busy_ms += duration
+    replay.offloaded_bytes += size
+    state.offload_end_ms = end
+    state.has_host_copy = True
+    replay.spans.append(Span(stream="d2h", label=f"offload {operation.tensor}", start_ms=start, end_ms=end, stage=stage))
+
+
+def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> None:
+    hardware = replay.profile.hardware
+    if hardware.h2d_bandwidth_gb_per_s is None:
+        raise _reject("the profile has no host-to-device bandwidth, so nothing can be prefetched", stage, index, operation, operation.tensor)
+    state = _known_tensor(replay, stage, index, operation, operation.tensor)
+    if not state.has_host_copy:
+        raise _reject(f"{operation.tensor!r} is prefetched but was never offloaded", stage, index, operation, operation.tensor)
+    if state.on_device:
+        raise _reject(f"{operation.tensor!r} is prefetched while already on the device", stage, index, operation, operation.tensor)
+    size = replay.profile.node_by_id[operation.tensor].size_bytes
+    replay.memory(replay.compute_ms, size, stage, index, operation.describe(), operation.tensor)
+    start = max(replay.compute_ms, replay.h2d_ms, state.offload_end_ms or 0.0)
+    duration = hardware.prefetch_time_ms(size)
+    end = start + duration
+    replay.h2d_ms = end
+    replay.h2d_busy_ms += duration
+    replay.prefetched_bytes += size
+    state.on_device = True
+    state.prefetch_end_ms = end
+    replay.spans.append(Span(stream="h2d", label=f"prefetch {operation.tensor}", start_ms=start, end_ms=end, stage=stage))
+
+
+def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
+    state = _known_tensor(replay, stage, index, operation, operation.tensor)
+    if operation.transfer == "prefetch":
+        if state.prefetch_end_ms is None:
+            raise _reject(f"there is no prefetch of {operation.tensor!r} in flight to wait for", stage, index, operation, operation.tensor)
+        end = state.prefetch_end_ms
+        state.prefetch_end_ms = None
+    else:
+        if state.offload_end_ms is None:
+            raise _reject(f"{operation.tensor!r} was never offloaded, so there is nothing to wait for", stage, index, operation, operation.tensor)
+        end = state.offload_end_ms
+    if end > replay.compute_ms:
+        replay.spans.append(Span(stream="compute", label=f"stall: {operation.describe()}", start_ms=replay.compute_ms, end_ms=end, stage=stage))
+        replay.compute_ms = end
+
+
+def _free(replay: _Replay, stage: int, index: int, operation: Free) -> None:
+    state = _known_tensor(replay, stage, index, operation, operation.tensor)
+    if not state.on_device:
+        raise _reject(f"{operation.tensor!r} is freed but is not on the device", stage, index, operation, operation.tensor)
+    if state.prefetch_end_ms is not None:
+        raise _reject(f"{operation.tensor!r} is freed while its prefetch is in flight", stage, index, operation, operation.tensor)
+    release = max(replay.compute_ms, state.offload_end_ms or 0.0)
+    size = replay.profile.node_by_id[operation.tensor].size_bytes
+    replay.memory(release, -size, stage, index, operation.describe(), operation.tensor)
+    state.on_device = False
+
+
+def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
+    fixed = replay.profile.fixed_bytes
+    budget = replay.budget_bytes
+    if budget is not None and fixed > budget:
+        raise ScheduleRejected(
+            f"fixed memory alone ({fixed} bytes) is over the budget ({budget} bytes) by {fixed - budget} bytes",
+            over_budget_bytes=fixed - budget,
+            time_ms=0.0,
+        )
+    replay.events.sort(key=lambda e: (e.time_ms, e.delta_bytes >= 0, e.sequence))
+    used = fixed
+    peak, peak_time = fixed, 0.0
+    timeline = [MemoryPoint(time_ms=0.0, used_bytes=fixed)] if keep_timeline else []
+    for event in replay.events:
+        used += event.delta_bytes
+        if event.delta_bytes > 0 and budget is not None and used > budget:
+            raise ScheduleRejected(
+                f"memory reaches {used} bytes at {event.time_ms:.6g} ms, {used - budget} bytes over the budget "
+                f"of {budget} bytes",
+                stage=event.stage,
+                operation_index=event.operation_index,
+                operation=event.operation,
+                tensor=event.tensor,
+                over_budget_bytes=used - budget,
+                time_ms=event.time_ms,
+            )
+        if used > peak:
+            peak, peak_time = used, event.time_ms
+        if keep_timeline:
+            if timeline and timeline[-1].time_ms == event.time_ms and event.delta_bytes < 0:
+                timeline[-1] = MemoryPoint(time_ms=event.time_ms, used_bytes=used)
+            else:
+                timeline.append(MemoryPoint(time_ms=event.time_ms, used_bytes=used))
+    step = max(replay.compute_ms, replay.d2h_ms, replay.h2d_ms)
+    return SimulationResult(
+        step_time_ms=step,
+        stall_time_ms=max(0.0, step - replay.compute_busy_ms),
+        compute_busy_ms=replay.compute_busy_ms,
+        d2h_busy_ms=replay.d2h_busy_ms,
+        h2d_busy_ms=replay.h2d_busy_ms,
+        recompute_time_ms=replay.recompute_ms,
+        peak_memory_bytes=peak,
+        peak_time_ms=peak_time,
+        fixed_memory_bytes=fixed,
+        budget_bytes=budget,
+        offloaded_bytes=replay.offloaded_bytes,
+        prefetched_bytes=replay.prefetched_bytes,
+        implementations_changed=replay.implementations_changed,
+        memory_timeline=timeline,
+        spans=replay.spans if keep_timeline else [],
+    )

@@ -1,0 +1,35 @@
+"""keep-all: the fastest implementation everywhere, each tensor freed after its last use."""
+
+from __future__ import annotations
+
+from planner.builder import ScheduleBuilder, certify
+from planner.profile import GraphProfile
+from planner.schedule import Schedule
+from planner.simulator import simulate
+from planner.strategies import SolveOptions, strategy
+
+
+def keep_all_schedule(profile: GraphProfile, budget_bytes: int | None = None) -> Schedule:
+    builder = ScheduleBuilder(profile)
+    last_reader = {node_id: node_id for node_id in profile.order}
+    for node_id in profile.order:
+        for source in profile.node_by_id[node_id].inputs:
+            last_reader[source] = node_id
+    freed_after: dict[str, list[str]] = {node_id: [] for node_id in profile.order}
+    for tensor, reader in last_reader.items():
+        freed_after[reader].append(tensor)
+    for node_id in profile.order:
+        builder.stage(node_id).compute(node_id)
+        for tensor in sorted(freed_after[node_id], key=profile.position.__getitem__):
+            builder.free(tensor)
+    return builder.build(budget_bytes)
+
+
+def keep_all_peak_bytes(profile: GraphProfile) -> int:
+    """Peak memory of the keep-all plan: the reference for memory ratios."""
+    return simulate(profile, keep_all_schedule(profile), keep_timeline=False).peak_memory_bytes
+
+
+@strategy("keep-all", "fastest implementation everywhere, nothing recomputed or moved, no budget: the lower bound", uses_budget=False)
+def plan_keep_all(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
+    return certify(profile, keep_all_schedule(profile, None), "keep-all")

@@ -1,0 +1,47 @@
+"""Byte sizes as people write them: '10GiB', '12 GB', '10737418240'."""
+
+from __future__ import annotations
+
+import re
+
+from planner.errors import BudgetError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str | int) -> int:
+    if isinstance(text, int):
+        if text < 0:
+            raise BudgetError(f"a size in bytes cannot be negative: {text}")
+        return text
+    match = _PATTERN.match(str(text))
+    if not match:
+        raise BudgetError(f"cannot read {text!r} as a size: write bytes (10737418240) or a unit (10GiB, 12GB, 512MiB)")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    return int(round(float(number) * factor))
+
+
+def format_bytes(size_bytes: int | float | None) -> str:
+    if size_bytes is None:
+        return "-"
+    size = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,41 @@
+"""Turn pydantic's errors into path + sentence issues that people can act on."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from planner.errors import Issue
+
+
+def format_location(location: tuple) -> str:
+    path = ""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + str(part)
+    return path
+
+
+def issues_from_validation_error(error: ValidationError) -> list[Issue]:
+    issues: list[Issue] = []
+    for detail in error.errors(include_url=False):
+        nested = (detail.get("ctx") or {}).get("error")
+        nested_issues = getattr(nested, "issues", None)
+        if nested_issues:
+            prefix = format_location(detail["loc"])
+            for issue in nested_issues:
+                joined = f"{prefix}.{issue.path}" if prefix and issue.path else prefix or issue.path
+                issues.append(Issue(joined, issue.message))
+            continue
+        message = detail["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        if detail["type"] == "extra_forbidden":
+            message = "unknown field (check its spelling and the schema)"
+        elif detail["type"] == "missing":
+            message = "required field is missing"
+        elif detail["type"] == "finite_number":
+            message = "must be a finite number (not NaN or infinity)"
+        issues.append(Issue(format_location(detail["loc"]), message))
+    return issues
