@@ -18,6 +18,10 @@ app = typer.Typer(
 )
 console = Console()
 error_console = Console(stderr=True)
+if not console.is_terminal:  # pipes and CI logs: wide enough for the comparison table
+    console.width = 160
+if not error_console.is_terminal:
+    error_console.width = 160
 
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
