@@ -13,7 +13,9 @@ Model (the executor follows the same rules):
   starts; the workspace is released when it ends.
 - `free j` releases j's device memory at once, or when the offload reading j
   ends if that is later.
-- At equal times, releases happen before allocations.
+- At equal times, events keep program order: a buffer freed before an
+  allocation is issued is reusable by it, and a zero-time node's output still
+  counts.
 
 Peak memory is fixed memory plus the largest sum of live buffers at any
 instant. A schedule that breaks a rule or the budget is rejected with the
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from planner.errors import ScheduleRejected
+from planner.errors import BudgetError, ScheduleRejected
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 
@@ -132,6 +134,8 @@ def simulate(
             f"{schedule.profile_digest[:12]}) than this one ({profile.name!r}, digest {profile.digest()[:12]})"
         )
     budget = schedule.budget_bytes if budget_bytes is None else budget_bytes
+    if budget is not None and budget < 0:
+        raise BudgetError(f"a memory budget cannot be negative: {budget} bytes")
     replay = _Replay(profile, budget, tensors={node_id: _TensorState() for node_id in profile.order})
     handlers = {Compute: _compute, Offload: _offload, Prefetch: _prefetch, Wait: _wait, Free: _free}
     for stage, index, operation in schedule.operations():
@@ -291,7 +295,7 @@ def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
             over_budget_bytes=fixed - budget,
             time_ms=0.0,
         )
-    replay.events.sort(key=lambda e: (e.time_ms, e.delta_bytes >= 0, e.sequence))
+    replay.events.sort(key=lambda e: (e.time_ms, e.sequence))
     used = fixed
     peak, peak_time = fixed, 0.0
     timeline = [MemoryPoint(time_ms=0.0, used_bytes=fixed)] if keep_timeline else []
@@ -311,10 +315,7 @@ def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
         if used > peak:
             peak, peak_time = used, event.time_ms
         if keep_timeline:
-            if timeline and timeline[-1].time_ms == event.time_ms and event.delta_bytes < 0:
-                timeline[-1] = MemoryPoint(time_ms=event.time_ms, used_bytes=used)
-            else:
-                timeline.append(MemoryPoint(time_ms=event.time_ms, used_bytes=used))
+            timeline.append(MemoryPoint(time_ms=event.time_ms, used_bytes=used))
     step = max(replay.compute_ms, replay.d2h_ms, replay.h2d_ms)
     return SimulationResult(
         step_time_ms=step,
