@@ -1,0 +1,87 @@
+"""The CLI: every command on good and bad input; bad input is a message and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from planner.strategies.keep_all import keep_all_schedule
+from tests.conftest import CHECKMATE_GRAPHS, requires_shared
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+@pytest.mark.parametrize("document", ["profile", "schedule"])
+def test_schema_commands_print_json_schema(document):
+    result = invoke("schema", document)
+    assert result.exit_code == 0
+    assert json.loads(result.output)["type"] == "object"
+
+
+def test_plan_and_simulate_round_trip(tmp_path, offload_profile):
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(offload_profile.to_json())
+    schedule_path = tmp_path / "schedule.json"
+    result = invoke("plan", profile_path, "--strategy", "keep-all", "-o", schedule_path, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["strategies"][0]["predicted_step_time_ms"] == 8.0
+    trace, plot = tmp_path / "trace.json", tmp_path / "memory.png"
+    result = invoke("simulate", profile_path, schedule_path, "--json", "--trace", trace, "--plot", plot)
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.output)
+    assert figures["valid"] and figures["step_time_ms"] == 8.0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e.get("name") == "thread_name"} == {
+        "compute stream", "device-to-host copies", "host-to-device copies"
+    }
+    assert sum(1 for e in events if e["ph"] == "X") == len(offload_profile.nodes)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_reports_the_violation(tmp_path, offload_profile):
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(offload_profile.to_json())
+    schedule_path = tmp_path / "schedule.json"
+    schedule_path.write_text(keep_all_schedule(offload_profile).to_json())
+    result = invoke("simulate", profile_path, schedule_path, "--budget", "1000", "--json")
+    assert result.exit_code == 4
+    violation = json.loads(result.output)["violation"]
+    assert violation["over_budget_bytes"] > 0 and violation["stage"] == 0
+
+
+def test_bad_inputs_exit_2_with_a_message(tmp_path, offload_profile):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": "9", "name": "x"}))
+    result = invoke("plan", bad, "--strategy", "keep-all")
+    assert result.exit_code == 2 and "unknown profile schema version '9'" in result.output
+    result = invoke("simulate", tmp_path / "nope.json", tmp_path / "nope2.json")
+    assert result.exit_code == 2 and "file not found" in result.output
+    good = tmp_path / "good.json"
+    good.write_text(offload_profile.to_json())
+    result = invoke("plan", good, "--strategy", "keep-all", "--budget", "12 parsecs")
+    assert result.exit_code == 2 and "unknown size unit" in result.output
+    result = invoke("plan", good, "--strategy", "keep-all", "--budget", "10")
+    assert result.exit_code == 2 and "below what any plan needs" in result.output
+    result = invoke("plan", good, "--strategy", "no-such-planner", "--budget", "1GiB")
+    assert result.exit_code == 2 and "unknown strategy 'no-such-planner'" in result.output
+
+
+def test_import_graph_command(tmp_path):
+    graph = requires_shared(CHECKMATE_GRAPHS / "vgg16_b256_train.json")
+    out = tmp_path / "vgg16.json"
+    result = invoke("import-graph", graph, "-o", out, "--d2h-gb-per-s", "12", "--h2d-gb-per-s", "11")
+    assert result.exit_code == 0, result.output
+    assert "45 nodes" in result.output
+    result = invoke("plan", out, "--strategy", "keep-all", "--json")
+    assert json.loads(result.output)["strategies"][0]["peak_memory_bytes"] == 15_825_108_992

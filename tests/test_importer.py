@@ -1,0 +1,54 @@
+"""Checkmate / Moccasin graphs: imported with their published semantics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.importer import GraphImportError, graph_to_profile_data, import_graph
+from planner.simulator import simulate
+from planner.strategies.keep_all import keep_all_schedule
+from tests.conftest import CHECKMATE_GRAPHS, requires_shared
+
+
+@pytest.mark.parametrize(
+    ("graph", "nodes", "peak_bytes", "cost"),
+    [
+        ("vgg19_b256_train.json", 51, 17_058_234_368, 9_493_135),
+        ("vgg16_b256_train.json", 45, 15_825_108_992, 15_500),
+    ],
+)
+def test_topological_order_peak_and_cost(graph, nodes, peak_bytes, cost):
+    profile = import_graph(requires_shared(CHECKMATE_GRAPHS / graph))
+    result = simulate(profile, keep_all_schedule(profile))
+    assert len(profile.nodes) == nodes
+    assert result.peak_memory_bytes == peak_bytes
+    assert result.step_time_ms == cost
+    kinds = [node.kind for node in profile.nodes]
+    assert kinds.count("loss") == 1 and kinds.index("loss") < kinds.index("backward")
+
+
+def test_random_layered_dialect_uses_the_published_order():
+    path = requires_shared(CHECKMATE_GRAPHS / "random_layered_n100.json")
+    profile = import_graph(path, d2h_bandwidth_gb_per_s=12.0, h2d_bandwidth_gb_per_s=11.0)
+    order = json.loads(path.read_text())["graph"]["order"]
+    assert [node.id for node in profile.nodes] == [str(n) for n in order]
+    assert profile.order == [str(n) for n in order]
+    assert all(node.kind == "forward" for node in profile.nodes)
+    assert profile.hardware.can_transfer
+
+
+def test_bad_graphs_are_explained():
+    with pytest.raises(GraphImportError, match="node-link object"):
+        graph_to_profile_data([1, 2])
+    with pytest.raises(GraphImportError, match="not a known graph dialect"):
+        graph_to_profile_data({"nodes": [{"id": 0}], "links": []})
+    bad_link = {"nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": 1}], "links": [{"source": 0, "target": 9}]}
+    with pytest.raises(GraphImportError) as caught:
+        graph_to_profile_data(bad_link)
+    assert caught.value.issues[0].path == "links[0].target"
+    bad_number = {"nodes": [{"id": 0, "cost_ram": "big", "cost_cpu": 1}], "links": []}
+    with pytest.raises(GraphImportError) as caught:
+        graph_to_profile_data(bad_number)
+    assert caught.value.issues[0].path == "nodes[0].cost_ram"

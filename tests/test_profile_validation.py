@@ -1,0 +1,146 @@
+"""Every bad profile is rejected with a JSON path and a sentence, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.budget import check_budget, minimum_budget_bytes
+from planner.errors import BudgetError, ProfileError
+from planner.profile import GraphProfile, load_profile, parse_profile
+from planner.schedule import Schedule
+from tests.conftest import make_profile, node, profile_data
+
+
+def chain():
+    return [
+        node("x", output_bytes=100),
+        node("y", inputs=["x"], output_bytes=200, workspace_bytes=50),
+        node("loss", kind="loss", inputs=["y"], output_bytes=4),
+        node("y:bwd", kind="backward", inputs=["loss", "x"], output_bytes=200, forward_node="y"),
+    ]
+
+
+def issues_of(data) -> list[tuple[str, str]]:
+    with pytest.raises(ProfileError) as caught:
+        parse_profile(data)
+    return [(issue.path, issue.message) for issue in caught.value.issues]
+
+
+def test_a_valid_profile_loads_and_orders_topologically():
+    nodes = chain()
+    nodes.reverse()  # listed out of order on purpose
+    profile = make_profile(nodes)
+    assert profile.order == ["x", "y", "loss", "y:bwd"]
+    assert profile.consumers["x"] == ["y", "y:bwd"]
+
+
+def test_cycle_is_named():
+    nodes = chain()
+    nodes[0]["inputs"] = ["y"]
+    [(path, message)] = issues_of(profile_data(nodes))
+    assert "cycle" in message and "'x'" in message and "'y'" in message
+    assert path.startswith("nodes[")
+
+
+def test_edge_to_missing_node():
+    nodes = chain()
+    nodes[1]["inputs"] = ["x", "ghost"]
+    assert issues_of(profile_data(nodes)) == [("nodes[1].inputs[1]", "node 'y' reads 'ghost', which is not a node")]
+
+
+def test_duplicate_ids():
+    nodes = chain() + [node("x")]
+    [(path, message)] = issues_of(profile_data(nodes))
+    assert path == "nodes[4].id" and "duplicate node id 'x'" in message and "nodes[0]" in message
+
+
+def test_backward_node_reading_nothing_from_forward():
+    nodes = chain()
+    nodes[3]["inputs"] = []
+    [(path, message)] = issues_of(profile_data(nodes))
+    assert path == "nodes[3].inputs"
+    assert "claims to differentiate 'y' but reads no tensor of the forward pass" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "path", "fragment"),
+    [
+        ("output_bytes", -1, "nodes[1].output_bytes", "greater than or equal to 0"),
+        ("time_ms", float("nan"), "nodes[1].implementations[0].time_ms", "finite"),
+        ("time_ms", float("inf"), "nodes[1].implementations[0].time_ms", "finite"),
+        ("time_ms", -0.5, "nodes[1].implementations[0].time_ms", "greater than or equal to 0"),
+        ("workspace_bytes", -3, "nodes[1].implementations[0].workspace_bytes", "greater than or equal to 0"),
+    ],
+)
+def test_negative_or_non_finite_numbers(field, value, path, fragment):
+    nodes = chain()
+    if field == "output_bytes":
+        nodes[1][field] = value
+    else:
+        nodes[1]["implementations"][0][field] = value
+    [(got_path, message)] = issues_of(profile_data(nodes))
+    assert got_path == path and fragment in message
+
+
+def test_node_without_implementations():
+    nodes = chain()
+    nodes[2]["implementations"] = []
+    [(path, message)] = issues_of(profile_data(nodes))
+    assert path == "nodes[2].implementations" and "at least one implementation" in message
+
+
+@pytest.mark.parametrize("bandwidth", [0, -12.0])
+def test_non_positive_bandwidth(bandwidth):
+    [(path, message)] = issues_of(profile_data(chain(), d2h=bandwidth, h2d=11.0))
+    assert path == "hardware.d2h_bandwidth_gb_per_s" and "greater than 0" in message
+
+
+def test_unknown_schema_version():
+    data = profile_data(chain())
+    data["schema_version"] = "7.3"
+    [(path, message)] = issues_of(data)
+    assert path == "schema_version" and "unknown profile schema version '7.3'" in message
+
+
+def test_unknown_and_missing_fields_are_reported_together():
+    data = profile_data(chain())
+    data["nodes"][0]["outptu_bytes"] = 3
+    del data["hardware"]["memory_capacity_bytes"]
+    found = dict(issues_of(data))
+    assert found["nodes[0].outptu_bytes"].startswith("unknown field")
+    assert found["hardware.memory_capacity_bytes"] == "required field is missing"
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ProfileError, match="file not found"):
+        load_profile(tmp_path / "missing.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"name": ')
+    with pytest.raises(ProfileError, match=r"(?s)broken.json.*not valid JSON"):
+        load_profile(broken)
+    listed = tmp_path / "list.json"
+    listed.write_text("[]")
+    with pytest.raises(ProfileError, match="a profile is a JSON object"):
+        load_profile(listed)
+
+
+def test_budget_below_any_plan_gives_the_minimum():
+    profile = make_profile(chain(), fixed_bytes=1000)
+    # y:bwd reads loss (4) and x (100) and writes 200; y reads x (100), writes 200, workspace 50.
+    assert minimum_budget_bytes(profile) == 1000 + 350
+    check_budget(profile, 1350)
+    with pytest.raises(BudgetError) as caught:
+        check_budget(profile, 1349)
+    assert caught.value.minimum_budget_bytes == 1350
+    assert "1350 bytes" in str(caught.value) and "'y'" in str(caught.value)
+
+
+def test_round_trip_and_schema():
+    profile = make_profile(chain())
+    again = parse_profile(json.loads(profile.to_json()))
+    assert again.digest() == profile.digest()
+    for model in (GraphProfile, Schedule):
+        schema = model.model_json_schema()
+        assert schema["type"] == "object" and "properties" in schema
