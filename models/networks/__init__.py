@@ -1,0 +1,1 @@
+"""Plain torch.nn reference networks (no torchvision: it has no CPU build here)."""
