@@ -1,0 +1,81 @@
+"""`mosos serve`: the planning service over HTTP (needs the `api` extra; imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from planner.cli.app import app, error_console, friendly
+from planner.errors import MososError
+
+
+class ServeError(MososError):
+    pass
+
+
+@app.command("serve")
+@friendly
+def serve_command(
+    host: str = typer.Option("127.0.0.1", help="address to bind; anything but loopback needs a token or --insecure"),
+    port: int = typer.Option(8000, help="TCP port"),
+    db: Path = typer.Option(None, help="SQLite file for plans (default: in the user's data directory)"),
+    workers: int = typer.Option(2, help="solve processes (solves running at once)"),
+    queue_size: int = typer.Option(16, help="plans that may wait for a solve process; beyond it, 429"),
+    token_file: Path = typer.Option(None, help="file holding the bearer token (else $MOSOS_API_TOKEN)"),
+    insecure: bool = typer.Option(False, help="allow binding a non-loopback address without a token"),
+    max_body_bytes: int = typer.Option(16 * 2**20, help="largest request body, bytes"),
+    max_nodes: int = typer.Option(5000, help="most nodes a profile may have"),
+    max_time_limit: float = typer.Option(120.0, help="longest solver time limit a request may ask for, seconds"),
+    default_time_limit: float = typer.Option(30.0, help="solver time limit when a request gives none, seconds"),
+    max_solver_workers: int = typer.Option(None, help="most solver threads per solve (default: half the cores, at most 4)"),
+    max_wait: float = typer.Option(60.0, help="longest a POST may wait for its plan before answering 202, seconds"),
+    plugin: list[str] = typer.Option([], "--plugin", help="module or .py file to import in every process (extra strategies)"),
+    log_level: str = typer.Option("info", help="uvicorn log level"),
+) -> None:
+    """Serve plans over HTTP: POST /v1/plans with a profile and a budget; OpenAPI at /docs."""
+    try:
+        import uvicorn
+
+        from api.settings import Settings, is_loopback, read_token
+    except ImportError as error:
+        raise ServeError(f"the service needs the api extra: pip install 'mosos[api]' ({error})") from None
+    try:
+        token = read_token(token_file)
+    except OSError as error:
+        raise ServeError(f"cannot read the token file {token_file}: {error.strerror}") from None
+    if not is_loopback(host) and token is None and not insecure:
+        raise ServeError(
+            f"refusing to bind {host} without a token: set MOSOS_API_TOKEN or --token-file, "
+            "or pass --insecure if the network is trusted"
+        )
+    values = dict(
+        host=host, port=port, solve_processes=workers, queue_size=queue_size, token=token, insecure=insecure,
+        max_body_bytes=max_body_bytes, max_nodes=max_nodes, max_time_limit_s=max_time_limit,
+        default_time_limit_s=default_time_limit, max_wait_s=max_wait, plugins=list(plugin),
+    )
+    if db is not None:
+        values["db_path"] = db
+    if max_solver_workers is not None:
+        values["max_solver_workers"] = max_solver_workers
+    from pydantic import ValidationError
+
+    from planner.validation import issues_from_validation_error
+
+    try:
+        settings = Settings(**values)
+    except ValidationError as error:
+        issues = "; ".join(str(issue) for issue in issues_from_validation_error(error))
+        raise ServeError(f"bad setting: {issues}") from None
+    from api.app import create_app
+
+    try:
+        application = create_app(settings)
+    except ImportError as error:
+        raise ServeError(f"cannot load a plugin: {error}") from None
+    error_console.print(
+        f"mosos serve: http://{host}:{port}  store {settings.db_path}  {workers} solve process(es)"
+        f"{'  bearer token required' if token else ''}",
+        highlight=False,
+    )
+    uvicorn.run(application, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
