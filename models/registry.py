@@ -108,8 +108,9 @@ def _unet(small: bool, size: int) -> ModelSpec:
     if size % 16:
         raise ValueError(f"U-Net needs an image size divisible by 16, not {size}")
     base = 4 if small else 64
-    return ModelSpec("unet", "U-Net (Ronneberger et al. 2015), padded convolutions", (1, size, size), "pixel-class", 2,
-                     lambda: UNet(1, 2, base), small)
+    # 3 input channels: the RGB Data Science Bowl images of the MO-SOS experiment (Ronneberger used 1)
+    return ModelSpec("unet", "U-Net (Ronneberger et al. 2015), padded convolutions", (3, size, size), "pixel-class", 2,
+                     lambda: UNet(3, 2, base), small)
 
 
 def _resnet(name: str, small: bool, size: int) -> ModelSpec:
