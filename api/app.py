@@ -1,0 +1,282 @@
+"""The FastAPI application: `create_app(settings)` wires store, job queue, metrics and routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.errors import ApiError, BodyTooLarge
+from api.examples import EXAMPLE_PROFILE
+from api.jobs import JobQueue, QueueFull, ServiceStopping
+from api.metrics import Metrics
+from api.middleware import GuardMiddleware
+from api.models import ErrorBody, Health, PlanList, PlanRequest, PlanStatus, SimulateRequest, SimulateResponse
+from api.service import PLANNER_VERSION, Service
+from api.settings import Settings
+from api.solver import load_plugins
+from api.store import Store
+from planner.errors import Issue
+from planner.strategies import load_all
+from planner.validation import issues_from_validation_error
+
+log = logging.getLogger("mosos.api")
+WAIT_POLL_S = 0.02
+
+
+def _error_responses(*codes: int) -> dict:
+    descriptions = {
+        401: "Missing or wrong bearer token.",
+        404: "No such plan.",
+        409: "The plan is in a state that does not allow this.",
+        413: "Past a size limit (max_body_bytes or max_nodes); `limit` names it.",
+        422: "Bad input: one issue (JSON path + sentence) per problem, or a limit named in `limit`.",
+        429: "The plan queue is full; retry after `Retry-After` seconds.",
+        503: "The server is stopping.",
+    }
+    responses = {code: {"model": ErrorBody, "description": descriptions[code]} for code in codes}
+    if 429 in responses:
+        responses[429]["headers"] = {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer"}}}
+    return responses
+
+
+def _json_body(name: str, example: dict | None = None) -> dict:
+    content: dict = {"schema": {"$ref": f"#/components/schemas/{name}"}}
+    if example is not None:
+        content["example"] = example
+    return {"requestBody": {"required": True, "content": {"application/json": content}}}
+
+
+class _Shim:
+    """Lets planner.validation format FastAPI's error list like a pydantic ValidationError."""
+
+    def __init__(self, errors):
+        self._errors = errors
+
+    def errors(self, include_url: bool = False):
+        return self._errors
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    load_plugins(settings.plugins)
+    strategies = sorted(load_all())
+    example_strategy = "mosos" if "mosos" in strategies else "keep-all"
+    example_request = {
+        "profile": EXAMPLE_PROFILE,
+        "memory_ratio": 0.9,
+        "strategy": example_strategy,
+        "time_limit_s": min(10.0, settings.max_time_limit_s),
+        "workers": 1,
+        "seed": 0,
+        "wait_s": min(10.0, settings.max_wait_s),
+    }
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        store = Store(settings.db_path)
+        interrupted = store.recover()
+        log.warning("mosos serve: plans are stored in %s", settings.db_path)
+        if interrupted:
+            log.warning("mosos serve: %d plan(s) left unfinished by the last run marked failed (interrupted by restart)", interrupted)
+        queue = JobQueue(store, settings, metrics)
+        try:
+            await run_in_threadpool(queue.start)
+        except Exception:
+            queue.stop()
+            store.close()
+            raise
+        metrics.solves_running.set_function(lambda: queue.running)
+        app.state.service = Service(settings, store, queue, metrics)
+        try:
+            yield
+        finally:
+            await run_in_threadpool(queue.stop)
+            store.close()
+
+    app = FastAPI(
+        title="mosos planning service",
+        version=PLANNER_VERSION,
+        description=(
+            "POST a training-step profile and a GPU memory budget, get a schedule that says which activations to "
+            "keep, offload or recompute and which algorithm each node uses. Identical requests are answered from "
+            "the store. Every schedule has been replayed by the simulator."
+        ),
+        lifespan=lifespan,
+        separate_input_output_schemas=False,
+    )
+    app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+
+    def service(request: Request) -> Service:
+        return request.app.state.service
+
+    # Errors: one JSON shape, never a traceback ---------------------------------
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, error: BodyTooLarge):
+        issue = {"path": "", "message": str(error)}
+        body = {"error": "limit_exceeded", "message": str(error), "issues": [issue], "limit": "max_body_bytes",
+                "limit_value": error.limit_bytes}
+        return JSONResponse(body, status_code=413)
+
+    @app.exception_handler(RequestValidationError)
+    async def request_invalid(request: Request, error: RequestValidationError):
+        issues = issues_from_validation_error(_Shim(error.errors()))
+        text = "; ".join(str(issue) for issue in issues)
+        body = {"error": "invalid_request", "message": f"invalid request: {len(issues)} problem(s): {text}",
+                "issues": [{"path": i.path, "message": i.message} for i in issues], "limit": None, "limit_value": None}
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        names = {404: "not_found", 405: "method_not_allowed"}
+        body = {"error": names.get(error.status_code, "http_error"), "message": str(error.detail), "issues": [],
+                "limit": None, "limit_value": None}
+        return JSONResponse(body, status_code=error.status_code, headers=getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("unexpected error answering %s %s", request.method, request.url.path)
+        body = {"error": "internal_error", "message": f"internal error: {type(error).__name__}", "issues": [],
+                "limit": None, "limit_value": None}
+        return JSONResponse(body, status_code=500)
+
+    # Plans ------------------------------------------------------------------------
+
+    @app.post(
+        "/v1/plans",
+        summary="Plan a profile within a budget",
+        response_model=PlanStatus,
+        responses={
+            202: {"model": PlanStatus, "description": "Not ready within wait_s: poll the Location.",
+                  "headers": {"Location": {"description": "URL of the plan.", "schema": {"type": "string"}}}},
+            **_error_responses(401, 413, 422, 429, 503),
+        },
+        openapi_extra=_json_body("PlanRequest", example_request),
+    )
+    async def create_plan(request: Request):
+        """200 with the plan when it is ready within `wait_s` (or stored from an identical request), else 202."""
+        svc = service(request)
+        raw = await request.body()
+        parsed = await run_in_threadpool(svc.parse_plan, raw)
+        try:
+            hit, job = await run_in_threadpool(svc.find_or_queue, parsed)
+        except QueueFull as full:
+            raise ApiError(429, "queue_full", str(full), limit="queue_size", limit_value=full.queue_size,
+                           headers={"Retry-After": str(full.retry_after_s)}) from None
+        except ServiceStopping as stopping:
+            raise ApiError(503, "stopping", str(stopping)) from None
+        if hit is not None:
+            return Response(await run_in_threadpool(svc.render_json, hit, cached=True), media_type="application/json")
+        deadline = time.monotonic() + parsed.wait_s
+        while not job.finished.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+        row = await run_in_threadpool(svc.get_row, job.id)
+        if row.status in ("queued", "solving"):
+            return Response(
+                await run_in_threadpool(svc.render_json, row), status_code=202, media_type="application/json",
+                headers={"Location": f"/v1/plans/{row.id}"},
+            )
+        return Response(await run_in_threadpool(svc.render_json, row), media_type="application/json")
+
+    @app.get("/v1/plans", summary="Recent plans, newest first", response_model=PlanList,
+             responses=_error_responses(401, 422))
+    def list_plans(
+        request: Request,
+        limit: int = Query(20, ge=1, le=100, description="Plans per page."),
+        cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$", description="next_cursor of the previous page."),
+    ):
+        return JSONResponse(service(request).list(limit, cursor))
+
+    @app.get("/v1/plans/{plan_id}", summary="A plan's status, and its schedule when done", response_model=PlanStatus,
+             responses=_error_responses(401, 404))
+    def get_plan(request: Request, plan_id: str):
+        svc = service(request)
+        return Response(svc.render_json(svc.get_row(plan_id)), media_type="application/json")
+
+    @app.delete("/v1/plans/{plan_id}", summary="Cancel a queued or running plan", response_model=PlanStatus,
+                responses=_error_responses(401, 404, 409))
+    def cancel_plan(request: Request, plan_id: str):
+        svc = service(request)
+        row = svc.get_row(plan_id)
+        if row.status in ("queued", "solving"):
+            svc.queue.cancel(plan_id)
+            row = svc.get_row(plan_id)
+        if row.status in ("done", "failed"):
+            raise ApiError(409, "conflict", f"plan {plan_id} has already ended ({row.status}); nothing to cancel")
+        return Response(svc.render_json(row), media_type="application/json")
+
+    @app.get("/v1/plans/{plan_id}/trace", summary="Chrome trace of the plan's simulated step (Perfetto)",
+             responses=_error_responses(401, 404, 409))
+    def plan_trace(request: Request, plan_id: str) -> dict:
+        return JSONResponse(service(request).trace(plan_id))
+
+    @app.get("/v1/plans/{plan_id}/memory.png", summary="Device memory over the step, with the budget line",
+             response_class=Response,
+             responses={200: {"content": {"image/png": {}}, "description": "PNG picture."},
+                        **_error_responses(401, 404, 409)})
+    def plan_memory(request: Request, plan_id: str):
+        return Response(service(request).memory_png(plan_id), media_type="image/png")
+
+    # Simulation ------------------------------------------------------------------
+
+    @app.post("/v1/simulate", summary="Replay a schedule: figures, or the first violation",
+              response_model=SimulateResponse, responses=_error_responses(401, 413, 422),
+              openapi_extra=_json_body("SimulateRequest"))
+    async def simulate_schedule(request: Request):
+        raw = await request.body()
+        return JSONResponse(await run_in_threadpool(service(request).simulate, raw))
+
+    # Operations ------------------------------------------------------------------
+
+    @app.get("/healthz", summary="Liveness, and what this server offers", response_model=Health)
+    def healthz(request: Request):
+        svc = service(request)
+        return {
+            "status": "ok",
+            "version": PLANNER_VERSION,
+            "strategies": sorted(load_all()),
+            "solve_processes": settings.solve_processes,
+            "queue_depth": svc.queue.depth,
+            "solves_running": svc.queue.running,
+        }
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."},
+                        **_error_responses(401)})
+    def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _, definitions = models_json_schema(
+            [(PlanRequest, "validation"), (SimulateRequest, "validation")], ref_template="#/components/schemas/{model}"
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, definition in definitions.get("$defs", {}).items():
+            components.setdefault(name, definition)
+        if settings.token is not None:
+            schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            schema["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
+    return app

@@ -1,0 +1,72 @@
+"""Service settings: where the store lives, how many solves at once, and the limits that protect the machine."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TOKEN_ENV = "MOSOS_API_TOKEN"
+
+
+def default_db_path() -> Path:
+    """The store lives in the user's data directory, so `mosos serve` needs no arguments."""
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("mosos", appauthor=False)) / "plans.sqlite3"
+
+
+def default_solver_threads() -> int:
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+class Settings(BaseModel):
+    """Everything configurable; the defaults suit a small machine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    db_path: Path = Field(default_factory=default_db_path)
+    solve_processes: int = Field(default=2, ge=1, le=64, description="Worker processes that run solves.")
+    queue_size: int = Field(default=16, ge=0, description="Plans that may wait for a worker; beyond it, 429.")
+    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="Largest request body accepted.")
+    max_nodes: int = Field(default=5000, ge=1, description="Most nodes a profile may have.")
+    max_time_limit_s: float = Field(default=120.0, gt=0, description="Longest solver time limit a request may ask for.")
+    default_time_limit_s: float = Field(default=30.0, gt=0)
+    max_solver_workers: int = Field(default_factory=default_solver_threads, ge=1, description="Most solver threads per solve.")
+    max_wait_s: float = Field(default=60.0, ge=0, description="Longest a POST may wait for its plan before answering 202.")
+    default_wait_s: float = Field(default=5.0, ge=0)
+    cancel_grace_s: float = Field(default=3.0, gt=0, description="How long a cancelled solve may take to stop before it is killed.")
+    overrun_grace_s: float = Field(default=15.0, gt=0, description="How long past its time limit a solve may run before it is killed.")
+    token: str | None = Field(default=None, repr=False, description="Bearer token; None: no authentication.")
+    insecure: bool = False
+    plugins: list[str] = Field(
+        default_factory=list, description="Modules or .py files imported in every process, to register extra strategies."
+    )
+
+    def effective_default_time_limit_s(self) -> float:
+        return min(self.default_time_limit_s, self.max_time_limit_s)
+
+    def effective_default_wait_s(self) -> float:
+        return min(self.default_wait_s, self.max_wait_s)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(token_file: Path | None) -> str | None:
+    """The token file wins over the environment; blank means no token."""
+    if token_file is not None:
+        token = token_file.read_text().strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None

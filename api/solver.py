@@ -1,0 +1,148 @@
+"""What runs inside a solve process: take one task at a time from the pipe, plan it, send events back.
+
+Solves are CPU-bound (CP-SAT), so they run here and never in the server's
+event loop. The parent stops a solve by writing its sequence number into the
+shared `cancel_seq`; `should_stop` reads it. A solve process exits by itself
+when its parent dies (kill -9 of the server leaves no orphans solving).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+PROGRESS_INTERVAL_S = 0.2
+
+
+def load_plugins(plugins: list[str]) -> None:
+    """Import modules (or .py files) that register extra strategies."""
+    for plugin in plugins:
+        if plugin.endswith(".py"):
+            path = Path(plugin).resolve()
+            name = f"mosos_plugin_{path.stem}"
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"cannot import plugin file {plugin}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(plugin)
+
+
+def _json_safe(event: dict) -> dict[str, Any]:
+    safe: dict[str, Any] = {}
+    for key, value in event.items():
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            safe[str(key)] = value
+        elif isinstance(value, int):
+            safe[str(key)] = value
+        elif isinstance(value, float):
+            safe[str(key)] = value if math.isfinite(value) else None
+    return safe
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def solve_task(task: dict, send, should_stop) -> dict:
+    """Plan one task; the outcome is a dict, never an exception."""
+    from planner.errors import BudgetError, MososError
+    from planner.planning import plan
+    from planner.profile import parse_profile
+
+    last_sent = [0.0]
+
+    def progress(event: dict) -> None:
+        now = time.monotonic()
+        if now - last_sent[0] >= PROGRESS_INTERVAL_S:
+            last_sent[0] = now
+            send(("progress", task["seq"], _json_safe(event)))
+
+    started = time.monotonic()
+    try:
+        import json
+
+        profile = parse_profile(json.loads(task["profile_json"]))
+        schedule = plan(
+            profile,
+            task.get("budget_bytes"),
+            memory_ratio=task.get("memory_ratio"),
+            strategy=task["strategy"],
+            time_limit_s=task["time_limit_s"],
+            workers=task.get("workers"),
+            seed=task.get("seed", 0),
+            progress=progress,
+            should_stop=should_stop,
+        )
+        return {
+            "status": "done",
+            "feasible": True,
+            "schedule_json": schedule.model_dump_json(exclude_none=True),
+            "solve_seconds": time.monotonic() - started,
+        }
+    except BudgetError as error:
+        # InfeasibleBudget or a budget below what any plan needs: an answer, not a failure.
+        if error.minimum_budget_bytes is not None:
+            return {
+                "status": "done",
+                "feasible": False,
+                "minimum_budget_bytes": int(error.minimum_budget_bytes),
+                "reason": str(error),
+                "solve_seconds": time.monotonic() - started,
+            }
+        return {"status": "failed", "reason": str(error), "solve_seconds": time.monotonic() - started}
+    except MososError as error:
+        return {"status": "failed", "reason": str(error), "solve_seconds": time.monotonic() - started}
+    except Exception as error:  # a planner bug must not take the service down
+        traceback.print_exc(file=sys.stderr)
+        return {
+            "status": "failed",
+            "reason": f"internal planner error: {type(error).__name__}: {error}",
+            "solve_seconds": time.monotonic() - started,
+        }
+
+
+def worker_main(connection, cancel_seq, plugins: list[str], parent_pid: int) -> None:
+    """Entry point of a solve process."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        load_plugins(plugins)
+        from planner.strategies import load_all
+
+        load_all()
+    except Exception as error:  # reported to the parent, which fails every task it would have sent
+        connection.send(("broken", 0, {"reason": f"cannot load plugins: {error}"}))
+        return
+    send_lock = threading.Lock()
+
+    def send(message) -> None:
+        with send_lock:
+            connection.send(message)
+
+    send(("ready", 0, {}))
+    while True:
+        try:
+            task = connection.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        seq = task["seq"]
+        send(("started", seq, {}))
+        outcome = solve_task(task, send, lambda: cancel_seq.value == seq)
+        send(("result", seq, outcome))

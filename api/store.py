@@ -1,0 +1,264 @@
+"""The SQLite store: one row per plan, profiles kept once by digest, one transaction per change.
+
+WAL mode keeps status reads fast while a result is written; each thread has
+its own connection. After a crash, anything left queued or solving is marked
+failed on startup, so no plan is ever stuck.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ACTIVE = ("queued", "solving")
+TERMINAL = ("done", "failed", "cancelled")
+INTERRUPTED = "interrupted by restart"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS profiles (
+    digest TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    node_count INTEGER NOT NULL,
+    profile_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS plans (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    request_hash TEXT NOT NULL,
+    profile_digest TEXT NOT NULL REFERENCES profiles(digest),
+    profile_name TEXT NOT NULL,
+    strategy TEXT NOT NULL,
+    options_json TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    progress_json TEXT,
+    feasible INTEGER,
+    minimum_budget_bytes TEXT,
+    reason TEXT,
+    schedule_json TEXT,
+    solve_seconds REAL
+);
+CREATE INDEX IF NOT EXISTS plans_by_hash ON plans(request_hash, status);
+CREATE INDEX IF NOT EXISTS plans_by_status ON plans(status);
+"""
+
+
+@dataclass
+class PlanRow:
+    seq: int
+    id: str
+    request_hash: str
+    profile_digest: str
+    profile_name: str
+    strategy: str
+    options: dict[str, Any]
+    status: str
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    progress: dict[str, Any] | None
+    feasible: bool | None
+    minimum_budget_bytes: int | None
+    reason: str | None
+    schedule_json: str | None
+    solve_seconds: float | None
+
+    @classmethod
+    def from_sql(cls, row: sqlite3.Row) -> "PlanRow":
+        return cls(
+            seq=row["seq"],
+            id=row["id"],
+            request_hash=row["request_hash"],
+            profile_digest=row["profile_digest"],
+            profile_name=row["profile_name"],
+            strategy=row["strategy"],
+            options=json.loads(row["options_json"]),
+            status=row["status"],
+            created_at=row["created_at"],
+            started_at=row["started_at"],
+            finished_at=row["finished_at"],
+            progress=json.loads(row["progress_json"]) if row["progress_json"] else None,
+            feasible=None if row["feasible"] is None else bool(row["feasible"]),
+            minimum_budget_bytes=int(row["minimum_budget_bytes"]) if row["minimum_budget_bytes"] is not None else None,
+            reason=row["reason"],
+            schedule_json=row["schedule_json"],
+            solve_seconds=row["solve_seconds"],
+        )
+
+
+_SUMMARY_COLUMNS = (
+    "seq, id, request_hash, profile_digest, profile_name, strategy, options_json, status, created_at, started_at, "
+    "finished_at, progress_json, feasible, minimum_budget_bytes, reason, NULL AS schedule_json, solve_seconds"
+)
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._db().executescript(_SCHEMA)  # executescript manages its own transaction
+
+    # Connections -------------------------------------------------------
+
+    def _db(self) -> sqlite3.Connection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+            connection.row_factory = sqlite3.Row
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=FULL")
+            connection.execute("PRAGMA foreign_keys=ON")
+            self._local.connection = connection
+            with self._connections_lock:
+                self._connections.append(connection)
+        return connection
+
+    class _Transaction:
+        def __init__(self, db: sqlite3.Connection):
+            self.db = db
+
+        def __enter__(self) -> sqlite3.Connection:
+            self.db.execute("BEGIN IMMEDIATE")
+            return self.db
+
+        def __exit__(self, kind, value, traceback) -> None:
+            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+
+    def _transaction(self) -> "_Transaction":
+        return self._Transaction(self._db())
+
+    def close(self) -> None:
+        with self._connections_lock:
+            for connection in self._connections:
+                try:
+                    connection.close()
+                except sqlite3.Error:
+                    pass
+            self._connections.clear()
+        self._local = threading.local()
+
+    # Writes: each is one transaction ------------------------------------
+
+    def recover(self) -> int:
+        """Mark what a crash left queued or solving as failed; returns how many."""
+        now = time.time()
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE plans SET status='failed', reason=?, finished_at=? WHERE status IN ('queued', 'solving')",
+                (INTERRUPTED, now),
+            )
+            return cursor.rowcount
+
+    def insert(
+        self,
+        *,
+        plan_id: str,
+        request_hash: str,
+        profile_digest: str,
+        profile_name: str,
+        profile_json: str,
+        node_count: int,
+        strategy: str,
+        options: dict[str, Any],
+    ) -> PlanRow:
+        now = time.time()
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO profiles (digest, name, node_count, profile_json) VALUES (?, ?, ?, ?)",
+                (profile_digest, profile_name, node_count, profile_json),
+            )
+            db.execute(
+                "INSERT INTO plans (id, request_hash, profile_digest, profile_name, strategy, options_json, status, "
+                "created_at) VALUES (?, ?, ?, ?, ?, ?, 'queued', ?)",
+                (plan_id, request_hash, profile_digest, profile_name, strategy, json.dumps(options), now),
+            )
+        row = self.get(plan_id)
+        assert row is not None
+        return row
+
+    def mark_solving(self, plan_id: str) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE plans SET status='solving', started_at=? WHERE id=? AND status='queued'", (time.time(), plan_id)
+            )
+
+    def save_progress(self, plan_id: str, progress: dict[str, Any]) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE plans SET progress_json=? WHERE id=? AND status='solving'", (json.dumps(progress), plan_id)
+            )
+
+    def finish(
+        self,
+        plan_id: str,
+        status: str,
+        *,
+        schedule_json: str | None = None,
+        feasible: bool | None = None,
+        minimum_budget_bytes: int | None = None,
+        reason: str | None = None,
+        solve_seconds: float | None = None,
+        progress: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record the outcome of a plan that is still active; False if it had already ended (e.g. cancelled)."""
+        assert status in TERMINAL
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE plans SET status=?, schedule_json=?, feasible=?, minimum_budget_bytes=?, reason=?, "
+                "solve_seconds=?, finished_at=?, progress_json=COALESCE(?, progress_json) "
+                "WHERE id=? AND status IN ('queued', 'solving')",
+                (
+                    status,
+                    schedule_json,
+                    None if feasible is None else int(feasible),
+                    None if minimum_budget_bytes is None else str(minimum_budget_bytes),
+                    reason,
+                    solve_seconds,
+                    time.time(),
+                    json.dumps(progress) if progress is not None else None,
+                    plan_id,
+                ),
+            )
+            return cursor.rowcount == 1
+
+    # Reads ---------------------------------------------------------------
+
+    def get(self, plan_id: str) -> PlanRow | None:
+        row = self._db().execute("SELECT * FROM plans WHERE id=?", (plan_id,)).fetchone()
+        return PlanRow.from_sql(row) if row else None
+
+    def find_done(self, request_hash: str) -> PlanRow | None:
+        """The stored answer to an identical request: a finished plan, feasible or not."""
+        row = self._db().execute(
+            "SELECT * FROM plans WHERE request_hash=? AND status='done' ORDER BY seq DESC LIMIT 1", (request_hash,)
+        ).fetchone()
+        return PlanRow.from_sql(row) if row else None
+
+    def profile_json(self, digest: str) -> str | None:
+        row = self._db().execute("SELECT profile_json FROM profiles WHERE digest=?", (digest,)).fetchone()
+        return row["profile_json"] if row else None
+
+    def list(self, limit: int, before_seq: int | None) -> list[PlanRow]:
+        """Newest first, without schedules; `before_seq` is the cursor of the previous page."""
+        if before_seq is None:
+            rows = self._db().execute(f"SELECT {_SUMMARY_COLUMNS} FROM plans ORDER BY seq DESC LIMIT ?", (limit,))
+        else:
+            rows = self._db().execute(
+                f"SELECT {_SUMMARY_COLUMNS} FROM plans WHERE seq < ? ORDER BY seq DESC LIMIT ?", (before_seq, limit)
+            )
+        return [PlanRow.from_sql(row) for row in rows.fetchall()]
+
+    def count(self, status: str | None = None) -> int:
+        if status is None:
+            return self._db().execute("SELECT COUNT(*) FROM plans").fetchone()[0]
+        return self._db().execute("SELECT COUNT(*) FROM plans WHERE status=?", (status,)).fetchone()[0]
