@@ -215,13 +215,27 @@ class GraphProfile(_Strict):
     def fixed_bytes(self) -> int:
         return self.fixed_memory.total_bytes
 
-    def digest(self) -> str:
-        """Canonical hash: two profiles with the same content have the same digest."""
+    @cached_property
+    def _digest(self) -> str:
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
+    def digest(self) -> str:
+        """Canonical hash: two profiles with the same content have the same digest."""
+        return self._digest
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "GraphProfile":
+        """A copy whose derived views are recomputed, so an update never leaves them stale."""
+        copy = super().model_copy(update=update, deep=deep)
+        for name in _DERIVED_VIEWS:
+            copy.__dict__.pop(name, None)
+        return copy
+
     def to_json(self, indent: int | None = 1) -> str:
         return self.model_dump_json(indent=indent, exclude_none=True)
+
+
+_DERIVED_VIEWS = ("node_by_id", "order", "position", "consumers", "_digest")
 
 
 def check_graph(nodes: list[Node]) -> list[Issue]:
