@@ -4,9 +4,9 @@ Every compute takes the fastest implementation whose workspace fits in the
 memory that is free at the moment it starts, given everything else the
 schedule does. One pass in program order suffices: under the simulator's
 rules every event caused by a later operation happens at or after the end of
-the current compute (and releases come before allocations at equal times), so
-the memory a compute sees at its start is fully decided by the operations
-before it, and within its run memory only goes down (delayed frees).
+the current compute (and events at equal times keep program order), so the
+memory a compute sees at its start is fully decided by the operations before
+it, and within its run memory only goes down (delayed frees).
 """
 
 from __future__ import annotations
@@ -85,11 +85,8 @@ class _Clock:
             heapq.heappush(self.pending_releases, (release, self._size(tensor)))
 
 
-def apply_auto(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None) -> Schedule:
-    """A copy of `schedule` (uncertified, no summary) where every compute uses Auto's implementation.
-
-    With `budget_bytes` None every compute takes its fastest implementation.
-    """
+def _replay(profile: GraphProfile, schedule: Schedule, on_compute) -> list:
+    """Walk the program with the simulator's clocks; `on_compute(node, live_bytes)` picks each implementation."""
     clock = _Clock(profile)
     stages = []
     for stage in schedule.stages:
@@ -101,10 +98,7 @@ def apply_auto(profile: GraphProfile, schedule: Schedule, budget_bytes: int | No
                     operations.append(operation)
                     continue
                 clock.advance()
-                free_bytes = None
-                if budget_bytes is not None:
-                    free_bytes = budget_bytes - clock.live_bytes - node.size_bytes
-                implementation = choose_implementation(node, free_bytes)
+                implementation = on_compute(node, operation, clock.live_bytes)
                 operations.append(Compute(node=node.id, implementation=implementation.name))
                 clock.live_bytes += node.size_bytes
                 clock.compute_ms += implementation.time_ms
@@ -120,6 +114,42 @@ def apply_auto(profile: GraphProfile, schedule: Schedule, budget_bytes: int | No
                 elif isinstance(operation, Free):
                     clock.free(operation.tensor)
         stages.append(stage.model_copy(update={"operations": operations}))
+    return stages
+
+
+def compute_peaks(profile: GraphProfile, schedule: Schedule) -> list[int]:
+    """Peak memory (fixed included) during each compute, in program order, with the schedule's implementations."""
+    peaks: list[int] = []
+
+    def record(node: Node, operation: Compute, live_bytes: int) -> Implementation:
+        try:
+            implementation = node.implementation(operation.implementation)
+        except KeyError:
+            implementation = node.fastest
+        peaks.append(live_bytes + node.size_bytes + implementation.workspace_bytes)
+        return implementation
+
+    _replay(profile, schedule, record)
+    return peaks
+
+
+def apply_auto(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None) -> Schedule:
+    """A copy of `schedule` (uncertified, no summary) where every compute uses Auto's implementation.
+
+    With `budget_bytes` None every compute takes its fastest implementation.
+    """
+
+    def choose(node: Node, operation: Compute, live_bytes: int) -> Implementation:
+        free_bytes = None if budget_bytes is None else budget_bytes - live_bytes - node.size_bytes
+        return choose_implementation(node, free_bytes)
+
+    stages = _replay(profile, schedule, choose)
     return schedule.model_copy(
         update={"stages": stages, "budget_bytes": budget_bytes, "summary": None}
     )
+
+
+def with_smallest_workspaces(profile: GraphProfile, schedule: Schedule) -> Schedule:
+    """The memory-optimal variant of a schedule: every compute takes its smallest-workspace implementation."""
+    stages = _replay(profile, schedule, lambda node, operation, live_bytes: node.smallest_workspace)
+    return schedule.model_copy(update={"stages": stages, "summary": None})

@@ -1,0 +1,83 @@
+"""For the heuristic baselines: does a plan fit, and the smallest budget at which a strategy's plan fits.
+
+Heuristics are cheap, so when one fails its budget the smallest budget it can
+meet is found by bisection over the budget, each probe judged by the
+simulator, rather than guessed from a formula.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from planner.builder import PlannerBug, certify
+from planner.errors import ScheduleRejected
+from planner.planning import InfeasibleBudget
+from planner.profile import GraphProfile
+from planner.schedule import Schedule
+from planner.simulator import SimulationResult, simulate
+from planner.units import format_bytes
+
+Attempt = Callable[[int], "Schedule | None"]
+
+
+def fitting(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None, strategy: str) -> SimulationResult | None:
+    """The simulation of `schedule` if it fits the budget; None if it only breaks the budget.
+
+    Any other rejection means the strategy wrote an impossible program: a bug.
+    """
+    try:
+        return simulate(profile, schedule, budget_bytes=budget_bytes, keep_timeline=False)
+    except ScheduleRejected as rejection:
+        if rejection.over_budget_bytes is not None:
+            return None
+        raise PlannerBug(f"strategy {strategy!r} wrote a schedule the simulator rejects: {rejection}") from rejection
+
+
+def peak_bytes(profile: GraphProfile, schedule: Schedule, strategy: str) -> int:
+    result = fitting(profile, schedule, None, strategy)
+    assert result is not None  # no budget, nothing to break
+    return result.peak_memory_bytes
+
+
+def smallest_budget(attempt: Attempt, infeasible_bytes: int, feasible_bytes: int) -> int | None:
+    """Bisection between a budget where `attempt` finds nothing and one where it finds a plan.
+
+    Heuristics need not be monotone in the budget; the answer is always a
+    budget where `attempt` was seen to succeed, with one byte less seen to fail.
+    None if even `feasible_bytes` (after a few doublings) fails.
+    """
+    high = feasible_bytes
+    for _ in range(8):
+        if attempt(high) is not None:
+            break
+        high *= 2
+    else:
+        return None
+    low = infeasible_bytes
+    while high - low > 1:
+        middle = (low + high) // 2
+        if attempt(middle) is not None:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def plan_within(
+    profile: GraphProfile, budget_bytes: int, strategy: str, attempt: Attempt, feasible_bytes: int
+) -> Schedule:
+    """Certify `attempt(budget)`, or raise InfeasibleBudget with the smallest budget `attempt` can meet."""
+    schedule = attempt(budget_bytes)
+    if schedule is not None:
+        return certify(profile, schedule, strategy)
+    minimum = smallest_budget(attempt, budget_bytes, max(feasible_bytes, budget_bytes + 1))
+    if minimum is None:
+        raise InfeasibleBudget(
+            f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}), "
+            "nor within any budget it tried"
+        )
+    raise InfeasibleBudget(
+        f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
+        f"the smallest budget it can meet is {minimum} bytes ({format_bytes(minimum)})",
+        minimum_budget_bytes=minimum,
+    )
