@@ -252,6 +252,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "version": PLANNER_VERSION,
             "strategies": sorted(load_all()),
             "solve_processes": settings.solve_processes,
+            "solve_processes_ready": svc.queue.ready,
             "queue_depth": svc.queue.depth,
             "solves_running": svc.queue.running,
         }

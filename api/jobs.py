@@ -159,6 +159,10 @@ class JobQueue:
         return len(self._pending)
 
     @property
+    def ready(self) -> int:
+        return sum(1 for worker in self._workers if worker.ready and worker.process.is_alive())
+
+    @property
     def running(self) -> int:
         return sum(1 for worker in self._workers if worker.job is not None)
 

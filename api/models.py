@@ -151,5 +151,6 @@ class Health(BaseModel):
     version: str
     strategies: list[str]
     solve_processes: int
+    solve_processes_ready: int = Field(description="Started and waiting for or running a plan (others are starting).")
     queue_depth: int
     solves_running: int

@@ -1,0 +1,449 @@
+"""The planning service in-process (FastAPI TestClient): plans, jobs, cache, cancel, limits, errors, auth.
+
+Solves run in real worker processes. Slow solves come from test-only
+strategies in a plugin file written to tmp (so they never leak into the
+strategy registry of other tests' processes; the parent copy is removed after).
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("platformdirs")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from api import Settings, create_app  # noqa: E402
+from api.examples import EXAMPLE_PROFILE  # noqa: E402
+from api.store import INTERRUPTED, Store  # noqa: E402
+from planner.budget import minimum_budget_bytes  # noqa: E402
+from planner.profile import parse_profile  # noqa: E402
+from planner.schedule import parse_schedule  # noqa: E402
+from planner.simulator import simulate  # noqa: E402
+from planner.strategies import STRATEGIES  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_STRATEGIES = ("test-sleep", "test-stubborn", "test-crash")
+
+PLUGIN_SOURCE = textwrap.dedent(
+    '''
+    """Test-only strategies: a cooperative slow solve, one that ignores cancel, one that crashes."""
+    import os
+    import time
+
+    from planner.builder import certify
+    from planner.strategies import strategy
+    from planner.strategies.keep_all import keep_all_schedule
+
+
+    @strategy("test-sleep", "sleeps time_limit_s, reporting progress, stops early when asked", uses_budget=False)
+    def sleepy(profile, budget_bytes, options):
+        started = time.monotonic()
+        step = 0
+        while time.monotonic() - started < options.time_limit_s:
+            if options.should_stop is not None and options.should_stop():
+                break
+            step += 1
+            if options.progress is not None:
+                objective = 100.0 + 100.0 / step
+                options.progress({"strategy": "test-sleep", "objective": objective, "bound": 100.0,
+                                  "gap": (objective - 100.0) / objective, "solutions": step})
+            time.sleep(0.02)
+        return certify(profile, keep_all_schedule(profile, None), "test-sleep")
+
+
+    @strategy("test-stubborn", "sleeps time_limit_s and never looks at should_stop", uses_budget=False)
+    def stubborn(profile, budget_bytes, options):
+        time.sleep(options.time_limit_s)
+        return certify(profile, keep_all_schedule(profile, None), "test-stubborn")
+
+
+    @strategy("test-crash", "the solve process dies", uses_budget=False)
+    def crash(profile, budget_bytes, options):
+        os._exit(3)
+    '''
+)
+
+
+def shipped_profile() -> dict:
+    """The smallest shipped example profile if there is one, else the service's own example."""
+    candidates = sorted((REPO / "models" / "profiles").glob("*.json"), key=lambda path: path.stat().st_size)
+    for path in candidates:
+        try:
+            data = json.loads(path.read_text())
+            parse_profile(data)
+        except Exception:
+            continue
+        if path.stat().st_size < 2 * 2**20:
+            return data
+    return EXAMPLE_PROFILE
+
+
+def write_plugin(directory: Path) -> str:
+    path = directory / "api_test_strategies.py"
+    path.write_text(PLUGIN_SOURCE)
+    return str(path)
+
+
+def forget_test_strategies() -> None:
+    for name in TEST_STRATEGIES:
+        STRATEGIES.pop(name, None)
+
+
+def wait_for(client, plan_id: str, states: tuple[str, ...], timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = client.get(f"/v1/plans/{plan_id}").json()
+        if body["status"] in states:
+            return body
+        time.sleep(0.02)
+    raise AssertionError(f"plan {plan_id} did not reach {states} in {timeout_s} s (last: {body['status']})")
+
+
+def metric(client, name: str, **labels) -> float:
+    """The value of one Prometheus sample (0 when absent)."""
+    text = client.get("/metrics").text
+    wanted = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        sample_name, _, sample_labels = sample.partition("{")
+        found = ",".join(sorted(sample_labels.rstrip("}").split(","))) if sample_labels else ""
+        if sample_name == name and found == wanted:
+            return float(value)
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory) -> Settings:
+    directory = tmp_path_factory.mktemp("api")
+    return Settings(
+        db_path=directory / "plans.sqlite3",
+        solve_processes=2,
+        queue_size=2,
+        max_body_bytes=2 * 2**20,
+        max_nodes=500,
+        max_time_limit_s=30,
+        max_solver_workers=2,
+        max_wait_s=20,
+        cancel_grace_s=1.0,
+        plugins=[write_plugin(directory)],
+    )
+
+
+@pytest.fixture(scope="module")
+def client(settings):
+    app = create_app(settings)
+    try:
+        with TestClient(app) as test_client:
+            yield test_client
+    finally:
+        forget_test_strategies()
+
+
+def plan_request(**overrides) -> dict:
+    return {"profile": shipped_profile(), "strategy": "keep-all", "workers": 1, "wait_s": 10, **overrides}
+
+
+def plan_count(client) -> int:
+    return len(client.get("/v1/plans", params={"limit": 100}).json()["plans"])
+
+
+# Plans --------------------------------------------------------------------------
+
+
+def test_plan_synchronously_returns_a_schedule_the_simulator_accepts(client):
+    response = client.post("/v1/plans", json=plan_request())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "done" and body["feasible"] is True
+    profile = parse_profile(shipped_profile())
+    schedule = parse_schedule(body["schedule"])
+    assert schedule.profile_digest == profile.digest() == body["profile_digest"]
+    assert simulate(profile, schedule).peak_memory_bytes == schedule.summary.peak_memory_bytes
+    assert client.get(f"/v1/plans/{body['id']}").json()["schedule"] == body["schedule"]
+
+
+def test_plan_through_a_job_reports_progress_then_the_schedule(client):
+    response = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=1.0, wait_s=0, seed=11))
+    assert response.status_code == 202, response.text
+    plan_id = response.json()["id"]
+    assert response.headers["location"] == f"/v1/plans/{plan_id}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # while solving, the status carries the solver's latest figures
+        solving = client.get(f"/v1/plans/{plan_id}").json()
+        if solving["status"] == "solving" and solving["progress"] is not None:
+            break
+        time.sleep(0.02)
+    assert solving["status"] == "solving" and solving["schedule"] is None
+    assert {"objective", "bound", "gap", "elapsed_s"} <= set(solving["progress"])
+    done = wait_for(client, plan_id, ("done",))
+    assert done["schedule"]["summary"]["strategy"] == "test-sleep"
+    assert done["progress"]["bound"] == 100.0 and done["progress"]["objective"] >= 100.0
+    assert 0 <= done["progress"]["gap"] < 1
+
+
+def test_an_identical_request_is_answered_from_the_store_without_solving(client):
+    request = plan_request(seed=5)
+    first = client.post("/v1/plans", json=request)
+    assert first.status_code == 200 and first.json()["cached"] is False
+    solves = metric(client, "mosos_solves_total", strategy="keep-all", outcome="feasible")
+    hits = metric(client, "mosos_cache_hits_total")
+    reordered = {key: request[key] for key in reversed(list(request))}
+    reordered["wait_s"] = 0  # waiting is not part of the request's identity
+    second = client.post("/v1/plans", json=reordered)
+    assert second.status_code == 200
+    assert second.json()["cached"] is True and second.json()["id"] == first.json()["id"]
+    assert second.json()["schedule"] == first.json()["schedule"]
+    assert metric(client, "mosos_solves_total", strategy="keep-all", outcome="feasible") == solves
+    assert metric(client, "mosos_cache_hits_total") == hits + 1
+    other = client.post("/v1/plans", json=plan_request(seed=6))
+    assert other.json()["cached"] is False and other.json()["id"] != first.json()["id"]
+
+
+def test_an_infeasible_budget_is_a_result_with_the_smallest_feasible_budget(client):
+    profile = parse_profile(shipped_profile())
+    response = client.post("/v1/plans", json=plan_request(strategy="test-sleep", budget_bytes=1, time_limit_s=0.1))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "done" and body["feasible"] is False and body["schedule"] is None
+    assert body["minimum_budget_bytes"] == minimum_budget_bytes(profile)
+    assert "below what any plan needs" in body["reason"]
+    assert client.get(f"/v1/plans/{body['id']}/trace").status_code == 409
+
+
+def test_cancel_a_running_solve_and_a_queued_one(client):
+    running = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=20, wait_s=0, seed=21)).json()
+    wait_for(client, running["id"], ("solving",))
+    started = time.monotonic()
+    cancelled = client.delete(f"/v1/plans/{running['id']}")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert client.get(f"/v1/plans/{running['id']}").json()["status"] == "cancelled"
+    assert client.delete(f"/v1/plans/{running['id']}").status_code == 200  # idempotent
+    # The worker stops and takes the next plan long before the 20 s limit.
+    after = client.post("/v1/plans", json=plan_request(seed=22, wait_s=15))
+    assert after.status_code == 200 and time.monotonic() - started < 10
+    assert metric(client, "mosos_solves_total", strategy="test-sleep", outcome="cancelled") >= 1
+    done = client.post("/v1/plans", json=plan_request(seed=23)).json()
+    assert client.delete(f"/v1/plans/{done['id']}").status_code == 409
+    assert client.delete("/v1/plans/no-such-plan").status_code == 404
+
+
+def test_a_solve_that_ignores_cancel_is_killed_and_its_process_replaced(client):
+    stubborn = client.post("/v1/plans", json=plan_request(strategy="test-stubborn", time_limit_s=25, wait_s=0)).json()
+    wait_for(client, stubborn["id"], ("solving",))
+    assert client.delete(f"/v1/plans/{stubborn['id']}").json()["status"] == "cancelled"
+    seeds = iter(range(100, 200))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # both processes serve plans again
+        first = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=0.5, seed=next(seeds), wait_s=0))
+        second = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=0.5, seed=next(seeds), wait_s=0))
+        states = [wait_for(client, r.json()["id"], ("done", "failed"))["status"] for r in (first, second)]
+        health = client.get("/healthz").json()
+        if states == ["done", "done"] and health["solves_running"] == 0:
+            break
+    else:
+        raise AssertionError("the solve processes did not recover")
+    assert client.get(f"/v1/plans/{stubborn['id']}").json()["status"] == "cancelled"
+
+
+def test_a_crashed_solve_process_fails_its_plan_and_is_replaced(client):
+    response = client.post("/v1/plans", json=plan_request(strategy="test-crash", wait_s=10))
+    body = response.json()
+    if body["status"] != "failed":
+        body = wait_for(client, body["id"], ("failed",))
+    assert "solve process died" in body["reason"]
+    later = client.post("/v1/plans", json=plan_request(seed=31, wait_s=15))
+    assert later.status_code == 200 and later.json()["status"] == "done"
+
+
+def wait_until_idle(client, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = client.get("/healthz").json()
+        if health["solve_processes_ready"] == health["solve_processes"] and health["solves_running"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the solve processes are not idle: {health}")
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_stores_nothing(client):
+    wait_until_idle(client)
+    busy = [
+        client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=20, wait_s=0, seed=40 + i)).json()
+        for i in range(4)  # 2 solving + 2 waiting (queue_size 2)
+    ]
+    try:
+        assert [b["status"] for b in busy].count("queued") >= 2
+        before = plan_count(client)
+        refused = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=20, wait_s=0, seed=49))
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["limit"] == "queue_size"
+        assert plan_count(client) == before
+        assert client.get("/healthz").json()["queue_depth"] == 2
+        assert metric(client, "mosos_queue_depth") == 2
+    finally:
+        for plan in busy:
+            client.delete(f"/v1/plans/{plan['id']}")
+    assert wait_for(client, busy[0]["id"], ("cancelled",))
+
+
+# Bad input, limits ---------------------------------------------------------------
+
+
+def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
+    before = plan_count(client)
+    profile = json.loads(json.dumps(shipped_profile()))
+    profile["nodes"][0]["implementations"] = []
+    profile["nodes"][-1]["inputs"] = ["ghost"]
+    cases = [
+        (plan_request(profile=profile), ["profile.nodes[0].implementations"]),
+        (plan_request(strategy="nope"), ["strategy"]),
+        (plan_request(strategy="test-sleep", budget_bytes=10, memory_ratio=0.5), [""]),
+        (plan_request(memory_ratio=1.5), ["memory_ratio"]),
+        (plan_request(unknown_field=1), ["unknown_field"]),
+        ({"strategy": "keep-all"}, ["profile"]),
+    ]
+    for request, paths in cases:
+        response = client.post("/v1/plans", json=request)
+        assert response.status_code == 422, (request.keys(), response.text)
+        body = response.json()
+        assert [issue["path"] for issue in body["issues"]][: len(paths)] == paths or set(paths) <= {
+            issue["path"] for issue in body["issues"]
+        }, body
+        assert all(issue["message"] for issue in body["issues"])
+    broken = client.post("/v1/plans", content=b'{"profile": ', headers={"content-type": "application/json"})
+    assert broken.status_code == 422 and broken.json()["issues"][0]["message"].startswith("not valid JSON")
+    assert client.post("/v1/plans", json=[1, 2]).json()["issues"][0]["message"] == "a plan request is a JSON object, not list"
+    assert plan_count(client) == before
+
+
+def test_profile_messages_are_the_cli_messages(client):
+    from planner.errors import ProfileError
+
+    profile = json.loads(json.dumps(shipped_profile()))
+    profile["nodes"][1]["inputs"] = [profile["nodes"][1]["id"]]
+    with pytest.raises(ProfileError) as raised:
+        parse_profile(profile)
+    expected = [(f"profile.{issue.path}", issue.message) for issue in raised.value.issues]
+    body = client.post("/v1/plans", json=plan_request(profile=profile)).json()
+    assert [(issue["path"], issue["message"]) for issue in body["issues"]] == expected
+
+
+def test_limits_are_named(client, settings):
+    big = client.post("/v1/plans", content=b" " * (settings.max_body_bytes + 1), headers={"content-type": "application/json"})
+    assert big.status_code == 413 and big.json()["limit"] == "max_body_bytes"
+    many = plan_request(profile={**EXAMPLE_PROFILE, "nodes": [EXAMPLE_PROFILE["nodes"][0]] * (settings.max_nodes + 1)})
+    response = client.post("/v1/plans", json=many)
+    assert response.status_code == 413 and response.json()["limit"] == "max_nodes"
+    slow = client.post("/v1/plans", json=plan_request(time_limit_s=settings.max_time_limit_s + 1))
+    assert slow.status_code == 422 and slow.json()["limit"] == "max_time_limit_s"
+    assert "max_time_limit_s" in slow.json()["issues"][0]["message"]
+    threads = client.post("/v1/plans", json=plan_request(workers=settings.max_solver_workers + 1))
+    assert threads.status_code == 422 and threads.json()["limit"] == "max_solver_workers"
+    wait = client.post("/v1/plans", json=plan_request(wait_s=settings.max_wait_s + 1))
+    assert wait.status_code == 422 and wait.json()["limit"] == "max_wait_s"
+
+
+# Listing, simulation, traces, metrics --------------------------------------------
+
+
+def test_listing_pages_newest_first(client):
+    ids = [client.post("/v1/plans", json=plan_request(seed=60 + i)).json()["id"] for i in range(3)]
+    first = client.get("/v1/plans", params={"limit": 2}).json()
+    assert [plan["id"] for plan in first["plans"]] == ids[::-1][:2]
+    assert all("schedule" not in plan for plan in first["plans"])
+    second = client.get("/v1/plans", params={"limit": 2, "cursor": first["next_cursor"]}).json()
+    assert second["plans"][0]["id"] == ids[0]
+    assert client.get("/v1/plans", params={"cursor": "x"}).status_code == 422
+
+
+def test_simulate_returns_figures_or_the_first_violation(client):
+    body = client.post("/v1/plans", json=plan_request(seed=70)).json()
+    ok = client.post("/v1/simulate", json={"profile": shipped_profile(), "schedule": body["schedule"]})
+    assert ok.status_code == 200 and ok.json()["valid"] is True
+    assert ok.json()["figures"]["peak_memory_bytes"] == body["schedule"]["summary"]["peak_memory_bytes"]
+    tight = client.post("/v1/simulate", json={"profile": shipped_profile(), "schedule": body["schedule"], "budget_bytes": 1})
+    assert tight.status_code == 200 and tight.json()["valid"] is False
+    assert "over the budget" in tight.json()["violation"]["reason"]
+    bad = client.post("/v1/simulate", json={"profile": shipped_profile(), "schedule": {"stages": []}})
+    assert bad.status_code == 422 and {"schedule.profile_name", "schedule.profile_digest"} <= {
+        issue["path"] for issue in bad.json()["issues"]
+    }
+
+
+def test_trace_and_memory_picture_of_a_done_plan(client):
+    body = client.post("/v1/plans", json=plan_request(seed=80)).json()
+    trace = client.get(f"/v1/plans/{body['id']}/trace")
+    assert trace.status_code == 200
+    events = trace.json()["traceEvents"]
+    assert any(event["ph"] == "X" for event in events) and any(event["ph"] == "C" for event in events)
+    picture = client.get(f"/v1/plans/{body['id']}/memory.png")
+    assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
+    assert picture.content.startswith(b"\x89PNG")
+    assert client.get("/v1/plans/unknown/memory.png").status_code == 404
+
+
+def test_health_metrics_and_docs(client):
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and "keep-all" in health["strategies"]
+    text = client.get("/metrics").text
+    for name in ("mosos_http_requests_total", "mosos_solves_total", "mosos_solve_seconds", "mosos_cache_hits_total", "mosos_queue_depth"):
+        assert name in text
+    schema = client.get("/openapi.json").json()
+    assert {"GraphProfile", "Schedule", "PlanRequest", "PlanStatus"} <= set(schema["components"]["schemas"])
+    example = schema["paths"]["/v1/plans"]["post"]["requestBody"]["content"]["application/json"]["example"]
+    response = client.post("/v1/plans", json=example)
+    assert response.status_code == 200 and response.json()["status"] == "done", response.text
+    assert client.get("/docs").status_code == 200
+
+
+# Auth, store recovery, the serve command --------------------------------------------------
+
+
+def test_bearer_token_guards_everything_but_healthz(tmp_path):
+    app = create_app(Settings(db_path=tmp_path / "plans.sqlite3", solve_processes=1, token="s3cret"))
+    with TestClient(app) as client:
+        assert client.get("/healthz").status_code == 200
+        for path in ("/v1/plans", "/metrics", "/openapi.json"):
+            assert client.get(path).status_code == 401
+            assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        response = client.get("/v1/plans", headers={"Authorization": "Bearer s3cret"})
+        assert response.status_code == 200
+        denied = client.post("/v1/plans", json=plan_request())
+        assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_store_recovery_marks_unfinished_plans_interrupted(tmp_path):
+    store = Store(tmp_path / "plans.sqlite3")
+    common = dict(request_hash="h", profile_digest="d", profile_name="p", profile_json="{}", node_count=1, strategy="s", options={})
+    store.insert(plan_id="queued", **common)
+    store.insert(plan_id="solving", **common)
+    store.mark_solving("solving")
+    store.insert(plan_id="done", **common)
+    assert store.finish("done", "done", schedule_json="{}", feasible=True)
+    assert store.recover() == 2
+    assert [store.get(i).status for i in ("queued", "solving", "done")] == ["failed", "failed", "done"]
+    assert store.get("solving").reason == INTERRUPTED
+    assert not store.finish("queued", "done")  # a finished plan is never overwritten
+    store.close()
+
+
+def test_serve_refuses_a_public_address_without_a_token(monkeypatch):
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    monkeypatch.delenv("MOSOS_API_TOKEN", raising=False)
+    result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--port", "1"])
+    assert result.exit_code == 2
+    assert "refusing to bind 0.0.0.0 without a token" in result.output
