@@ -229,20 +229,26 @@ def backward_filter_algorithms(s: ConvShape, device: Device) -> list[Algorithm]:
 
 
 def backward_algorithms(s: ConvShape, device: Device, needs_input_grad: bool = True) -> list[Algorithm]:
+    """The implementations of a convolution's one backward node (see `combine_backward`)."""
+    data = backward_data_algorithms(s, device) if needs_input_grad else None
+    return combine_backward(data, backward_filter_algorithms(s, device))
+
+
+def combine_backward(data: list[Algorithm] | None, filters: list[Algorithm]) -> list[Algorithm]:
     """One backward node = backward-data then backward-filter, one after the other.
 
     Every (data, filter) pair is a candidate: its time is the sum, its workspace
     the larger of the two (the first workspace is released before the second
     kernel starts). Only the Pareto-optimal pairs (no other pair both faster and
-    smaller) are kept, named 'data=<family>+filter=<family>'.
+    smaller) are kept, named 'data=<family>+filter=<family>'. Without an input
+    gradient (the first layer) only the filter algorithms remain.
     """
-    filters = backward_filter_algorithms(s, device)
-    if not needs_input_grad:
+    if data is None:
         pairs = [Algorithm(f"filter={f.family}", f.time_ms, f.workspace_bytes) for f in filters]
     else:
         pairs = [
             Algorithm(f"data={d.family}+filter={f.family}", d.time_ms + f.time_ms, max(d.workspace_bytes, f.workspace_bytes))
-            for d in backward_data_algorithms(s, device)
+            for d in data
             for f in filters
         ]
     return pareto(pairs)

@@ -1,0 +1,391 @@
+"""Estimated profiles: a training step of a model on a GPU we do not have.
+
+The graph comes from torch.fx (see `models.trace`): one forward node per fx
+node that produces a tensor (id = the fx name), one `loss` node, then one
+backward node per forward node that does gradient work (id = `<fx name>:bwd`),
+in reverse order. Which forward tensors a backward node reads follows what
+PyTorch's autograd saves for that operator (conv/linear/GELU: the input; ReLU:
+its output; max-pooling: the input and its own indices; batch/layer norm: the
+input and its statistics; dropout: its mask; attention: q, k, v, its output
+and log-sum-exp). View-like nodes (flatten, view, transpose...) own no memory:
+they are nodes of 0 bytes, and whoever reads one also reads the tensor it
+views. Concatenations and views pass the gradient through unchanged, so
+they have no backward node: the gradient goes straight to their inputs' producers.
+Adds do get one: it stands for the sum autograd makes of the gradients that
+reach the add's output from its several readers (a residual stream), one
+tensor handed to both inputs; without it every residual gradient would stay
+alive to the end of the backward pass.
+
+Times: the roofline model of `models.roofline`; convolutions get one
+implementation per applicable cuDNN algorithm family (`models.cudnn`).
+Constant memory: inputs and targets, parameters, gradients, buffers and the
+optimizer's state (SGD with momentum by default: one buffer per parameter).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models import cudnn
+from models.gpus import GPU, get_gpu
+from models.roofline import ATTENTION_EFFICIENCY, Device
+from models.trace import TracedGraph, TracedOp, TraceFailure, trace
+from planner.errors import MososError
+from planner.profile import FixedMemory, GraphProfile, Hardware, Implementation, Node, Provenance
+
+ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
+ESTIMATOR_VERSION = "1.0"
+TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
+OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+PASSTHROUGH = {"view", "cat"}  # backward hands on (slices of) the gradient without work or saved tensors
+
+
+class EstimateError(MososError):
+    """Bad arguments to the estimator."""
+
+
+@dataclass
+class _Saved:
+    inputs: tuple[int, ...] = ()  # indices of the op's tensor inputs that backward reads
+    self_output: bool = False  # backward reads the op's own output (or its extra saved bytes)
+    extra_bytes: int = 0
+
+
+def _saved(op: TracedOp) -> _Saved:
+    """What autograd keeps for the backward of `op` (PyTorch's derivatives.yaml, simplified)."""
+    kind = op.op_type
+    if kind in ("conv2d", "conv_transpose2d", "linear", "gelu"):
+        return _Saved((0,))
+    if kind in ("relu", "softmax"):
+        return _Saved(self_output=True)
+    if kind == "max_pool2d":
+        return _Saved((0,), True, op.output_numel * 8)  # int64 indices
+    if kind == "batch_norm":
+        return _Saved((0,), True, 2 * op.output_shape[1] * 4)  # saved mean and inverse std, float32
+    if kind == "layer_norm":
+        rows = op.output_numel // op.output_shape[-1]
+        return _Saved((0,), True, 2 * rows * 4)
+    if kind == "dropout":
+        return _Saved(self_output=True, extra_bytes=op.output_numel)  # bool mask
+    if kind == "attention":
+        batch, heads, tokens = op.output_shape[0], op.output_shape[1], op.output_shape[2]
+        return _Saved((0, 1, 2), True, batch * heads * tokens * 4)  # log-sum-exp
+    if kind in ("avg_pool2d", "add"):
+        return _Saved()
+    return _Saved(tuple(range(len(op.inputs))))  # mul, matmul and unknown ops: all inputs, conservatively
+
+
+def _numel(shape) -> int:
+    total = 1
+    for dim in shape:
+        total *= int(dim)
+    return total
+
+
+def _conv_shape(op: TracedOp) -> cudnn.ConvShape:
+    n, c, h, w = op.input_shapes[0]
+    a = op.attributes
+    pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
+    kh, kw = pair(a["kernel_size"])
+    return cudnn.ConvShape(n, c, h, w, a["out_channels"], kh, kw, pair(a.get("stride", 1)), pair(a.get("padding", 0)),
+                           pair(a.get("dilation", 1)), a.get("groups", 1), op.element_bytes)
+
+
+def _implementations(algorithms: list[cudnn.Algorithm]) -> list[Implementation]:
+    return [Implementation(name=a.family, time_ms=round(a.time_ms, 4), workspace_bytes=a.workspace_bytes)
+            for a in algorithms]
+
+
+def _default(time_ms: float) -> list[Implementation]:
+    return [Implementation(name="default", time_ms=round(time_ms, 4), workspace_bytes=0)]
+
+
+def _op_implementations(op: TracedOp, device: Device, input_grad: bool) -> tuple[list[Implementation], list[Implementation]]:
+    """Forward and backward implementations of one operator."""
+    kind = op.op_type
+    out = op.output_bytes
+    inp = sum(_numel(s) for s in op.input_shapes) * op.element_bytes
+    if kind == "conv2d":
+        shape = _conv_shape(op)
+        return (_implementations(cudnn.forward_algorithms(shape, device)),
+                _implementations(cudnn.backward_algorithms(shape, device, input_grad)))
+    if kind == "conv_transpose2d":
+        # the mirrored convolution maps this op's output back to its input: our forward is its backward-data
+        n, c, h, w = op.input_shapes[0]
+        _, k, oh, ow = op.output_shape
+        base = _conv_shape(op)
+        mirror = cudnn.ConvShape(n, k, oh, ow, c, base.kh, base.kw, base.stride, base.padding, base.dilation,
+                                 base.groups, op.element_bytes)
+        forward = cudnn.backward_data_algorithms(mirror, device)
+        data = cudnn.forward_algorithms(mirror, device) if input_grad else None
+        backward = cudnn.combine_backward(data, cudnn.backward_filter_algorithms(mirror, device))
+        return _implementations(cudnn.pareto(forward)), _implementations(backward)
+    if kind in ("linear", "matmul"):
+        if kind == "linear":
+            reduction, columns = op.input_shapes[0][-1], op.output_shape[-1]
+            rows = _numel(op.input_shapes[0]) // reduction
+        else:
+            reduction, columns = op.input_shapes[0][-1], op.output_shape[-1]
+            rows = op.output_numel // columns
+        flops = 2.0 * rows * reduction * columns
+        weight = reduction * columns * op.element_bytes
+        forward = device.kernel_ms(flops, inp + out + weight)
+        backward = device.kernel_ms(2 * flops, 2 * (inp + out + weight), kernels=2)
+        return _default(forward), _default(backward)
+    if kind == "attention":
+        batch, heads, tokens, width = op.output_shape
+        keys = op.input_shapes[1][2]
+        flops = 4.0 * batch * heads * tokens * keys * width
+        eff = ATTENTION_EFFICIENCY if device.math == "fp32" else device.compute_efficiency
+        forward = device.kernel_ms(flops, inp + out, eff)
+        backward = device.kernel_ms(2.5 * flops, 2 * (inp + out), eff)  # recomputes the scores, two more GEMMs
+        return _default(forward), _default(backward)
+    if kind == "view":
+        return _default(0.0), _default(0.0)
+    if kind in ("batch_norm", "layer_norm"):
+        return _default(device.memory_ms(2 * inp + out, kernels=2)), _default(device.memory_ms(3 * out + inp, kernels=2))
+    if kind == "max_pool2d":
+        return _default(device.memory_ms(inp + 3 * out)), _default(device.memory_ms(2 * inp + 3 * out))
+    if kind == "dropout":
+        return _default(device.memory_ms(inp + out + op.output_numel)), _default(device.memory_ms(2 * out + op.output_numel))
+    # elementwise, pooling, concatenation, unknown: memory-bound, backward reads the gradient and what it saved
+    return _default(device.memory_ms(inp + out)), _default(device.memory_ms(inp + 2 * out))
+
+
+def build_profile(
+    traced: TracedGraph,
+    gpu: GPU,
+    *,
+    name: str,
+    target_bytes: int = 0,
+    math: str = "fp32",
+    optimizer: str = "sgd-momentum",
+    memory_bytes: int | None = None,
+    notes: str = "",
+) -> GraphProfile:
+    """Turn a traced graph into an estimated GraphProfile for `gpu`."""
+    if optimizer not in OPTIMIZER_STATE_BUFFERS:
+        raise EstimateError(f"unknown optimizer {optimizer!r}; use {', '.join(OPTIMIZER_STATE_BUFFERS)}")
+    device = Device(gpu, math)
+    ops = {op.name: op for op in traced.ops}
+    order = [op.name for op in traced.ops]
+
+    requires_grad: dict[str, bool] = {}
+    for op in traced.ops:
+        requires_grad[op.name] = op.parameter_count > 0 or any(requires_grad.get(i, False) for i in op.inputs)
+
+    storage_cache: dict[str, list[str]] = {}
+
+    def storage(node_id: str) -> list[str]:
+        """The non-view producers whose memory `node_id` shows."""
+        if node_id not in storage_cache:
+            op = ops[node_id]
+            if op.op_type != "view":
+                storage_cache[node_id] = [node_id]
+            else:
+                found: list[str] = []
+                for source in op.inputs:
+                    if source in ops:
+                        found += [s for s in storage(source) if s not in found]
+                storage_cache[node_id] = found
+        return storage_cache[node_id]
+
+    def reads(sources: list[str]) -> list[str]:
+        found: list[str] = []
+        for source in sources:
+            if source not in ops:
+                continue  # a model input: fixed memory
+            for item in [source, *storage(source)]:
+                if item not in found:
+                    found.append(item)
+        return found
+
+    consumers: dict[str, list[str]] = {name_: [] for name_ in order}
+    for op in traced.ops:
+        for source in dict.fromkeys(op.inputs):
+            if source in consumers:
+                consumers[source].append(op.name)
+
+    has_backward = {
+        n: requires_grad[n] and ops[n].op_type not in PASSTHROUGH for n in order
+    }
+    grad_cache: dict[str, list[str]] = {}
+
+    def gradient_sources(node_id: str) -> list[str]:
+        """The backward nodes (or the loss) whose outputs make up the gradient of `node_id`'s tensor."""
+        if node_id not in grad_cache:
+            found: list[str] = ["loss"] if node_id == traced.output else []
+            for consumer in consumers[node_id]:
+                if not requires_grad[consumer]:
+                    continue
+                more = [f"{consumer}:bwd"] if has_backward[consumer] else gradient_sources(consumer)
+                found += [m for m in more if m not in found]
+            grad_cache[node_id] = found
+        return grad_cache[node_id]
+
+    forward_nodes: list[Node] = []
+    backward_nodes: list[Node] = []
+    for op in traced.ops:
+        saved = _saved(op) if has_backward[op.name] else _Saved()
+        input_grad = any(requires_grad.get(source, False) for source in op.inputs)
+        forward_impls, backward_impls = _op_implementations(op, device, input_grad)
+        label = op.module_path or op.name
+        forward_nodes.append(
+            Node(
+                id=op.name,
+                name=f"{label} ({op.op_type})",
+                kind="forward",
+                op_type=op.op_type,
+                output_bytes=0 if op.op_type == "view" else op.output_bytes,
+                extra_saved_bytes=saved.extra_bytes,
+                module=op.module_path,
+                inputs=reads(op.inputs),
+                implementations=forward_impls,
+            )
+        )
+        if not has_backward[op.name]:
+            continue
+        gradients = gradient_sources(op.name)
+        if not gradients:
+            continue  # its output does not reach the loss
+        forward_reads = reads([op.inputs[i] for i in saved.inputs if i < len(op.inputs)])
+        if saved.self_output and op.name not in forward_reads:
+            forward_reads.append(op.name)
+        grad_bytes = 0
+        seen: set[str] = set()
+        for source, shape in zip(op.inputs, op.input_shapes):
+            if source in seen or not requires_grad.get(source, False):
+                continue
+            seen.add(source)
+            grad_bytes += _numel(shape) * op.element_bytes
+        if op.op_type == "add":
+            grad_bytes = min(grad_bytes, op.output_bytes)  # one gradient tensor, handed to both inputs
+        backward_nodes.append(
+            Node(
+                id=f"{op.name}:bwd",
+                name=f"{label} ({op.op_type} backward)",
+                kind="backward",
+                op_type=f"{op.op_type}_backward",
+                output_bytes=grad_bytes,
+                module=op.module_path,
+                forward_node=op.name if forward_reads else None,
+                inputs=gradients + forward_reads,
+                implementations=backward_impls,
+            )
+        )
+    output_op = ops[traced.output]
+    output_bytes = output_op.output_bytes
+    loss = Node(
+        id="loss",
+        name="loss (forward and gradient of the output)",
+        kind="loss",
+        op_type="loss",
+        output_bytes=output_bytes,
+        inputs=reads([traced.output]),
+        implementations=_default(device.memory_ms(3 * output_bytes + target_bytes, kernels=3)),
+    )
+    backward_nodes.reverse()
+    input_bytes = sum(_numel(shape) * size for shape, size in traced.placeholders.values())
+    params = traced.parameter_bytes
+    fixed = FixedMemory(
+        inputs_bytes=input_bytes + target_bytes,
+        parameters_bytes=params,
+        gradients_bytes=params,
+        optimizer_state_bytes=params * OPTIMIZER_STATE_BUFFERS[optimizer],
+        other_bytes=traced.buffer_bytes,
+    )
+    hardware = Hardware(
+        name=gpu.name,
+        memory_capacity_bytes=memory_bytes or gpu.memory_bytes,
+        d2h_bandwidth_gb_per_s=gpu.d2h_gb_per_s,
+        h2d_bandwidth_gb_per_s=gpu.h2d_gb_per_s,
+        transfer_latency_ms=TRANSFER_LATENCY_MS,
+    )
+    provenance = Provenance(
+        source="estimated",
+        device=gpu.name,
+        estimator=f"{ESTIMATOR} v{ESTIMATOR_VERSION}",
+        tool="mosos estimate (models.estimator)",
+        notes=(
+            f"{math} math; roofline efficiencies: see models/roofline.py and models/cudnn.py; "
+            f"optimizer {optimizer} ({OPTIMIZER_STATE_BUFFERS[optimizer]} state buffer(s) per parameter); "
+            f"GPU figures: {'; '.join(gpu.sources)}" + (f"; {notes}" if notes else "")
+        ),
+    )
+    return GraphProfile(name=name, hardware=hardware, fixed_memory=fixed, nodes=forward_nodes + [loss] + backward_nodes,
+                        provenance=provenance)
+
+
+def estimate_module(
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    gpu: str | GPU,
+    *,
+    name: str | None = None,
+    target_bytes: int = 0,
+    dtype: torch.dtype = torch.float32,
+    math: str = "fp32",
+    optimizer: str = "sgd-momentum",
+    memory_bytes: int | None = None,
+) -> GraphProfile:
+    """Estimate any nn.Module taking one input tensor of `input_shape` (batch included).
+
+    The module is traced on the meta device; a module with real weights is
+    copied there first, so the caller's weights are untouched.
+    """
+    gpu = _gpu(gpu)
+    if any(p.device.type != "meta" for p in module.parameters()):
+        module = copy.deepcopy(module).to("meta")
+    example = torch.empty(input_shape, dtype=dtype, device="meta")
+    traced = trace(module, example)
+    return build_profile(traced, gpu, name=name or f"{type(module).__name__} on {gpu.name} (estimated)",
+                         target_bytes=target_bytes, math=math, optimizer=optimizer, memory_bytes=memory_bytes)
+
+
+def estimate(
+    model: str,
+    batch_size: int,
+    gpu: str | GPU,
+    *,
+    image_size: int | None = None,
+    tokens: int | None = None,
+    math: str = "fp32",
+    optimizer: str = "sgd-momentum",
+    memory_bytes: int | None = None,
+) -> GraphProfile:
+    """Estimate a reference network (see `models.list_models()`) at `batch_size` on `gpu`."""
+    from models.registry import get_model
+
+    if batch_size < 1:
+        raise EstimateError(f"batch size must be at least 1, not {batch_size}")
+    gpu = _gpu(gpu)
+    try:
+        spec = get_model(model, image_size=image_size, tokens=tokens)
+    except (KeyError, ValueError) as error:
+        raise EstimateError(str(error.args[0] if error.args else error)) from None
+    with torch.device("meta"):
+        module = spec.build()
+    target_shape, target_kind = spec.target_shape(batch_size)
+    target_bytes = _numel(target_shape) * (8 if target_kind == "int64" else 4)
+    size = "x".join(str(d) for d in spec.input_shape[1:]) if len(spec.input_shape) == 3 else f"{spec.input_shape[0]} tokens"
+    profile_name = f"{spec.name} batch {batch_size} {size} on {gpu.name} (estimated)"
+    example = torch.empty((batch_size, *spec.input_shape), device="meta")
+    traced = trace(module, example)
+    return build_profile(traced, gpu, name=profile_name, target_bytes=target_bytes, math=math, optimizer=optimizer,
+                         memory_bytes=memory_bytes, notes=f"model: {spec.description}")
+
+
+def _gpu(gpu: str | GPU) -> GPU:
+    if isinstance(gpu, GPU):
+        return gpu
+    try:
+        return get_gpu(gpu)
+    except KeyError as error:
+        raise EstimateError(str(error.args[0])) from None
+
+
+__all__ = ["estimate", "estimate_module", "build_profile", "EstimateError", "TraceFailure"]
