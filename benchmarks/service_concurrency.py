@@ -1,0 +1,281 @@
+"""Concurrency of the planning service: 50 requests in flight against a real `mosos serve` with 2 solve processes.
+
+Mixed load (plan, status, simulate) fired at once, then status calls timed while
+every solve process is busy. Solves are CPU-bound: the `mosos` strategy when it is
+registered (--strategy mosos), else a plugin strategy that burns CPU for its time
+limit. Prints a table and writes benchmarks/results/service.md.
+
+    python3 benchmarks/service_concurrency.py [--requests 50] [--solve-seconds 3] [--strategy bench-busy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "service.md"
+
+BUSY_PLUGIN = textwrap.dedent(
+    '''
+    """bench-busy: burns one core for time_limit_s (stops when asked), then returns the keep-all plan."""
+    import time
+
+    from planner.builder import certify
+    from planner.strategies import strategy
+    from planner.strategies.keep_all import keep_all_schedule
+
+
+    @strategy("bench-busy", "CPU-bound stand-in for a solver: spins for time_limit_s", uses_budget=False)
+    def busy(profile, budget_bytes, options):
+        started = last = time.monotonic()
+        spins = 0
+        while time.monotonic() - started < options.time_limit_s:
+            if options.should_stop is not None and options.should_stop():
+                break
+            for _ in range(20000):
+                spins += 1
+            if options.progress is not None and time.monotonic() - last > 0.1:
+                last = time.monotonic()
+                options.progress({"strategy": "bench-busy", "objective": 1.0 + 1.0 / spins, "bound": 1.0, "gap": 0.0})
+        return certify(profile, keep_all_schedule(profile, None), "bench-busy")
+    '''
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def chain_profile(layers: int = 20) -> dict:
+    """A conv/relu chain with its backward pass: enough nodes to make plans and simulations non-trivial."""
+    mib = 2**20
+    nodes = []
+    previous = None
+    for i in range(layers):
+        nodes.append({"id": f"f{i}", "kind": "forward", "op_type": "conv2d", "output_bytes": 32 * mib,
+                      "inputs": [previous] if previous else [],
+                      "implementations": [{"name": "gemm", "time_ms": 1.0 + i % 3, "workspace_bytes": 0},
+                                          {"name": "fft", "time_ms": 0.6 + i % 3, "workspace_bytes": 64 * mib}]})
+        previous = f"f{i}"
+    nodes.append({"id": "loss", "kind": "loss", "op_type": "loss", "output_bytes": mib, "inputs": [previous],
+                  "implementations": [{"name": "default", "time_ms": 0.1}]})
+    grad = "loss"
+    for i in reversed(range(layers)):
+        reads = [grad] + ([f"f{i - 1}"] if i > 0 else [f"f{i}"])
+        nodes.append({"id": f"b{i}", "kind": "backward", "op_type": "conv2d_backward", "output_bytes": 32 * mib,
+                      "forward_node": f"f{i}", "inputs": reads,
+                      "implementations": [{"name": "default", "time_ms": 2.0, "workspace_bytes": 16 * mib}]})
+        grad = f"b{i}"
+    return {
+        "name": f"chain of {layers} convolutions",
+        "hardware": {"name": "bench GPU", "memory_capacity_bytes": 16 * 2**30, "d2h_bandwidth_gb_per_s": 12.0,
+                     "h2d_bandwidth_gb_per_s": 12.0, "transfer_latency_ms": 0.01},
+        "fixed_memory": {"parameters_bytes": 256 * mib},
+        "nodes": nodes,
+        "provenance": {"source": "handmade", "notes": "service benchmark"},
+    }
+
+
+@contextlib.contextmanager
+def serve(workdir: Path, *, workers: int = 2, queue_size: int = 32, extra: list[str] | None = None, db: Path | None = None,
+          port: int | None = None):
+    """A real `mosos serve` on a loopback port in its own session; always killed (whole session) on exit."""
+    plugin = workdir / "bench_busy_plugin.py"
+    plugin.write_text(BUSY_PLUGIN)
+    port = port or free_port()
+    log_path = workdir / f"serve-{port}.log"
+    command = [
+        sys.executable, "-m", "planner.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--db", str(db or workdir / "plans.sqlite3"), "--workers", str(workers), "--queue-size", str(queue_size),
+        "--plugin", str(plugin), "--log-level", "warning", "--max-solver-workers", "1", *(extra or []),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("MOSOS_API_TOKEN", None)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"mosos serve exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mosos serve did not answer in 90 s:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield process, base, log_path
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
+
+
+async def _timed(client: httpx.AsyncClient, kind: str, method: str, url: str, **kwargs) -> dict:
+    started = time.perf_counter()
+    try:
+        response = await client.request(method, url, **kwargs)
+        return {"kind": kind, "status": response.status_code, "seconds": time.perf_counter() - started,
+                "body": response.json() if response.headers.get("content-type", "").startswith("application/json") else None}
+    except httpx.HTTPError as error:
+        return {"kind": kind, "status": None, "seconds": time.perf_counter() - started, "error": repr(error)}
+
+
+async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: int = 10, solve_seconds: float = 3.0,
+                  strategy: str = "bench-busy", budget_ratio: float | None = None) -> dict:
+    """Fire `requests` at once (plans, status, simulate), then time status calls while the solves run."""
+    profile = chain_profile()
+    async with httpx.AsyncClient(base_url=base, timeout=60.0, limits=httpx.Limits(max_connections=requests + 10)) as client:
+        seed_plan = await client.post("/v1/plans", json={"profile": profile, "strategy": "keep-all", "wait_s": 20, "workers": 1})
+        seed_plan.raise_for_status()
+        known = seed_plan.json()
+        schedule = known["schedule"]
+        run_tag = int(time.time() * 1000) % 1_000_000  # fresh seeds: every plan of this run is a real solve
+        calls = []
+        statuses = requests - plans - simulates
+        for i in range(requests):
+            if i % 5 == 0 and len([c for c in calls if c[0] == "plan"]) < plans:
+                body = {"profile": profile, "strategy": strategy, "time_limit_s": solve_seconds, "workers": 1,
+                        "seed": run_tag * 100 + i, "wait_s": 0}
+                if budget_ratio is not None:
+                    body["memory_ratio"] = budget_ratio
+                calls.append(("plan", "POST", "/v1/plans", {"json": body}))
+            elif i % 5 == 1 and len([c for c in calls if c[0] == "simulate"]) < simulates:
+                calls.append(("simulate", "POST", "/v1/simulate", {"json": {"profile": profile, "schedule": schedule}}))
+            else:
+                calls.append(("status", "GET", f"/v1/plans/{known['id']}", {}))
+        while len(calls) < requests:
+            calls.append(("status", "GET", f"/v1/plans/{known['id']}", {}))
+        started = time.perf_counter()
+        burst = await asyncio.gather(*(_timed(client, kind, method, url, **kw) for kind, method, url, kw in calls))
+        burst_seconds = time.perf_counter() - started
+        plan_ids = [r["body"]["id"] for r in burst if r["kind"] == "plan" and r["status"] in (200, 202)]
+        # Status calls while every solve process is busy.
+        health = (await client.get("/healthz")).json()
+        busy_during = health["solves_running"]
+        during = []
+        for _ in range(5):
+            wave = await asyncio.gather(*(_timed(client, "status", "GET", f"/v1/plans/{pid}") for pid in plan_ids))
+            during.extend(wave)
+            await asyncio.sleep(0.05)
+        health_after = (await client.get("/healthz")).json()
+        # Every plan must end: none lost, none stuck.
+        finals = {}
+        deadline = time.monotonic() + solve_seconds * (plans + 2) + 60
+        while len(finals) < len(plan_ids) and time.monotonic() < deadline:
+            for pid in plan_ids:
+                if pid not in finals:
+                    body = (await client.get(f"/v1/plans/{pid}")).json()
+                    if body["status"] not in ("queued", "solving"):
+                        finals[pid] = body["status"]
+            await asyncio.sleep(0.2)
+        metrics = (await client.get("/metrics")).text
+    burst_status = [r["seconds"] for r in burst if r["kind"] == "status"]
+    during_status = [r["seconds"] for r in during]
+    return {
+        "requests": len(burst),
+        "answered": sum(1 for r in burst if r["status"] is not None),
+        "errors": [r for r in burst if r["status"] is None or r["status"] >= 500],
+        "codes": sorted({(r["kind"], r["status"]) for r in burst}),
+        "wrong": [r for r in burst if (r["kind"], r["status"]) not in {("plan", 200), ("plan", 202), ("status", 200), ("simulate", 200)}
+                  or (r["kind"] == "simulate" and not r["body"]["valid"])],
+        "burst_seconds": burst_seconds,
+        "plans": len(plan_ids),
+        "finals": finals,
+        "busy_during": min(busy_during, health_after["solves_running"]),
+        "status_p50_burst_ms": 1000 * percentile(burst_status, 0.5),
+        "status_p95_burst_ms": 1000 * percentile(burst_status, 0.95),
+        "status_p50_during_ms": 1000 * percentile(during_status, 0.5),
+        "status_p95_during_ms": 1000 * percentile(during_status, 0.95),
+        "status_calls_during": len(during_status),
+        "simulate_p50_ms": 1000 * percentile([r["seconds"] for r in burst if r["kind"] == "simulate"], 0.5),
+        "plan_post_p50_ms": 1000 * percentile([r["seconds"] for r in burst if r["kind"] == "plan"], 0.5),
+        "metrics_has_solves": "mosos_solves_total" in metrics,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--plans", type=int, default=10)
+    parser.add_argument("--simulates", type=int, default=10)
+    parser.add_argument("--solve-seconds", type=float, default=3.0)
+    parser.add_argument("--strategy", default="bench-busy", help="bench-busy, or mosos once it is registered")
+    parser.add_argument("--memory-ratio", type=float, default=None, help="budget for strategies that need one")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), workers=2) as (_, base, _log):
+        for repeat in range(args.repeats):
+            stats = asyncio.run(run_mix(base, requests=args.requests, plans=args.plans, simulates=args.simulates,
+                                        solve_seconds=args.solve_seconds, strategy=args.strategy,
+                                        budget_ratio=args.memory_ratio))
+            stats["repeat"] = repeat + 1
+            rows.append(stats)
+            lost = stats["plans"] - len(stats["finals"])
+            print(f"run {repeat + 1}: {stats['answered']}/{stats['requests']} answered, {len(stats['wrong'])} wrong, "
+                  f"{lost} lost, busy {stats['busy_during']}/2, status p50 {stats['status_p50_during_ms']:.1f} ms "
+                  f"(p95 {stats['status_p95_during_ms']:.1f}) while solving, burst p50 {stats['status_p50_burst_ms']:.1f} ms")
+    header = ("| run | in flight | answered | wrong | plans lost | solves busy | status p50 / p95 while solving (ms) "
+              "| status p50 / p95 in the burst (ms) | simulate p50 (ms) | plan POST p50 (ms) |")
+    lines = [header, "|" + "---|" * 10]
+    for s in rows:
+        lines.append(
+            f"| {s['repeat']} | {s['requests']} | {s['answered']} | {len(s['wrong'])} | {s['plans'] - len(s['finals'])} "
+            f"| {s['busy_during']}/2 | {s['status_p50_during_ms']:.1f} / {s['status_p95_during_ms']:.1f} "
+            f"| {s['status_p50_burst_ms']:.1f} / {s['status_p95_burst_ms']:.1f} | {s['simulate_p50_ms']:.1f} "
+            f"| {s['plan_post_p50_ms']:.1f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.no_write:
+        return
+    cpu = os.cpu_count()
+    load = os.getloadavg()
+    RESULTS.write_text(
+        "# Planning service under concurrent load\n\n"
+        f"Command: `python3 benchmarks/service_concurrency.py --requests {args.requests} --plans {args.plans} "
+        f"--simulates {args.simulates} --solve-seconds {args.solve_seconds:g} --strategy {args.strategy}`\n\n"
+        f"A real `mosos serve` on 127.0.0.1 with 2 solve processes; {args.requests} requests fired at once "
+        f"({args.plans} plans of a {len(chain_profile()['nodes'])}-node profile with strategy `{args.strategy}` "
+        f"and a {args.solve_seconds:g} s time limit, {args.simulates} simulations, the rest status calls), then "
+        "status calls of the new plans timed while both solve processes were busy. Latencies are measured by "
+        "the client (httpx, same machine), so they include its own overhead.\n\n"
+        f"Machine: {cpu} cores; load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
+        "(other engineers' jobs were running: timings were taken under load).\n\n"
+        f"{table}\n\n"
+        "wrong: answers other than 200/202 for plans and 200 for status and simulate. plans lost: plans that never "
+        "reached done, failed or cancelled. solves busy: solve processes running at the time of the timed status calls.\n"
+    )
+    print(f"wrote {RESULTS.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
