@@ -1,0 +1,299 @@
+"""Interchangeable 2-D convolution algorithms with different time and workspace.
+
+PyTorch exposes no per-layer choice of cuDNN algorithm, so the executor
+carries its own: each algorithm computes the same convolution (forward, and
+the gradients of input, weight and bias) with a different trade-off, and
+declares where it applies and how much scratch memory (workspace) it needs
+beyond its inputs and its output. The profiler times each of them; the
+planner picks one per node; the executor runs the pick.
+
+- native: torch's own convolution (oneDNN / cuDNN), workspace counted as 0.
+- im2col: unfold the input into columns and multiply (GEMM); the columns are the workspace.
+- im2col-chunked: the same, a quarter of the batch at a time: a quarter of the workspace, more passes.
+- winograd: F(2x2, 3x3) for 3x3 kernels, stride 1: 16 element-wise products per 2x2 output tile
+  instead of 36 multiplications, at the price of transformed copies of input and output tiles.
+
+The forward algorithm is fixed when the node computes; the backward
+algorithm is chosen when the backward runs (`backward_algorithm(name)`), since
+the schedule picks both independently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ALGORITHMS = ("native", "im2col", "im2col-chunked", "winograd")
+CHUNKS = 4
+
+_backward_override: str | None = None
+
+
+@contextlib.contextmanager
+def backward_algorithm(name: str | None):
+    """Within this block, convolution backward passes use algorithm `name`."""
+    global _backward_override
+    if name is not None and name not in ALGORITHMS:
+        raise ValueError(f"unknown convolution algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
+    previous, _backward_override = _backward_override, name
+    try:
+        yield
+    finally:
+        _backward_override = previous
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Shapes and settings of one convolution."""
+
+    input_shape: tuple[int, int, int, int]
+    weight_shape: tuple[int, int, int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+    @classmethod
+    def of(cls, input_shape, weight_shape, stride=1, padding=0, dilation=1, groups=1) -> "ConvGeometry":
+        return cls(tuple(input_shape), tuple(weight_shape), _pair(stride), _pair(padding), _pair(dilation), int(groups))
+
+    @property
+    def output_hw(self) -> tuple[int, int]:
+        (_, _, h, w), (_, _, kh, kw) = self.input_shape, self.weight_shape
+        ho = (h + 2 * self.padding[0] - self.dilation[0] * (kh - 1) - 1) // self.stride[0] + 1
+        wo = (w + 2 * self.padding[1] - self.dilation[1] * (kw - 1) - 1) // self.stride[1] + 1
+        return ho, wo
+
+    @property
+    def columns_elements(self) -> int:
+        n, c, _, _ = self.input_shape
+        _, _, kh, kw = self.weight_shape
+        ho, wo = self.output_hw
+        return n * c * kh * kw * ho * wo
+
+    @property
+    def winograd_tiles(self) -> int:
+        ho, wo = self.output_hw
+        return self.input_shape[0] * math.ceil(ho / 2) * math.ceil(wo / 2)
+
+
+def why_not_applicable(name: str, geometry: ConvGeometry) -> str | None:
+    """None if algorithm `name` can compute this convolution, else the reason."""
+    if name not in ALGORITHMS:
+        return f"unknown convolution algorithm {name!r}"
+    if name == "native":
+        return None
+    if geometry.groups != 1:
+        return f"{name} handles groups=1 only"
+    if name == "winograd":
+        if geometry.weight_shape[2:] != (3, 3):
+            return "winograd F(2x2,3x3) needs a 3x3 kernel"
+        if geometry.stride != (1, 1) or geometry.dilation != (1, 1):
+            return "winograd F(2x2,3x3) needs stride 1 and dilation 1"
+        if max(geometry.padding) > 2:
+            return "winograd F(2x2,3x3) needs padding of at most 2"
+    return None
+
+
+def applicable(name: str, geometry: ConvGeometry) -> bool:
+    return why_not_applicable(name, geometry) is None
+
+
+def applicable_algorithms(geometry: ConvGeometry) -> list[str]:
+    return [name for name in ALGORITHMS if applicable(name, geometry)]
+
+
+def workspace_bytes(name: str, geometry: ConvGeometry, element_size: int, phase: str = "forward") -> int:
+    """Scratch memory algorithm `name` allocates beyond inputs, output and gradients it returns."""
+    n, c, _, _ = geometry.input_shape
+    o, _, kh, kw = geometry.weight_shape
+    ho, wo = geometry.output_hw
+    cols = geometry.columns_elements
+    if name == "native":
+        return 0
+    if name == "im2col":
+        if phase == "forward":
+            return cols * element_size
+        # columns, their gradient, and one weight-gradient product per sample
+        return (2 * cols + n * o * c * kh * kw) * element_size
+    if name == "im2col-chunked":
+        chunk = math.ceil(n / CHUNKS)
+        chunk_cols = cols // n * chunk
+        if phase == "forward":
+            return chunk_cols * element_size
+        return (2 * chunk_cols + chunk * o * c * kh * kw) * element_size
+    if name == "winograd":
+        tiles = geometry.winograd_tiles
+        forward = 16 * (c * tiles + o * tiles + o * c)
+        if phase == "forward":
+            return forward * element_size
+        # grad_input is a winograd convolution of the output gradient (roles of c and o swapped),
+        # grad_weight an im2col product
+        backward_input = 16 * (o * tiles_for_input(geometry) + c * tiles_for_input(geometry) + o * c)
+        return max(backward_input, cols + n * o * c * kh * kw) * element_size
+    raise ValueError(f"unknown convolution algorithm {name!r}")
+
+
+def tiles_for_input(geometry: ConvGeometry) -> int:
+    n, _, h, w = geometry.input_shape
+    return n * math.ceil(h / 2) * math.ceil(w / 2)
+
+
+# --- the algorithms -------------------------------------------------------------------------
+
+
+def _im2col_forward(x, w, stride, padding, dilation):
+    n = x.shape[0]
+    o, _, kh, kw = w.shape
+    ho, wo = ConvGeometry.of(x.shape, w.shape, stride, padding, dilation).output_hw
+    cols = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)  # [N, C*kh*kw, L]
+    out = torch.matmul(w.reshape(o, -1), cols)  # [N, O, L]
+    return out.reshape(n, o, ho, wo)
+
+
+def _im2col_backward(x, w, grad, stride, padding, dilation, need_input, need_weight):
+    n, _, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    go = grad.reshape(n, o, -1)
+    grad_input = grad_weight = None
+    if need_input:
+        grad_cols = torch.matmul(w.reshape(o, -1).t(), go)  # [N, C*kh*kw, L]
+        grad_input = F.fold(grad_cols, (h, wd), (kh, kw), dilation=dilation, padding=padding, stride=stride)
+        del grad_cols
+    if need_weight:
+        cols = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)
+        grad_weight = torch.bmm(go, cols.transpose(1, 2)).sum(0).reshape(w.shape)
+    return grad_input, grad_weight
+
+
+def _chunks(n: int):
+    size = math.ceil(n / CHUNKS)
+    return [(start, min(n, start + size)) for start in range(0, n, size)]
+
+
+def _chunked_forward(x, w, stride, padding, dilation):
+    geometry = ConvGeometry.of(x.shape, w.shape, stride, padding, dilation)
+    ho, wo = geometry.output_hw
+    out = x.new_empty((x.shape[0], w.shape[0], ho, wo))
+    for start, end in _chunks(x.shape[0]):
+        out[start:end] = _im2col_forward(x[start:end], w, stride, padding, dilation)
+    return out
+
+
+def _chunked_backward(x, w, grad, stride, padding, dilation, need_input, need_weight):
+    grad_input = torch.empty_like(x) if need_input else None
+    grad_weight = None
+    for start, end in _chunks(x.shape[0]):
+        gi, gw = _im2col_backward(x[start:end], w, grad[start:end], stride, padding, dilation, need_input, need_weight)
+        if need_input:
+            grad_input[start:end] = gi
+        if need_weight:
+            grad_weight = gw if grad_weight is None else grad_weight + gw
+    return grad_input, grad_weight
+
+
+def _winograd_matrices(like: torch.Tensor):
+    bt = like.new_tensor([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])
+    g = like.new_tensor([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+    at = like.new_tensor([[1, 1, 1, 0], [0, 1, -1, -1]])
+    return bt, g, at
+
+
+def _winograd_forward(x, w, padding):
+    """F(2x2, 3x3): y = A^T [ (G g G^T) . (B^T d B) ] A per 4x4 input tile, summed over channels."""
+    n, c, h, wd = x.shape
+    o = w.shape[0]
+    ph, pw = padding
+    ho, wo = h + 2 * ph - 2, wd + 2 * pw - 2
+    th, tw = math.ceil(ho / 2), math.ceil(wo / 2)
+    bt, g, at = _winograd_matrices(x)
+    xp = F.pad(x, (pw, pw + 2 * tw - wo, ph, ph + 2 * th - ho))  # [N, C, 2th+2, 2tw+2]
+    tiles = xp.unfold(2, 4, 2).unfold(3, 4, 2)  # [N, C, th, tw, 4, 4]
+    v = torch.einsum("ij,nchwjk,lk->ilcnhw", bt, tiles, bt).reshape(16, c, n * th * tw)
+    u = torch.einsum("ij,ocjk,lk->iloc", g, w, g).reshape(16, o, c)
+    m = torch.bmm(u, v).reshape(4, 4, o, n, th, tw)
+    del v
+    y = torch.einsum("ij,jkonhw,lk->nohiwl", at, m, at).reshape(n, o, 2 * th, 2 * tw)
+    return y[:, :, :ho, :wo].contiguous()
+
+
+def _winograd_backward(x, w, grad, padding, need_input, need_weight):
+    grad_input = grad_weight = None
+    if need_input:
+        flipped = w.flip(2, 3).transpose(0, 1)  # [C, O, 3, 3]
+        grad_input = _winograd_forward(grad, flipped, (2 - padding[0], 2 - padding[1]))
+    if need_weight:
+        _, grad_weight = _im2col_backward(x, w, grad, (1, 1), padding, (1, 1), False, True)
+    return grad_input, grad_weight
+
+
+def _native_backward(x, w, grad, stride, padding, dilation, groups, need_input, need_weight):
+    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad, x, w, None, list(stride), list(padding), list(dilation), False, [0, 0], groups,
+        [need_input, need_weight, False],
+    )
+    return grad_input, grad_weight
+
+
+class _Conv2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, algorithm, backward_default):
+        ctx.save_for_backward(x, weight)
+        ctx.settings = (stride, padding, dilation, groups, backward_default or algorithm)
+        ctx.has_bias = bias is not None
+        if algorithm == "native":
+            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        if algorithm == "im2col":
+            out = _im2col_forward(x, weight, stride, padding, dilation)
+        elif algorithm == "im2col-chunked":
+            out = _chunked_forward(x, weight, stride, padding, dilation)
+        else:
+            out = _winograd_forward(x, weight, padding)
+        if bias is not None:
+            out += bias.view(1, -1, 1, 1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, default = ctx.settings
+        name = _backward_override or default
+        geometry = ConvGeometry.of(x.shape, weight.shape, stride, padding, dilation, groups)
+        reason = why_not_applicable(name, geometry)
+        if reason:
+            raise ValueError(f"convolution backward with {name!r} is not possible here: {reason}")
+        need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad = grad.contiguous()
+        if name == "native":
+            gi, gw = _native_backward(x, weight, grad, stride, padding, dilation, groups, need_input, need_weight)
+        elif name == "im2col":
+            gi, gw = _im2col_backward(x, weight, grad, stride, padding, dilation, need_input, need_weight)
+        elif name == "im2col-chunked":
+            gi, gw = _chunked_backward(x, weight, grad, stride, padding, dilation, need_input, need_weight)
+        else:
+            gi, gw = _winograd_backward(x, weight, grad, padding, need_input, need_weight)
+        gb = grad.sum((0, 2, 3)) if ctx.has_bias and need_bias else None
+        return gi, gw, gb, None, None, None, None, None, None
+
+
+def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, algorithm="native",
+           backward_algorithm: str | None = None):
+    """torch.nn.functional.conv2d computed by `algorithm`; its backward by `backward_algorithm`
+    (default: the same), unless a `backward_algorithm(...)` block says otherwise when it runs."""
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    geometry = ConvGeometry.of(x.shape, weight.shape, stride, padding, dilation, groups)
+    for name in (algorithm, backward_algorithm):
+        if name is None:
+            continue
+        reason = why_not_applicable(name, geometry)
+        if reason:
+            raise ValueError(f"convolution {tuple(x.shape)} * {tuple(weight.shape)} cannot use {name!r}: {reason}")
+    return _Conv2d.apply(x, weight, bias, stride, padding, dilation, groups, algorithm, backward_algorithm)

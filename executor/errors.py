@@ -1,0 +1,17 @@
+"""Errors of the PyTorch side; all are MososError so the CLI prints them without a traceback."""
+
+from __future__ import annotations
+
+from planner.errors import MososError
+
+
+class CaptureError(MososError):
+    """torch.fx could not trace the model; the message names the module or function."""
+
+
+class ProfileMismatch(MososError):
+    """A profile or schedule that was made for another model, or for other input shapes."""
+
+
+class ReplayError(MososError):
+    """A schedule step the executor cannot carry out (its state disagrees with the schedule)."""

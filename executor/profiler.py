@@ -1,0 +1,484 @@
+"""Measure a real model into a GraphProfile: the graph, the sizes, the times, the algorithms.
+
+One reference pass runs every node on its own (as the executor will) and
+finds, through saved-tensor hooks, what each backward really reads. Then each
+node is timed: warm-up runs, then the median of repeated runs (CUDA events on
+a GPU, perf_counter_ns on the CPU), forward and backward separately, and every
+convolution once per algorithm the executor can run. The model's parameters,
+buffers, gradients and the RNG are left as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from executor import conv_algorithms
+from executor.capture import CapturedGraph, CapturedNode, capture, tensor_signature
+from executor.errors import CaptureError
+from executor.local import Entry, ForwardRun, Resolver, distinct_bytes, own_storage, resolve_args, run_backward, run_forward, storage_ptr
+from planner.profile import GraphProfile, parse_profile
+
+TOOL = "mosos executor.profiler 0.1"
+LOSS_ID = "loss"
+
+
+def backward_id(node_id: str) -> str:
+    return f"{node_id}:bwd"
+
+
+class DictStore:
+    """Everything resident: what the reference pass uses."""
+
+    def __init__(self):
+        self.entries: dict[str, Entry] = {}
+
+    def entry(self, node_id: str) -> Entry:
+        return self.entries[node_id]
+
+
+@dataclass
+class StepContext:
+    """The model's graph plus this step's fixed values (inputs, targets, attributes)."""
+
+    graph: CapturedGraph
+    fixed_values: dict[str, Any]
+    fixed_ptrs: set[int]
+    targets: Any
+    loss_fn: Callable
+
+    @property
+    def compute_ids(self) -> set[str]:
+        return {node.id for node in self.graph.nodes}
+
+
+def as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    return tuple(example_inputs)
+
+
+def step_context(graph: CapturedGraph, inputs: tuple, targets, loss_fn) -> StepContext:
+    if len(inputs) != len(graph.placeholders):
+        raise CaptureError(
+            f"the model's forward takes {len(graph.placeholders)} input(s) ({', '.join(graph.placeholders)}), "
+            f"but {len(inputs)} example input(s) were given"
+        )
+    fixed_values = dict(zip(graph.placeholders, inputs))
+    fixed_values.update(graph.attributes)
+    fixed_ptrs = {storage_ptr(t) for t in graph.model.parameters()}
+    fixed_ptrs |= {storage_ptr(t) for t in graph.model.buffers()}
+    for value in list(fixed_values.values()) + list(as_tuple(targets) if targets is not None else ()):
+        if isinstance(value, torch.Tensor):
+            fixed_ptrs.add(storage_ptr(value))
+    return StepContext(graph, fixed_values, fixed_ptrs, targets, loss_fn)
+
+
+def call_loss(loss_fn: Callable, output, targets):
+    return loss_fn(output, targets) if targets is not None else loss_fn(output)
+
+
+def forward_node(ctx: StepContext, node: CapturedNode, store, algorithm: str | None = None) -> tuple[Entry, ForwardRun]:
+    """Compute one forward node from the store's values (convolutions with `algorithm`)."""
+    args, kwargs, leaves, sources = resolve_args(node.args, node.kwargs, store, ctx.fixed_values, ctx.compute_ids)
+    algorithm = algorithm or ("native" if node.is_conv2d else None)
+    return run_forward(
+        node.id,
+        lambda a, k: node.call(a, k, conv_algorithm=algorithm),
+        args, kwargs, leaves, sources, node.parameters, ctx.fixed_ptrs, Resolver(store),
+    )
+
+
+def loss_node(ctx: StepContext, store) -> tuple[Entry, ForwardRun]:
+    """The loss and its gradient with respect to the model's outputs, as one node."""
+    args, _, leaves, sources = resolve_args((ctx.graph.output,), {}, store, ctx.fixed_values, ctx.compute_ids)
+    with torch.enable_grad():
+        loss = call_loss(ctx.loss_fn, args[0], ctx.targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CaptureError("the loss function must return a single-element tensor")
+        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
+        grads: list = [None] * len(leaves)
+        if loss.requires_grad and wanted:
+            found = torch.autograd.grad(loss, [leaves[i] for i in wanted], allow_unused=True)
+            for i, grad in zip(wanted, found):
+                grads[i] = grad
+    grads = own_storage(grads, ctx.fixed_ptrs | {storage_ptr(leaf) for leaf in leaves})
+    entry = Entry(leaves=[loss.detach()], spec=None, requires_grad=[False], grads=grads)
+    run = ForwardRun(LOSS_ID, [], sources, [], [], [])
+    return entry, run
+
+
+def gradient_sources(node_id: str, runs: dict[str, ForwardRun], order: list[str]) -> list[tuple[str, int, int]]:
+    """(reader, reader's leaf index, node's leaf index) for every place node_id's value is read."""
+    found = []
+    for reader in order:
+        run = runs.get(reader)
+        if run is None:
+            continue
+        for j, source in enumerate(run.sources):
+            if source is not None and source[0] == node_id:
+                found.append((reader, j, source[1]))
+    return found
+
+
+def gradient_outputs(node_id: str, entry_leaves: int, readers, grad_entries: dict[str, Entry]) -> tuple[list, list[str]]:
+    """Sum the gradient contributions of the node's readers; also say which gradient nodes were read."""
+    grads: list = [None] * entry_leaves
+    used: list[str] = []
+    for reader, j, k in readers:
+        gid = LOSS_ID if reader == LOSS_ID else backward_id(reader)
+        entry = grad_entries.get(gid)
+        if entry is None or entry.grads[j] is None:
+            continue
+        grad = entry.grads[j]
+        grads[k] = grad if grads[k] is None else grads[k] + grad
+        if gid not in used:
+            used.append(gid)
+    return grads, used
+
+
+def _memory_capacity_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 34
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    processor = platform.processor() or platform.machine()
+    return f"CPU {processor} ({torch.get_num_threads()} torch threads)"
+
+
+def measure_bandwidth_gb_per_s(device: torch.device, size_bytes: int = 64 << 20, repeats: int = 5) -> tuple[float, float]:
+    """Device-to-host and host-to-device copy bandwidth with pinned buffers (CUDA only)."""
+    host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    results = []
+    for direction in ("d2h", "h2d"):
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            if direction == "d2h":
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        results.append(size_bytes / (statistics.median(times[1:]) * 1e6))
+    return results[0], results[1]
+
+
+class Timer:
+    """Median of repeats after warm-up; CUDA events on a GPU, perf_counter_ns on the CPU."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int):
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.spreads: list[float] = []
+
+    def measure(self, prepare: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+        samples = []
+        for i in range(self.warmup + self.repeats):
+            state = prepare()
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(self.device)
+                start.record()
+                result = run(state)
+                end.record()
+                end.synchronize()
+                elapsed_ms = start.elapsed_time(end)
+            else:
+                begin = time.perf_counter_ns()
+                result = run(state)
+                elapsed_ms = (time.perf_counter_ns() - begin) / 1e6
+            del result, state
+            if i >= self.warmup:
+                samples.append(elapsed_ms)
+        median = statistics.median(samples)
+        if median > 0:
+            self.spreads.append(100.0 * (max(samples) - min(samples)) / median)
+        return median
+
+
+def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainable_bytes: int) -> int:
+    """Optimizer state as a multiple of the trainable parameters (momentum: 1, Adam: 2)."""
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, torch.optim.Optimizer):
+        name = type(optimizer).__name__.lower()
+        momentum = any(group.get("momentum", 0) for group in optimizer.param_groups)
+    else:
+        name = optimizer.lower()
+        momentum = name in ("momentum", "sgd-momentum")
+    if name in ("adam", "adamw", "nadam", "radam", "adamax"):
+        return 2 * trainable_bytes
+    if name in ("rmsprop", "adagrad") or momentum:
+        return trainable_bytes
+    if name in ("sgd", "none"):
+        return 0
+    raise ValueError(f"unknown optimizer {optimizer!r}: say sgd, momentum, adam, adamw, rmsprop or adagrad")
+
+
+class _Preserved:
+    """Restore buffers (BatchNorm statistics), RNG state and gradients after profiling."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model, self.device = model, device
+
+    def __enter__(self):
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+
+
+def _first_device(model: nn.Module, inputs: tuple) -> torch.device:
+    for tensor in list(model.parameters()) + [t for t in inputs if isinstance(t, torch.Tensor)]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs,
+    loss_fn: Callable,
+    targets=None,
+    *,
+    name: str | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "sgd",
+    repeats: int = 5,
+    warmup: int = 2,
+    algorithms: tuple[str, ...] = conv_algorithms.ALGORITHMS,
+    d2h_gb_per_s: float | None = None,
+    h2d_gb_per_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GraphProfile:
+    """Profile one training step of `model` on `example_inputs`: loss = loss_fn(model(*inputs), targets).
+
+    On a GPU, transfer bandwidth is measured with pinned buffers unless given;
+    on the CPU it is taken from the arguments or left out (no offloading).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be at least 1 and warmup at least 0")
+    inputs = as_tuple(example_inputs)
+    device = _first_device(model, inputs)
+    graph = capture(model)
+    ctx = step_context(graph, inputs, targets, loss_fn)
+    say = progress or (lambda message: None)
+    with _Preserved(model, device):
+        nodes = _profile(ctx, device, repeats, warmup, algorithms, say)
+    if device.type == "cuda" and (d2h_gb_per_s is None or h2d_gb_per_s is None):
+        say("measuring PCIe bandwidth with pinned buffers")
+        measured_d2h, measured_h2d = measure_bandwidth_gb_per_s(device)
+        d2h_gb_per_s = d2h_gb_per_s or measured_d2h
+        h2d_gb_per_s = h2d_gb_per_s or measured_h2d
+    nodes_doc, spread = nodes
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    buffer_bytes = distinct_bytes([b for b in model.buffers()])
+    attribute_bytes = distinct_bytes(
+        [v for v in graph.attributes.values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)],
+        {storage_ptr(b) for b in model.buffers()},
+    )
+    target_list = [t for t in (as_tuple(targets) if targets is not None else ()) if isinstance(t, torch.Tensor)]
+    document = {
+        "name": name or f"{type(model).__name__} {tensor_signature(inputs)} on {device.type}",
+        "hardware": {
+            "name": _device_name(device),
+            "memory_capacity_bytes": _memory_capacity_bytes(device),
+            "d2h_bandwidth_gb_per_s": d2h_gb_per_s,
+            "h2d_bandwidth_gb_per_s": h2d_gb_per_s,
+        },
+        "fixed_memory": {
+            "inputs_bytes": distinct_bytes([t for t in inputs if isinstance(t, torch.Tensor)] + target_list),
+            "parameters_bytes": distinct_bytes(params),
+            "gradients_bytes": trainable_bytes,
+            "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes),
+            "other_bytes": buffer_bytes + attribute_bytes,
+        },
+        "nodes": nodes_doc,
+        "provenance": {
+            "source": "measured",
+            "device": _device_name(device),
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "repeats": repeats,
+            "spread_percent": round(statistics.median(spread), 3) if spread else 0.0,
+            "tool": f"{TOOL}, torch {torch.__version__}",
+            "notes": "; ".join(
+                [
+                    f"structure_sha256={graph.structure_sha256()}",
+                    f"inputs={tensor_signature(inputs)}",
+                    f"targets={tensor_signature(targets) if targets is not None else ''}",
+                    f"warmup={warmup}",
+                    "timer=" + ("cuda events" if device.type == "cuda" else "perf_counter_ns"),
+                    "spread_percent is the median over nodes of (max-min)/median of the repeats",
+                    "workspace=" + ("allocator peak" if device.type == "cuda" else "algorithm formula"),
+                ]
+            ),
+        },
+    }
+    return parse_profile(document, "measured profile")
+
+
+def _workspace_bytes(device, algorithm, geometry, element_size, phase, measure: Callable[[], Any], baseline_bytes: int) -> int:
+    formula = conv_algorithms.workspace_bytes(algorithm, geometry, element_size, phase)
+    if device.type != "cuda":
+        return formula
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = measure()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del result
+    return max(0, peak - baseline_bytes)
+
+
+def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tuple[list[dict], list[float]]:
+    graph = ctx.graph
+    order = [node.id for node in graph.nodes]
+    store = DictStore()
+    runs: dict[str, ForwardRun] = {}
+    say(f"reference pass over {len(order)} nodes")
+    for node in graph.nodes:
+        store.entries[node.id], runs[node.id] = forward_node(ctx, node, store)
+    store.entries[LOSS_ID], runs[LOSS_ID] = loss_node(ctx, store)
+    readers_of = {node_id: gradient_sources(node_id, runs, order + [LOSS_ID]) for node_id in order}
+    grad_entries: dict[str, Entry] = {LOSS_ID: store.entries[LOSS_ID]}
+    backward_inputs: dict[str, list[str]] = {}
+    grad_outputs_of: dict[str, list] = {}
+    for node_id in reversed(order):
+        run = runs[node_id]
+        if not any(root is not None for root in run.roots):
+            continue
+        grads, used = gradient_outputs(node_id, len(store.entries[node_id].leaves), readers_of[node_id], grad_entries)
+        if not used:
+            continue
+        input_grads, _ = run_backward(run, grads, retain_graph=True)
+        foreign = ctx.fixed_ptrs | {storage_ptr(g) for g in grads if g is not None}
+        grad_entries[backward_id(node_id)] = Entry(leaves=[], grads=own_storage(input_grads, foreign))
+        saved_sources = run.saved_sources()
+        forward_reads = [source for source in order if source in saved_sources]
+        backward_inputs[node_id] = forward_reads + used
+        grad_outputs_of[node_id] = grads
+
+    timer = Timer(device, repeats, warmup)
+    docs: list[dict] = []
+    bwd_docs: list[dict] = []
+    for index, node in enumerate(graph.nodes):
+        say(f"timing {node.id} ({index + 1}/{len(order)})")
+        entry = store.entries[node.id]
+        output_bytes = distinct_bytes([t for t in entry.leaves if isinstance(t, torch.Tensor)], ctx.fixed_ptrs)
+        extra_bytes = distinct_bytes(entry.extras, ctx.fixed_ptrs)
+        geometry = _conv_geometry(ctx, node, store)
+        names = [a for a in algorithms if geometry is not None and conv_algorithms.applicable(a, geometry)] or [None]
+        implementations = []
+        for algorithm in names:
+            time_ms = timer.measure(lambda: None, lambda _: forward_node(ctx, node, store, algorithm))
+            workspace = 0
+            if algorithm is not None:
+                workspace = _workspace_bytes(
+                    device, algorithm, geometry, entry.leaves[0].element_size(), "forward",
+                    lambda: forward_node(ctx, node, store, algorithm), output_bytes + extra_bytes,
+                )
+            implementations.append({"name": algorithm or "default", "time_ms": time_ms, "workspace_bytes": workspace})
+        docs.append(
+            {
+                "id": node.id,
+                "name": node.module_path or node.id,
+                "kind": "forward",
+                "op_type": node.op_type,
+                "output_bytes": output_bytes,
+                "extra_saved_bytes": extra_bytes,
+                "module": node.module_path,
+                "inputs": list(node.inputs),
+                "implementations": implementations,
+            }
+        )
+        if node.id not in backward_inputs:
+            continue
+        grads = grad_outputs_of[node.id]
+        bwd_entry = grad_entries[backward_id(node.id)]
+        bwd_implementations = []
+        for algorithm in names:
+            def prepare(node=node, algorithm=algorithm):
+                # a fresh local graph; its saved tensors resolve to the reference entries (same shapes)
+                return forward_node(ctx, node, store, "native" if algorithm else None)[1]
+
+            def backward(fresh_run, algorithm=algorithm, grads=grads):
+                with conv_algorithms.backward_algorithm(algorithm):
+                    return run_backward(fresh_run, grads, retain_graph=False)
+
+            time_ms = timer.measure(prepare, backward)
+            workspace = 0
+            if algorithm is not None:
+                state = prepare()
+                workspace = _workspace_bytes(
+                    device, algorithm, geometry, entry.leaves[0].element_size(), "backward",
+                    lambda: backward(state), distinct_bytes([g for g in bwd_entry.grads if g is not None]),
+                )
+            bwd_implementations.append({"name": algorithm or "default", "time_ms": time_ms, "workspace_bytes": workspace})
+        reads_forward = any(not source.endswith(":bwd") for source in backward_inputs[node.id])
+        bwd_docs.append(
+            {
+                "id": backward_id(node.id),
+                "name": f"{node.module_path or node.id} (backward)",
+                "kind": "backward",
+                "op_type": f"{node.op_type}Backward",
+                "output_bytes": distinct_bytes([g for g in bwd_entry.grads if g is not None], ctx.fixed_ptrs),
+                "module": node.module_path,
+                "forward_node": node.id if reads_forward else None,
+                "inputs": backward_inputs[node.id],
+                "implementations": bwd_implementations,
+            }
+        )
+    say("timing the loss")
+    loss_entry = store.entries[LOSS_ID]
+    loss_time = timer.measure(lambda: None, lambda _: loss_node(ctx, store))
+    loss_doc = {
+        "id": LOSS_ID,
+        "name": "loss",
+        "kind": "loss",
+        "op_type": getattr(ctx.loss_fn, "__name__", type(ctx.loss_fn).__name__),
+        "output_bytes": distinct_bytes(loss_entry.tensors(), ctx.fixed_ptrs),
+        "inputs": graph.output_ids(),
+        "implementations": [{"name": "default", "time_ms": loss_time, "workspace_bytes": 0}],
+    }
+    return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads
+
+
+def _conv_geometry(ctx: StepContext, node: CapturedNode, store) -> conv_algorithms.ConvGeometry | None:
+    if not node.is_conv2d:
+        return None
+    source = node.args[0]
+    if isinstance(source, torch.Tensor):
+        shape = source.shape
+    elif source.name in ctx.compute_ids:
+        shape = store.entry(source.name).leaves[0].shape
+    else:
+        shape = ctx.fixed_values[source.name].shape
+    m = node.module
+    return conv_algorithms.ConvGeometry.of(shape, m.weight.shape, m.stride, m.padding, m.dilation, m.groups)
