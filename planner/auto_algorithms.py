@@ -40,7 +40,7 @@ class _Clock:
         self.d2h_ms = 0.0
         self.h2d_ms = 0.0
         self.live_bytes = profile.fixed_bytes
-        self.pending_releases: list[tuple[float, int]] = []  # (time, bytes) not yet reached by the compute clock
+        self.pending_releases: list[tuple[float, int, str]] = []  # (time, bytes, tensor) not yet reached by the compute clock
         self.offload_end_ms: dict[str, float] = {}
         self.prefetch_end_ms: dict[str, float] = {}
 
@@ -49,10 +49,24 @@ class _Clock:
         return node.size_bytes if node is not None else 0
 
     def advance(self) -> None:
-        """Apply every release that has happened by the compute clock (releases first at equal times)."""
+        """Apply every release that has happened by the compute clock (issued earlier, so first at equal times)."""
         while self.pending_releases and self.pending_releases[0][0] <= self.compute_ms:
-            _, size = heapq.heappop(self.pending_releases)
+            _, size, _ = heapq.heappop(self.pending_releases)
             self.live_bytes -= size
+
+    def make_room(self, needed_bytes: int, budget_bytes: int) -> list[str]:
+        """Wait for in-flight offloads, oldest first, until `needed_bytes` fit: what an allocator does when full.
+
+        Returns the tensors whose offloads were waited for.
+        """
+        waited = []
+        while self.pending_releases and self.live_bytes + needed_bytes > budget_bytes:
+            end, size, tensor = heapq.heappop(self.pending_releases)
+            self.compute_ms = max(self.compute_ms, end)
+            self.live_bytes -= size
+            waited.append(tensor)
+            self.advance()
+        return waited
 
     def offload(self, tensor: str) -> None:
         hardware = self.profile.hardware
@@ -82,11 +96,16 @@ class _Clock:
         if release <= self.compute_ms:
             self.live_bytes -= self._size(tensor)
         else:
-            heapq.heappush(self.pending_releases, (release, self._size(tensor)))
+            heapq.heappush(self.pending_releases, (release, self._size(tensor), tensor))
 
 
-def _replay(profile: GraphProfile, schedule: Schedule, on_compute) -> list:
-    """Walk the program with the simulator's clocks; `on_compute(node, live_bytes)` picks each implementation."""
+def _replay(profile: GraphProfile, schedule: Schedule, on_compute, sync_budget_bytes: int | None = None) -> list:
+    """Walk the program with the simulator's clocks; `on_compute(node, operation, live_bytes)` picks each implementation.
+
+    With `sync_budget_bytes`, a compute or prefetch that would not fit even with
+    the smallest workspace first waits for in-flight offloads whose buffers are
+    waiting to be released (waits are inserted into the program).
+    """
     clock = _Clock(profile)
     stages = []
     for stage in schedule.stages:
@@ -98,11 +117,19 @@ def _replay(profile: GraphProfile, schedule: Schedule, on_compute) -> list:
                     operations.append(operation)
                     continue
                 clock.advance()
+                if sync_budget_bytes is not None:
+                    needed = node.size_bytes + node.smallest_workspace.workspace_bytes
+                    for tensor in clock.make_room(needed, sync_budget_bytes):
+                        operations.append(Wait(tensor=tensor, transfer="offload"))
                 implementation = on_compute(node, operation, clock.live_bytes)
                 operations.append(Compute(node=node.id, implementation=implementation.name))
                 clock.live_bytes += node.size_bytes
                 clock.compute_ms += implementation.time_ms
             else:
+                if isinstance(operation, Prefetch) and sync_budget_bytes is not None:
+                    clock.advance()
+                    for tensor in clock.make_room(clock._size(operation.tensor), sync_budget_bytes):
+                        operations.append(Wait(tensor=tensor, transfer="offload"))
                 operations.append(operation)
                 if isinstance(operation, Offload):
                     clock.offload(operation.tensor)
@@ -133,17 +160,22 @@ def compute_peaks(profile: GraphProfile, schedule: Schedule) -> list[int]:
     return peaks
 
 
-def apply_auto(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None) -> Schedule:
+def apply_auto(
+    profile: GraphProfile, schedule: Schedule, budget_bytes: int | None, *, sync_offloads: bool = False
+) -> Schedule:
     """A copy of `schedule` (uncertified, no summary) where every compute uses Auto's implementation.
 
     With `budget_bytes` None every compute takes its fastest implementation.
+    With `sync_offloads`, the compute stream also waits for in-flight offloads
+    when even the smallest workspace would not fit otherwise (the allocator's
+    synchronize-and-retry), for plans whose swap-outs do not block.
     """
 
     def choose(node: Node, operation: Compute, live_bytes: int) -> Implementation:
         free_bytes = None if budget_bytes is None else budget_bytes - live_bytes - node.size_bytes
         return choose_implementation(node, free_bytes)
 
-    stages = _replay(profile, schedule, choose)
+    stages = _replay(profile, schedule, choose, budget_bytes if sync_offloads else None)
     return schedule.model_copy(
         update={"stages": stages, "budget_bytes": budget_bytes, "summary": None}
     )

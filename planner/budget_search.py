@@ -25,6 +25,8 @@ def fitting(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None,
 
     Any other rejection means the strategy wrote an impossible program: a bug.
     """
+    if schedule.budget_bytes != budget_bytes:  # the simulator falls back to the schedule's own budget on None
+        schedule = schedule.model_copy(update={"budget_bytes": budget_bytes})
     try:
         return simulate(profile, schedule, budget_bytes=budget_bytes, keep_timeline=False)
     except ScheduleRejected as rejection:
