@@ -209,6 +209,15 @@ def test_an_identical_request_is_answered_from_the_store_without_solving(client)
     assert other.json()["cached"] is False and other.json()["id"] != first.json()["id"]
 
 
+def test_an_identical_request_in_flight_joins_the_running_job(client):
+    request = plan_request(strategy="test-sleep", time_limit_s=1.0, wait_s=0, seed=91)
+    first = client.post("/v1/plans", json=request)
+    second = client.post("/v1/plans", json=request)
+    assert first.status_code == second.status_code == 202
+    assert second.json()["id"] == first.json()["id"]
+    assert wait_for(client, first.json()["id"], ("done",))["status"] == "done"
+
+
 def test_an_infeasible_budget_is_a_result_with_the_smallest_feasible_budget(client):
     profile = parse_profile(shipped_profile())
     response = client.post("/v1/plans", json=plan_request(strategy="test-sleep", budget_bytes=1, time_limit_s=0.1))
