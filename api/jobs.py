@@ -133,7 +133,7 @@ class JobQueue:
         cancel_seq = self._context.Value("q", -1, lock=False)
         process = self._context.Process(
             target=worker_main,
-            args=(child_end, cancel_seq, list(self.settings.plugins), os.getpid()),
+            args=(child_end, cancel_seq, list(self.settings.plugins), os.getpid(), self.settings.solver_nice),
             name=f"mosos-solver-{index}",
             daemon=True,
         )

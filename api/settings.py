@@ -39,6 +39,9 @@ class Settings(BaseModel):
     max_solver_workers: int = Field(default_factory=default_solver_threads, ge=1, description="Most solver threads per solve.")
     max_wait_s: float = Field(default=60.0, ge=0, description="Longest a POST may wait for its plan before answering 202.")
     default_wait_s: float = Field(default=5.0, ge=0)
+    solver_nice: int = Field(
+        default=10, ge=0, le=19, description="Niceness of solve processes: the server answers first, solves use what is left."
+    )
     cancel_grace_s: float = Field(default=3.0, gt=0, description="How long a cancelled solve may take to stop before it is killed.")
     overrun_grace_s: float = Field(default=15.0, gt=0, description="How long past its time limit a solve may run before it is killed.")
     token: str | None = Field(default=None, repr=False, description="Bearer token; None: no authentication.")

@@ -117,9 +117,14 @@ def solve_task(task: dict, send, should_stop) -> dict:
         }
 
 
-def worker_main(connection, cancel_seq, plugins: list[str], parent_pid: int) -> None:
-    """Entry point of a solve process."""
+def worker_main(connection, cancel_seq, plugins: list[str], parent_pid: int, nice: int = 0) -> None:
+    """Entry point of a solve process; `nice` lowers its priority so that the HTTP server stays responsive."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if nice > 0:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
     try:
         load_plugins(plugins)
         from planner.strategies import load_all

@@ -111,6 +111,7 @@ def test_fifty_requests_in_flight_against_two_solve_processes(tmp_path):
     assert stats["errors"] == [] and stats["wrong"] == []
     assert stats["plans"] == 10
     assert sorted(stats["finals"].values()) == ["done"] * 10  # none lost, none stuck
-    assert stats["busy_during"] >= 1
-    # Generous bound for a loaded 2-core CI machine; benchmarks/results/service.md has the real figures.
-    assert stats["status_p50_during_ms"] < 500, stats
+    assert stats["busy_during"] >= 1 and stats["status_errors_during"] == []
+    # Generous bounds for a loaded 2-core CI machine; benchmarks/results/service.md has the real figures.
+    assert stats["status_p50_sequential_ms"] < 250, stats
+    assert stats["status_p50_during_ms"] < 1000, stats
