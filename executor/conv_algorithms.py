@@ -155,8 +155,9 @@ def _im2col_forward(x, w, stride, padding, dilation):
     o, _, kh, kw = w.shape
     ho, wo = ConvGeometry.of(x.shape, w.shape, stride, padding, dilation).output_hw
     cols = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)  # [N, C*kh*kw, L]
-    out = torch.matmul(w.reshape(o, -1), cols)  # [N, O, L]
-    return out.reshape(n, o, ho, wo)
+    out = x.new_empty((n, o, ho, wo))  # the result owns its storage (not a view of a temporary)
+    torch.matmul(w.reshape(o, -1), cols, out=out.view(n, o, ho * wo))
+    return out
 
 
 def _im2col_backward(x, w, grad, stride, padding, dilation, need_input, need_weight):
@@ -222,7 +223,9 @@ def _winograd_forward(x, w, padding):
     m = torch.bmm(u, v).reshape(4, 4, o, n, th, tw)
     del v
     y = torch.einsum("ij,jkonhw,lk->nohiwl", at, m, at).reshape(n, o, 2 * th, 2 * tw)
-    return y[:, :, :ho, :wo].contiguous()
+    out = x.new_empty((n, o, ho, wo))  # the result owns its storage (not a view of a temporary)
+    out.copy_(y[:, :, :ho, :wo])
+    return out
 
 
 def _winograd_backward(x, w, grad, padding, need_input, need_weight):

@@ -196,8 +196,9 @@ def run_forward(
         input_ptrs = {storage_ptr(leaf): i for i, leaf in enumerate(leaves)}
         for i, item in enumerate(out_leaves):
             # an output sharing an input's storage (views, getitem) gets its own copy, so each
-            # node's tensor can be freed, moved and counted on its own
-            if isinstance(item, torch.Tensor) and storage_ptr(item) in input_ptrs:
+            # node's tensor can be freed, moved and counted on its own; so does a view of a
+            # temporary, whose base would otherwise outlive the free
+            if isinstance(item, torch.Tensor) and (storage_ptr(item) in input_ptrs or not compact(item)):
                 out_leaves[i] = item.clone()
     output_ptrs = {storage_ptr(t): i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor)}
     extras: list[torch.Tensor] = []
@@ -251,11 +252,16 @@ def run_backward(run: ForwardRun, grad_outputs: list, retain_graph: bool = True)
     return input_grads, list(grads[len(wanted_leaves):])
 
 
+def compact(tensor: torch.Tensor) -> bool:
+    """A tensor that owns exactly its storage: not a view, no slack (so its bytes do not depend on how it was made)."""
+    return not tensor._is_view() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 def own_storage(tensors: list, foreign_ptrs: set[int]) -> list:
-    """Copies of the tensors that share storage with someone else's (so each node owns its memory)."""
+    """Copies of the tensors that share storage with someone else's or are views (so each node owns its memory)."""
     result = []
     for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and storage_ptr(tensor) in foreign_ptrs:
+        if isinstance(tensor, torch.Tensor) and (storage_ptr(tensor) in foreign_ptrs or not compact(tensor)):
             tensor = tensor.clone()
         result.append(tensor)
     return result

@@ -1,0 +1,134 @@
+"""Moving a node's tensors to host memory and back, on their own CUDA streams.
+
+On a GPU: offloads run on a device-to-host stream into pinned host buffers
+that are allocated the first time a node is offloaded and reused every step
+after; prefetches run on a host-to-device stream; the compute stream waits on
+CUDA events for exactly the copy it needs (no device-wide synchronization);
+a freed tensor whose offload may still be running is marked with
+`record_stream`, so the allocator does not hand its memory out before the copy
+has read it. On the CPU the same calls make plain synchronous copies into
+separate host tensors, and waiting is a no-op.
+
+Copies are made per storage (raw bytes), so any tensor geometry (views,
+strides, several tensors on one storage) comes back exactly as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.local import Entry, storage_ptr
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclass
+class HostCopy:
+    """A node's tensors in host memory, and how to rebuild each tensor from them."""
+
+    buffers: list[torch.Tensor]  # one uint8 host buffer per device storage
+    slots: list[tuple[str, int, int, tuple]]  # (holder, index, buffer index, geometry)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self.buffers)
+
+
+_HOLDERS = ("leaves", "grads", "extras")
+
+
+def movable_slots(entry: Entry, fixed_ptrs: set[int]):
+    """(holder name, index, tensor) for the tensors this node owns (not parameters or inputs)."""
+    for name in _HOLDERS:
+        for index, item in enumerate(getattr(entry, name)):
+            if isinstance(item, torch.Tensor) and storage_ptr(item) not in fixed_ptrs:
+                yield name, index, item
+
+
+class Transfers:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host_pool: dict[str, list[torch.Tensor]] = {}
+        self.offload_done: dict[str, object] = {}
+        self.prefetch_done: dict[str, object] = {}
+        if self.cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    def _host_buffers(self, node_id: str, sizes: list[int]) -> list[torch.Tensor]:
+        """The node's host buffers: allocated (pinned on a GPU) the first time, reused afterwards."""
+        pool = self.host_pool.get(node_id)
+        if pool is None or [b.numel() for b in pool] != sizes:
+            pool = [torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda) for size in sizes]
+            self.host_pool[node_id] = pool
+        return pool
+
+    def host_pool_bytes(self) -> int:
+        return sum(b.numel() for pool in self.host_pool.values() for b in pool)
+
+    def offload(self, node_id: str, entry: Entry, fixed_ptrs: set[int]) -> HostCopy:
+        storages: list[torch.UntypedStorage] = []
+        index_of: dict[int, int] = {}
+        slots = []
+        for holder, index, tensor in movable_slots(entry, fixed_ptrs):
+            ptr = storage_ptr(tensor)
+            if ptr not in index_of:
+                index_of[ptr] = len(storages)
+                storages.append(tensor.untyped_storage())
+            geometry = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
+            slots.append((holder, index, index_of[ptr], geometry))
+        buffers = self._host_buffers(node_id, [s.nbytes() for s in storages])
+        if self.cuda:
+            ready = torch.cuda.current_stream(self.device).record_event()
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(ready)
+                for buffer, storage in zip(buffers, storages):
+                    buffer.copy_(_bytes_view(storage), non_blocking=True)
+                self.offload_done[node_id] = self.d2h_stream.record_event()
+        else:
+            for buffer, storage in zip(buffers, storages):
+                buffer.copy_(_bytes_view(storage))
+        return HostCopy(buffers, slots)
+
+    def release(self, node_id: str, entry: Entry, fixed_ptrs: set[int]) -> None:
+        """Drop the device tensors; memory under an unfinished offload waits for the copy."""
+        done = self.offload_done.get(node_id)
+        pending = self.cuda and done is not None and not done.query()
+        for holder, index, tensor in list(movable_slots(entry, fixed_ptrs)):
+            if pending:
+                tensor.record_stream(self.d2h_stream)
+            getattr(entry, holder)[index] = None
+
+    def prefetch(self, node_id: str, entry: Entry, copy: HostCopy) -> None:
+        devices = [torch.empty(buffer.numel(), dtype=torch.uint8, device=self.device) for buffer in copy.buffers]
+        if self.cuda:
+            allocated = torch.cuda.current_stream(self.device).record_event()
+            with torch.cuda.stream(self.h2d_stream):
+                self.h2d_stream.wait_event(allocated)
+                offloaded = self.offload_done.get(node_id)
+                if offloaded is not None:
+                    self.h2d_stream.wait_event(offloaded)
+                for device_buffer, host_buffer in zip(devices, copy.buffers):
+                    device_buffer.copy_(host_buffer, non_blocking=True)
+                    device_buffer.record_stream(self.h2d_stream)
+                self.prefetch_done[node_id] = self.h2d_stream.record_event()
+        else:
+            for device_buffer, host_buffer in zip(devices, copy.buffers):
+                device_buffer.copy_(host_buffer)
+        for holder, index, buffer_index, (size, stride, offset, dtype) in copy.slots:
+            storage = devices[buffer_index].untyped_storage()
+            rebuilt = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+            getattr(entry, holder)[index] = rebuilt
+
+    def wait(self, node_id: str, transfer: str) -> None:
+        if not self.cuda:
+            return
+        events = self.prefetch_done if transfer == "prefetch" else self.offload_done
+        event = events.get(node_id)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
