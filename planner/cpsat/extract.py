@@ -1,0 +1,101 @@
+"""From solver values to a Schedule the simulator accepts.
+
+Stage by stage: at the stage start the offloads, then the frees of copies
+that end there, then the prefetches; then each computation in topological
+order, preceded by a wait for any input whose prefetch has not been waited
+for, and followed by the frees of the copies whose last position it is.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from planner.builder import ScheduleBuilder
+from planner.cpsat.data import ModelData
+from planner.cpsat.variables import Variables
+from planner.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class SolvedCopy:
+    tensor: int
+    kind: str
+    rank: int
+    stage: int
+    start: int
+    end: int
+    implementation: int | None
+
+
+@dataclass
+class Solution:
+    copies: list[SolvedCopy] = field(default_factory=list)
+    offload_stage: dict[int, int] = field(default_factory=dict)
+
+
+def read_solution(data: ModelData, v: Variables, value: Callable) -> Solution:
+    solution = Solution()
+    for tensor_copies in v.copies:
+        for copy in tensor_copies:
+            if not value(copy.present):
+                continue
+            implementation = None
+            if copy.computes:
+                implementation = next(i for i, literal in enumerate(copy.implementations) if value(literal))
+            stage = copy.stage if isinstance(copy.stage, int) else value(copy.stage)
+            solution.copies.append(
+                SolvedCopy(copy.tensor, copy.kind, copy.rank, stage, value(copy.start), value(copy.end), implementation)
+            )
+    for j, offload in v.offloads.items():
+        if value(offload.present):
+            solution.offload_stage[j] = value(offload.stage)
+    return solution
+
+
+def build_schedule(data: ModelData, solution: Solution) -> Schedule:
+    computes: dict[int, SolvedCopy] = {}
+    ends: dict[int, list[int]] = defaultdict(list)
+    prefetches: dict[int, list[int]] = defaultdict(list)
+    for copy in solution.copies:
+        ends[copy.end].append(copy.tensor)
+        if copy.kind == "prefetch":
+            prefetches[copy.stage].append(copy.tensor)
+        else:
+            computes[copy.start] = copy
+    offloads: dict[int, list[int]] = defaultdict(list)
+    for j, stage in solution.offload_stage.items():
+        offloads[stage].append(j)
+
+    builder = ScheduleBuilder(data.profile)
+    ids = data.ids
+    waiting: set[int] = set()  # prefetched tensors not yet waited for
+
+    def free(position: int) -> None:
+        for j in sorted(ends.get(position, ())):
+            if j in waiting:
+                builder.wait(ids[j], "prefetch")
+                waiting.discard(j)
+            builder.free(ids[j])
+
+    for t in range(data.n):
+        builder.stage(ids[t])
+        slot = data.stage_slot(t)
+        for j in sorted(offloads.get(t, ())):
+            builder.offload(ids[j])
+        free(slot)
+        for j in sorted(prefetches.get(t, ())):
+            builder.prefetch(ids[j])
+            waiting.add(j)
+        for k in range(data.n):  # computations exist only for k <= t, but a copy may end at any position
+            position = data.pos(t, k)
+            copy = computes.get(position)
+            if copy is not None:
+                for j in data.inputs[k]:
+                    if j in waiting:
+                        builder.wait(ids[j], "prefetch")
+                        waiting.discard(j)
+                builder.compute(ids[k], data.impls[k][copy.implementation].name)
+            free(position)
+    return builder.build(data.budget_bytes)

@@ -1,0 +1,110 @@
+"""Warm starts: read a baseline Schedule back into model values and hand them to CP-SAT as a hint.
+
+The reading is best effort (a baseline may do things the model cannot say,
+such as more recomputations than the model allows); CP-SAT repairs or drops
+an inconsistent hint, so a poor hint costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from planner.cpsat.data import ModelData
+from planner.cpsat.extract import Solution, SolvedCopy
+from planner.cpsat.variables import Variables
+from planner.schedule import Compute, Free, Offload, Prefetch, Schedule
+
+
+@dataclass
+class _Open:
+    kind: str
+    rank: int
+    stage: int
+    start: int
+    implementation: int | None
+    end: int | None = None
+
+
+def schedule_to_solution(data: ModelData, schedule: Schedule) -> Solution:
+    index = {node_id: i for i, node_id in enumerate(data.ids)}
+    impl_index = [{impl.name: i for i, impl in enumerate(impls)} for impls in data.impls]
+    fastest = [data.profile.node_by_id[node_id].fastest.name for node_id in data.ids]
+    current: dict[int, _Open] = {}
+    finished: list[tuple[int, _Open]] = []
+    counts: dict[tuple[int, str], int] = {}
+    offloads: dict[int, int] = {}
+    t = 0
+    for stage in schedule.stages:
+        if stage.node is not None and stage.node in index:
+            t = index[stage.node]
+        position = data.stage_slot(t)
+        computed_yet = False
+        for op in stage.operations:
+            if isinstance(op, Compute):
+                k = index[op.node]
+                if k in current and current[k].end is None:
+                    current[k].end = position
+                if (k, "original") not in counts:
+                    counts[(k, "original")] = 0
+                    kind, rank, copy_stage = "original", 0, k
+                else:
+                    rank = counts.get((k, "recompute"), 0) + 1
+                    counts[(k, "recompute")] = rank
+                    kind, copy_stage = "recompute", t
+                position = data.pos(copy_stage, k)
+                implementation = impl_index[k].get(op.implementation, impl_index[k].get(fastest[k], 0))
+                if k in current:
+                    finished.append((k, current[k]))
+                current[k] = _Open(kind, rank, copy_stage, position, implementation)
+                computed_yet = True
+            elif isinstance(op, Offload):
+                offloads[index[op.tensor]] = t + 1 if computed_yet else t
+            elif isinstance(op, Prefetch):
+                j = index[op.tensor]
+                stage_of_prefetch = t + 1 if computed_yet else t
+                rank = counts.get((j, "prefetch"), 0) + 1
+                counts[(j, "prefetch")] = rank
+                if j in current:
+                    finished.append((j, current[j]))
+                current[j] = _Open("prefetch", rank, stage_of_prefetch, data.stage_slot(stage_of_prefetch), None)
+            elif isinstance(op, Free):
+                j = index[op.tensor]
+                if j in current:
+                    current[j].end = max(position, current[j].start)
+                    if j in offloads and current[j].kind == "original":
+                        hold = data.offload_done[j][offloads[j]] * data.stride - 1 if data.transfers else position
+                        current[j].end = max(current[j].end, hold, data.stage_slot(offloads[j]))
+    finished += list(current.items())
+    solution = Solution(offload_stage=offloads)
+    for j, item in finished:
+        end = item.end if item.end is not None else -1
+        solution.copies.append(SolvedCopy(j, item.kind, item.rank, item.stage, item.start, end, item.implementation))
+    return solution
+
+
+def add_hint(model: cp_model.CpModel, data: ModelData, v: Variables, hint: Solution) -> None:
+    by_key = {(c.tensor, c.kind, c.rank): c for c in hint.copies}
+    for j, tensor_copies in enumerate(v.copies):
+        for copy in tensor_copies:
+            solved = by_key.get((j, copy.kind, copy.rank))
+            if copy.kind != "original":
+                model.add_hint(copy.present, solved is not None)
+                if solved is None:
+                    continue
+                if copy.stage_low <= solved.stage <= copy.stage_high:
+                    model.add_hint(copy.stage, solved.stage)
+            if solved is None:
+                continue
+            if solved.end >= 0:
+                model.add_hint(copy.end, solved.end)
+            if copy.computes and solved.implementation is not None:
+                for i, literal in enumerate(copy.implementations):
+                    if len(copy.implementations) > 1:
+                        model.add_hint(literal, i == solved.implementation)
+    for j, offload in v.offloads.items():
+        stage = hint.offload_stage.get(j)
+        model.add_hint(offload.present, stage is not None)
+        if stage is not None:
+            model.add_hint(offload.stage, stage)

@@ -1,0 +1,26 @@
+"""(1) the objective: total compute time, recomputations included (or the peak, for the minimum-budget search)."""
+
+from __future__ import annotations
+
+from ortools.sat.python import cp_model
+
+from planner.cpsat.data import ModelData
+from planner.cpsat.variables import Variables
+
+
+def compute_time_expression(data: ModelData, v: Variables) -> cp_model.LinearExpr:
+    terms = []
+    for k, tensor_copies in enumerate(v.copies):
+        for copy in tensor_copies:
+            if copy.computes:
+                terms += [impl.time_units * literal for impl, literal in zip(data.impls[k], copy.implementations)]
+    return sum(terms)
+
+
+def set_objective(model: cp_model.CpModel, data: ModelData, v: Variables) -> cp_model.LinearExpr:
+    if data.features.minimize_memory:
+        model.minimize(v.capacity)
+        return v.capacity
+    expression = compute_time_expression(data, v)
+    model.minimize(expression)
+    return expression

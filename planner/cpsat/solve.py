@@ -1,0 +1,120 @@
+"""The driver: build the model, warm-start it, solve it, and turn the answer into a certified schedule."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from planner.builder import PlannerBug, certify
+from planner.cpsat.callback import ProgressCallback, StopWatcher, relative_gap
+from planner.cpsat.constraints import ALL_FAMILIES
+from planner.cpsat.data import Features, ModelData, build_data
+from planner.cpsat.extract import Solution, build_schedule, read_solution
+from planner.cpsat.hints import add_hint, schedule_to_solution
+from planner.cpsat.objective import set_objective
+from planner.cpsat.variables import create_variables
+from planner.errors import ScheduleRejected
+from planner.profile import GraphProfile
+from planner.schedule import Schedule, SolverInfo
+from planner.simulator import simulate
+from planner.strategies import SolveOptions
+
+
+@dataclass
+class SolveOutcome:
+    schedule: Schedule | None  # certified, or None when no solution was found
+    info: SolverInfo
+    data: ModelData
+    objective_value: float | None = None  # model units: ms, or bytes when minimizing memory
+
+
+def solver_parameters(options: SolveOptions, time_limit_s: float) -> cp_model.CpSolver:
+    """One worker + a seed gives the same answer every time: a deterministic time limit then governs."""
+    solver = cp_model.CpSolver()
+    workers = options.workers or 2
+    parameters = solver.parameters
+    parameters.num_workers = workers
+    parameters.random_seed = options.seed
+    parameters.interleave_search = False
+    parameters.log_search_progress = False
+    if workers == 1:
+        parameters.max_deterministic_time = time_limit_s
+        parameters.max_time_in_seconds = 3 * time_limit_s + 5  # a safety net on a loaded machine
+    else:
+        parameters.max_time_in_seconds = time_limit_s
+    return solver
+
+
+def _status_name(solver: cp_model.CpSolver, status) -> str:
+    return solver.status_name(status)
+
+
+def solve_model(
+    profile: GraphProfile,
+    budget_bytes: int | None,
+    features: Features,
+    options: SolveOptions,
+    strategy: str,
+    hints: list[Schedule] = (),
+    time_limit_s: float | None = None,
+) -> SolveOutcome:
+    started = time.monotonic()
+    data = build_data(profile, budget_bytes, features)
+    model = cp_model.CpModel()
+    variables = create_variables(model, data)
+    for add_family in ALL_FAMILIES:
+        add_family(model, data, variables)
+    set_objective(model, data, variables)
+    hint = _best_hint(data, hints)
+    if hint is not None:
+        add_hint(model, data, variables, hint)
+    solver = solver_parameters(options, time_limit_s or options.time_limit_s)
+    if features.minimize_memory:
+        scale = lambda units: units * data.memory_unit_bytes + profile.fixed_bytes  # noqa: E731
+    else:
+        scale = data.time_units_to_ms
+    callback = ProgressCallback(strategy, scale, options.progress, options.should_stop)
+    with StopWatcher(solver, options.should_stop):
+        status = solver.solve(model, callback)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    objective = scale(solver.objective_value) if found else None
+    bound = scale(solver.best_objective_bound) if found else None
+    info = SolverInfo(
+        status=_status_name(solver, status),
+        objective=objective,
+        bound=bound,
+        gap=relative_gap(objective, bound),
+        wall_time_s=time.monotonic() - started,
+        time_to_first_solution_s=callback.first_solution_s,
+        workers=solver.parameters.num_workers,
+        seed=options.seed,
+        encoding=features.describe(),
+    )
+    if not found:
+        return SolveOutcome(None, info, data)
+    solution = read_solution(data, variables, solver.value)
+    schedule = certify(profile, build_schedule(data, solution), strategy, info)
+    return SolveOutcome(schedule, info, data, objective)
+
+
+def _best_hint(data: ModelData, hints) -> Solution | None:
+    """The fastest hint schedule that fits the budget, read back into model values."""
+    best, best_time = None, None
+    for schedule in hints:
+        try:
+            result = simulate(data.profile, schedule, data.budget_bytes, keep_timeline=False)
+        except ScheduleRejected:
+            continue
+        if best_time is None or result.step_time_ms < best_time:
+            best, best_time = schedule, result.step_time_ms
+    if best is None:
+        return None
+    try:
+        return schedule_to_solution(data, best)
+    except (KeyError, IndexError, StopIteration):
+        return None
+
+
+__all__ = ["SolveOutcome", "solve_model", "PlannerBug"]

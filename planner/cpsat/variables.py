@@ -1,0 +1,142 @@
+"""Decision variables: the copies of each tensor and its offload.
+
+A *copy* is one stay of a tensor in device memory, as an interval of
+positions [start, end]: the first computation (stage j), a recomputation
+(some later stage), or a prefetch (buffer from the start of its stage). This
+is MO-SOS's R/S/P/FREE information in O(n) variables per tensor: R[t,k,v] is
+"copy of k with stage t and implementation v", S[t,j] is "some copy of j
+covers the start of stage t", FREE is the end of a copy. Copies that can
+never be useful are not created (pruning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from planner.cpsat.data import ModelData
+
+
+@dataclass
+class Copy:
+    tensor: int
+    kind: str  # "original", "recompute" or "prefetch"
+    rank: int
+    present: cp_model.IntVar
+    stage: cp_model.IntVar | int  # compute stage, or the stage where the prefetch is issued
+    start: cp_model.LinearExprT
+    end: cp_model.IntVar
+    interval: cp_model.IntervalVar
+    implementations: list[cp_model.IntVar] = field(default_factory=list)  # compute copies: one Boolean per implementation
+    ready_stage: cp_model.IntVar | None = None  # prefetch copies: first stage that may read it
+    stage_low: int = 0
+    stage_high: int = 0
+
+    @property
+    def computes(self) -> bool:
+        return self.kind != "prefetch"
+
+
+@dataclass
+class Offload:
+    tensor: int
+    present: cp_model.IntVar
+    stage: cp_model.IntVar
+    done_stage: cp_model.IntVar
+    stage_low: int = 0
+
+
+@dataclass
+class Variables:
+    model: cp_model.CpModel
+    copies: list[list[Copy]]
+    offloads: dict[int, Offload]
+    capacity: cp_model.IntVar | int
+    uses: dict[tuple[int, int, int], list[tuple[Copy, cp_model.IntVar]]] = field(default_factory=dict)
+    # (reader copy id, input tensor) -> candidate serving copies with their choice literal
+
+
+def _offload_window(data: ModelData, j: int) -> tuple[int, int] | None:
+    """Stages at which offloading j can still pay off (a prefetch completes before a reader), or None."""
+    if not data.transfers or not data.users[j] or data.features.max_prefetches < 1:
+        return None
+    last_reader_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
+    stages = [
+        a
+        for a in range(j + 1, data.n)
+        if data.offload_done[j][a] < data.n and data.prefetch_done[j][data.offload_done[j][a]] <= last_reader_stage
+    ]
+    if not stages:
+        return None
+    return stages[0], stages[-1]
+
+
+def _prefetch_window(data: ModelData, j: int, first_offload_stage: int) -> tuple[int, int] | None:
+    last_reader_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
+    first = data.offload_done[j][first_offload_stage]
+    stages = [p for p in range(first, data.n) if data.prefetch_done[j][p] <= last_reader_stage]
+    return (stages[0], stages[-1]) if stages else None
+
+
+def _implementation_literals(model: cp_model.CpModel, data: ModelData, k: int, present, name: str) -> list:
+    if len(data.impls[k]) == 1:
+        return [present]
+    literals = [model.new_bool_var(f"{name}_impl{i}") for i in range(len(data.impls[k]))]
+    model.add(sum(literals) == present)
+    return literals
+
+
+def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
+    n = data.n
+    capacity: cp_model.IntVar | int = data.capacity_units
+    if data.features.minimize_memory:
+        capacity = model.new_int_var(0, data.capacity_units, "capacity")
+    copies: list[list[Copy]] = []
+    offloads: dict[int, Offload] = {}
+    for j in range(n):
+        last_use = data.last_use_position(j)
+        window = _offload_window(data, j)
+        hold = data.offload_done[j][window[1]] * data.stride - 1 if window else -1
+        start = data.pos(j, j)
+        end = model.new_int_var(start, max(start, last_use, hold), f"end_{j}_0")
+        one = model.new_bool_var(f"present_{j}_0")
+        model.add(one == 1)
+        original = Copy(j, "original", 0, one, j, start, end, None, stage_low=j, stage_high=j)  # type: ignore[arg-type]
+        original.interval = model.new_interval_var(start, end + 1 - start, end + 1, f"mem_{j}_0")
+        original.implementations = _implementation_literals(model, data, j, one, f"c_{j}_0")
+        tensor_copies = [original]
+        if data.features.recompute and data.recomputable[j]:
+            last_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
+            for r in range(1, data.features.max_recomputes + 1):
+                if j + 1 > last_stage:
+                    break
+                present = model.new_bool_var(f"present_{j}_r{r}")
+                stage = model.new_int_var(j + 1, last_stage, f"stage_{j}_r{r}")
+                start_expr = stage * data.stride + 1 + j
+                end_r = model.new_int_var(data.pos(j + 1, j), max(data.pos(j + 1, j), last_use), f"end_{j}_r{r}")
+                size = model.new_int_var(0, max(1, last_use - data.pos(j + 1, j) + 1), f"size_{j}_r{r}")
+                interval = model.new_optional_interval_var(start_expr, size, end_r + 1, present, f"mem_{j}_r{r}")
+                copy = Copy(j, "recompute", r, present, stage, start_expr, end_r, interval, stage_low=j + 1, stage_high=last_stage)
+                copy.implementations = _implementation_literals(model, data, j, present, f"c_{j}_r{r}")
+                tensor_copies.append(copy)
+        if window:
+            offload_present = model.new_bool_var(f"offload_{j}")
+            stage = model.new_int_var(window[0], window[1], f"offload_stage_{j}")
+            done = model.new_int_var(0, n, f"offload_done_{j}")
+            model.add_element(stage, data.offload_done[j][: window[1] + 1], done)
+            offloads[j] = Offload(j, offload_present, stage, done, stage_low=window[0])
+            prefetch_window = _prefetch_window(data, j, window[0])
+            for p in range(1, data.features.max_prefetches + 1 if prefetch_window else 1):
+                low, high = prefetch_window
+                present = model.new_bool_var(f"present_{j}_p{p}")
+                stage = model.new_int_var(low, high, f"prefetch_stage_{j}_p{p}")
+                ready = model.new_int_var(0, n, f"prefetch_ready_{j}_p{p}")
+                model.add_element(stage, data.prefetch_done[j][: high + 1], ready)
+                start_expr = stage * data.stride
+                end_p = model.new_int_var(data.stage_slot(low), max(data.stage_slot(low), last_use), f"end_{j}_p{p}")
+                size = model.new_int_var(0, max(1, last_use - data.stage_slot(low) + 1), f"size_{j}_p{p}")
+                interval = model.new_optional_interval_var(start_expr, size, end_p + 1, present, f"mem_{j}_p{p}")
+                tensor_copies.append(Copy(j, "prefetch", p, present, stage, start_expr, end_p, interval, ready_stage=ready, stage_low=low, stage_high=high))
+        copies.append(tensor_copies)
+    return Variables(model, copies, offloads, capacity)

@@ -1,0 +1,49 @@
+"""checkmate-auto: the optimal recompute-only plan, then the framework's Auto algorithm choice.
+
+As the MO-SOS paper's baseline: the recomputation plan does not know about
+algorithms (it plans with each node's smallest-workspace implementation,
+timed as its fastest), then Auto gives each computation the fastest
+implementation whose workspace fits in the memory left at that moment.
+"""
+
+from __future__ import annotations
+
+from planner.builder import certify
+from planner.cpsat.data import Features
+from planner.cpsat.greedy import greedy_recompute_schedule
+from planner.cpsat.run import best_plan, plan_with_model
+from planner.profile import GraphProfile
+from planner.schedule import Schedule
+from planner.strategies import SolveOptions, strategy
+
+CHECKMATE = Features(recompute=True, transfers=False, implementations="framework", max_recomputes=2)
+
+
+def with_auto(profile: GraphProfile, budget_bytes: int, base: Schedule) -> tuple[Schedule, str]:
+    """Auto's algorithm choice on top of `base`, unless that is no faster (or, by a bug, does not fit)."""
+    from planner.auto_algorithms import apply_auto
+
+    candidates = [("auto", apply_auto(profile, base, budget_bytes)), ("base", base)]
+    name, schedule, _ = best_plan(profile, budget_bytes, candidates)
+    return schedule, name
+
+
+def checkmate_auto_plan(
+    profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
+    explain_infeasible: bool = True,
+) -> Schedule | None:
+    greedy = greedy_recompute_schedule(profile, budget_bytes)
+    base, info, _ = plan_with_model(
+        profile, budget_bytes, options, "checkmate-auto", CHECKMATE,
+        hints=[s for s in (greedy,) if s is not None], others=[("greedy evict-and-recompute", greedy)],
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
+    )
+    if base is None:
+        return None
+    schedule, _ = with_auto(profile, budget_bytes, base)
+    return certify(profile, schedule, "checkmate-auto", info)
+
+
+@strategy("checkmate-auto", "optimal recompute-only plan (CP-SAT), then Auto algorithm choice in the memory left")
+def plan_checkmate_auto(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
+    return checkmate_auto_plan(profile, budget_bytes, options)

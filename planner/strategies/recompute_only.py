@@ -1,0 +1,37 @@
+"""recompute-only: the optimal plan that only frees and recomputes, fastest implementation everywhere.
+
+The problem Checkmate (MLSys 2020) and Moccasin (ICML 2023) solve, and the
+natural strategy for imported Checkmate graphs. CP-SAT on the interval model
+(`planner.cpsat`) with transfers and algorithm choice switched off, started
+from a greedy evict-and-recompute plan.
+"""
+
+from __future__ import annotations
+
+from planner.builder import certify
+from planner.cpsat.data import Features
+from planner.cpsat.greedy import greedy_recompute_schedule
+from planner.cpsat.run import plan_with_model
+from planner.profile import GraphProfile
+from planner.schedule import Schedule
+from planner.strategies import SolveOptions, strategy
+
+RECOMPUTE_ONLY = Features(recompute=True, transfers=False, implementations="fastest", max_recomputes=2)
+
+
+def recompute_only_plan(
+    profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
+    explain_infeasible: bool = True,
+) -> Schedule | None:
+    greedy = greedy_recompute_schedule(profile, budget_bytes)
+    schedule, info, _ = plan_with_model(
+        profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
+        hints=[s for s in (greedy,) if s is not None], others=[("greedy evict-and-recompute", greedy)],
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
+    )
+    return None if schedule is None else certify(profile, schedule, "recompute-only", info)
+
+
+@strategy("recompute-only", "optimal plan that only recomputes, fastest implementation everywhere (Checkmate/Moccasin problem, CP-SAT)")
+def plan_recompute_only(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
+    return recompute_only_plan(profile, budget_bytes, options)
