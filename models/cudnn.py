@@ -44,7 +44,7 @@ EFFICIENCY = {
 WINOGRAD_SAVING = {"winograd": 2.25, "winograd_nonfused": 4.0}
 REDUCTION_TILE = 128  # a GEMM reduction shorter than this leaves the tile partly idle (conv1_1: 3*3*3 = 27)
 OUTPUT_TILE = 32  # likewise for few output channels
-WINOGRAD_CHANNEL_TILE = 32  # Winograd kernels reduce over input channels only, in tiles of about 32
+CHANNEL_TILE = 32  # Winograd and FFT kernels reduce over input channels only, in tiles of about 32
 FORWARD_FAMILIES = ("implicit_gemm", "implicit_precomp_gemm", "gemm", "fft", "fft_tiling", "winograd",
                     "winograd_nonfused")
 BACKWARD_DATA_FAMILIES = ("implicit_gemm", "fft", "fft_tiling", "winograd", "winograd_nonfused")
@@ -173,7 +173,7 @@ def _time_ms(family: str, s: ConvShape, device: Device, workspace: int) -> float
         util = _gemm_utilization((s.c // s.groups) * s.kh * s.kw, s.k)
         return device.kernel_ms(s.flops, io, eff * util) + device.memory_ms(2 * workspace + s.input_bytes)
     if family in ("winograd", "winograd_nonfused"):
-        util = min(1.0, s.c / WINOGRAD_CHANNEL_TILE) * min(1.0, s.k / OUTPUT_TILE)
+        util = min(1.0, s.c / CHANNEL_TILE) * min(1.0, s.k / OUTPUT_TILE)
         compute = device.kernel_ms(s.flops / WINOGRAD_SAVING[family], io, eff * util)
         if family == "winograd":
             return compute
@@ -181,12 +181,12 @@ def _time_ms(family: str, s: ConvShape, device: Device, workspace: int) -> float
     if family == "fft":
         hf, wf = _fft_size(s)
         products = 8.0 * s.n * s.k * s.c * hf * (wf // 2 + 1)
-        return device.kernel_ms(products, 0, eff) + device.memory_ms(2 * workspace + io, kernels=3)
+        return device.kernel_ms(products, 0, eff * min(1.0, s.c / CHANNEL_TILE)) + device.memory_ms(2 * workspace + io, kernels=3)
     if family == "fft_tiling":
         tiles = _tiles(s, 32)
         products = 8.0 * s.n * s.k * s.c * tiles * 32 * 17
         traffic = 2 * s.n * (s.c + s.k) * tiles * 32 * 17 * 2 * s.element_bytes + io
-        return device.kernel_ms(products, 0, eff) + device.memory_ms(traffic, kernels=3)
+        return device.kernel_ms(products, 0, eff * min(1.0, s.c / CHANNEL_TILE)) + device.memory_ms(traffic, kernels=3)
     raise ValueError(f"unknown convolution algorithm family {family!r}")
 
 

@@ -353,18 +353,22 @@ def estimate(
     *,
     image_size: int | None = None,
     tokens: int | None = None,
+    small: bool = False,
     math: str = "fp32",
     optimizer: str = "sgd-momentum",
     memory_bytes: int | None = None,
 ) -> GraphProfile:
-    """Estimate a reference network (see `models.list_models()`) at `batch_size` on `gpu`."""
+    """Estimate a reference network (see `models.list_models()`) at `batch_size` on `gpu`.
+
+    `small=True` estimates the tiny test variant (same layer kinds, few channels).
+    """
     from models.registry import get_model
 
     if batch_size < 1:
         raise EstimateError(f"batch size must be at least 1, not {batch_size}")
     gpu = _gpu(gpu)
     try:
-        spec = get_model(model, image_size=image_size, tokens=tokens)
+        spec = get_model(model, small, image_size=image_size, tokens=tokens)
     except (KeyError, ValueError) as error:
         raise EstimateError(str(error.args[0] if error.args else error)) from None
     with torch.device("meta"):
@@ -372,7 +376,7 @@ def estimate(
     target_shape, target_kind = spec.target_shape(batch_size)
     target_bytes = _numel(target_shape) * (8 if target_kind == "int64" else 4)
     size = "x".join(str(d) for d in spec.input_shape[1:]) if len(spec.input_shape) == 3 else f"{spec.input_shape[0]} tokens"
-    profile_name = f"{spec.name} batch {batch_size} {size} on {gpu.name} (estimated)"
+    profile_name = f"{spec.name}{' (small)' if small else ''} batch {batch_size} {size} on {gpu.name} (estimated)"
     example = torch.empty((batch_size, *spec.input_shape), device="meta")
     traced = trace(module, example)
     return build_profile(traced, gpu, name=profile_name, target_bytes=target_bytes, math=math, optimizer=optimizer,

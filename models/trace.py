@@ -135,15 +135,15 @@ class _NamingTracer(fx.Tracer):
 
     def __init__(self):
         super().__init__()
-        self.mosos_where: list[tuple[str, str]] = []
+        self.failed_in: tuple[str, str] | None = None  # the innermost module being traced when it failed
 
     def call_module(self, m, forward, args, kwargs):
-        path = self.path_of_module(m)
-        self.mosos_where.append((path or "<root>", type(m).__name__))
         try:
             return super().call_module(m, forward, args, kwargs)
-        finally:
-            self.mosos_where.pop()
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = (self.path_of_module(m) or "<root>", type(m).__name__)
+            raise
 
 
 def _user_frame(error: BaseException) -> str | None:
@@ -162,7 +162,7 @@ def trace(model: nn.Module, example_input: torch.Tensor) -> TracedGraph:
     try:
         graph = tracer.trace(model)
     except Exception as error:  # fx raises TraceError, TypeError, RuntimeError... all mean the same to the user
-        where = tracer.mosos_where[-1] if tracer.mosos_where else ("<root>", type(model).__name__)
+        where = tracer.failed_in or ("<root>", type(model).__name__)
         line = _user_frame(error)
         raise TraceFailure(
             f"cannot trace module {where[0]!r} ({where[1]})" + (f" in {line}" if line else "")

@@ -1,0 +1,211 @@
+"""Estimated profiles: graph convention, sizes from shapes, convolution families, CLI and clear failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from models import cudnn, get_model, list_models  # noqa: E402
+from models.estimator import EstimateError, estimate, estimate_module  # noqa: E402
+from models.gpus import GPUS, get_gpu  # noqa: E402
+from models.make_profiles import PROFILE_DIR, SHIPPED  # noqa: E402
+from models.roofline import Device  # noqa: E402
+from models.trace import TraceFailure  # noqa: E402
+from planner.cli import app  # noqa: E402
+from planner.planning import plan  # noqa: E402
+from planner.profile import load_profile, parse_profile  # noqa: E402
+from planner.simulator import simulate  # noqa: E402
+from planner.strategies.keep_all import keep_all_schedule  # noqa: E402
+
+FLOAT = 4
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_small_models_give_valid_profiles_that_keep_all_can_run(name):
+    profile = estimate(name, 2, "p40", small=True)
+    again = parse_profile(json.loads(profile.to_json()))  # the JSON round trip validates
+    assert again.digest() == profile.digest()
+    assert profile.provenance.source == "estimated"
+    assert "v1.0" in profile.provenance.estimator and profile.provenance.device == "Tesla P40"
+    kinds = [node.kind for node in profile.nodes]
+    assert kinds.count("loss") == 1
+    loss_at = kinds.index("loss")
+    assert set(kinds[:loss_at]) == {"forward"} and set(kinds[loss_at + 1 :]) == {"backward"}
+    ids = {node.id for node in profile.nodes}
+    for node in profile.nodes[loss_at + 1 :]:
+        assert node.id.endswith(":bwd") and node.id.removesuffix(":bwd") in ids
+    result = simulate(profile, keep_all_schedule(profile))
+    assert result.peak_memory_bytes > profile.fixed_bytes
+
+
+def test_node_ids_follow_the_fx_graph():
+    spec = get_model("resnet18", small=True)
+    traced = torch.fx.symbolic_trace(spec.build())
+    work = [n.name for n in traced.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    profile = estimate("resnet18", 2, "v100", small=True)
+    forward = [node.id for node in profile.nodes if node.kind == "forward"]
+    assert forward == work
+    # one backward node per forward node except the pass-through ones (views, concatenations)
+    backward = [node.id.removesuffix(":bwd") for node in profile.nodes if node.kind == "backward"]
+    assert backward == [n for n in reversed(work) if profile.node_by_id[n].op_type != "view"]
+
+
+def test_sizes_and_saved_tensors_of_vgg16():
+    batch = 8
+    profile = estimate("vgg16", batch, "titanx")
+    nodes = profile.node_by_id
+    conv1 = nodes["features_0"]
+    assert conv1.op_type == "conv2d" and conv1.output_bytes == batch * 64 * 224 * 224 * FLOAT
+    relu1 = nodes["features_1"]
+    assert nodes["features_1:bwd"].inputs == ["features_2:bwd", "features_1"]  # ReLU backward reads its output
+    pool = nodes["features_4"]
+    assert pool.extra_saved_bytes == batch * 64 * 112 * 112 * 8  # int64 indices
+    assert set(nodes["features_4:bwd"].inputs) == {"features_5:bwd", "features_3", "features_4"}
+    # a convolution's backward reads its input; the first one has no input gradient to produce
+    assert nodes["features_2:bwd"].inputs == ["features_3:bwd", "features_1"]
+    assert nodes["features_2:bwd"].output_bytes == relu1.output_bytes
+    assert nodes["features_0:bwd"].output_bytes == 0
+    assert nodes["features_0:bwd"].forward_node is None  # it reads only gradients and the model input
+    assert all(i.name.startswith("filter=") for i in nodes["features_0:bwd"].implementations)
+    dropout = next(n for n in profile.nodes if n.op_type == "dropout")
+    assert dropout.extra_saved_bytes == batch * 4096  # bool mask
+    flatten = nodes["flatten"]
+    assert flatten.output_bytes == 0 and flatten.op_type == "view"
+    assert set(nodes["classifier_0"].inputs) == {"flatten", "avgpool"}  # reads the view and what it views
+    params = 138_357_544 * FLOAT
+    fixed = profile.fixed_memory
+    assert fixed.parameters_bytes == fixed.gradients_bytes == fixed.optimizer_state_bytes == params
+    assert fixed.inputs_bytes == batch * 3 * 224 * 224 * FLOAT + batch * 8
+    assert nodes["loss"].output_bytes == batch * 1000 * FLOAT
+    adam = estimate("vgg16", batch, "titanx", optimizer="adam")
+    assert adam.fixed_memory.optimizer_state_bytes == 2 * params
+
+
+def test_convolutions_get_one_implementation_per_applicable_family():
+    profile = estimate("resnet50", 4, "v100", small=True)
+    stem = profile.node_by_id["conv1"]  # 7x7, stride 2
+    names = {i.name for i in stem.implementations}
+    assert names == {"implicit_gemm", "implicit_precomp_gemm", "gemm"}
+    three = profile.node_by_id["layer1_0_conv2"]  # 3x3, stride 1
+    assert {"winograd", "winograd_nonfused", "fft", "fft_tiling"} <= {i.name for i in three.implementations}
+    assert three.smallest_workspace.workspace_bytes == 0  # a zero-workspace algorithm always exists
+    backward = profile.node_by_id["layer1_0_conv2:bwd"].implementations
+    times = [i.time_ms for i in backward]
+    workspaces = [i.workspace_bytes for i in backward]
+    assert times == sorted(times) and workspaces == sorted(workspaces, reverse=True)  # a Pareto front
+    assert all(i.name.startswith("data=") and "+filter=" in i.name for i in backward)
+
+
+def test_transformer_has_attention_and_residual_gradient_nodes():
+    profile = estimate("transformer", 2, "h100", small=True, math="tf32")
+    nodes = profile.node_by_id
+    attention = nodes["scaled_dot_product_attention"]
+    assert attention.op_type == "attention" and attention.extra_saved_bytes == 2 * 2 * 8 * 4  # log-sum-exp
+    assert {"blocks_0_q", "blocks_0_k", "blocks_0_v"} <= set(nodes["scaled_dot_product_attention:bwd"].inputs)
+    assert nodes["add:bwd"].forward_node is None and nodes["add:bwd"].output_bytes == nodes["add"].output_bytes
+    assert max(len(node.inputs) for node in profile.nodes) <= 8  # residual gradients do not pile up
+    tf32 = estimate("transformer", 8, "h100", tokens=256, math="tf32")
+    fp32 = estimate("transformer", 8, "h100", tokens=256)
+    assert sum(n.fastest.time_ms for n in tf32.nodes) < 0.5 * sum(n.fastest.time_ms for n in fp32.nodes)
+
+
+def test_gpu_table_has_sourced_figures():
+    assert {"titanx", "p40", "p100", "v100", "a100", "h100"} <= set(GPUS)
+    for gpu in GPUS.values():
+        assert gpu.sources and gpu.memory_bytes > 0 and gpu.fp32_tflops > 0 and gpu.pcie.startswith("PCIe")
+    p40 = get_gpu("P40")
+    assert p40.d2h_gb_per_s >= 12 and p40.h2d_gb_per_s >= 11 and p40.memory_bytes == 24 * 2**30
+    assert get_gpu("h100").peak_tflops("tf32") > get_gpu("h100").peak_tflops("fp32")
+    assert get_gpu("p100").peak_tflops("tf32") == 9.3  # no tensor cores: FP32
+    profile = estimate("vgg16", 1, "p40", small=True)
+    assert profile.hardware.d2h_bandwidth_gb_per_s == 12 and profile.hardware.h2d_bandwidth_gb_per_s == 11
+
+
+def test_cudnn_family_rules():
+    device = Device(get_gpu("p100"))
+    conv = cudnn.ConvShape(176, 3, 224, 224, 64, 3, 3, padding=(1, 1))
+    assert cudnn.workspace_bytes("gemm", conv) == 3 * 9 * 224 * 224 * 176 * FLOAT
+    assert cudnn.workspace_bytes("implicit_gemm", conv) == 0
+    strided = cudnn.ConvShape(8, 64, 56, 56, 128, 3, 3, stride=(2, 2), padding=(1, 1))
+    families = {a.family for a in cudnn.forward_algorithms(strided, device)}
+    assert families == {"implicit_gemm", "implicit_precomp_gemm", "gemm"}
+    big = cudnn.ConvShape(176, 64, 224, 224, 64, 3, 3, padding=(1, 1))  # GEMM would need 20 GB on a 16 GB card
+    assert "gemm" not in {a.family for a in cudnn.forward_algorithms(big, device)}
+    a, b, c = cudnn.Algorithm("a", 1.0, 100), cudnn.Algorithm("b", 2.0, 200), cudnn.Algorithm("c", 3.0, 0)
+    assert cudnn.pareto([b, c, a]) == [a, c]
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor's value: fx cannot trace it
+            return self.conv(x)
+        return x
+
+
+class Wrapper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 3, 1)
+        self.body = nn.Sequential(nn.ReLU(), DataDependent())
+
+    def forward(self, x):
+        return self.body(self.stem(x))
+
+
+def test_untraceable_model_names_the_module():
+    with pytest.raises(TraceFailure) as caught:
+        estimate_module(Wrapper(), (2, 3, 8, 8), "p40")
+    message = str(caught.value)
+    assert "'body.1'" in message and "DataDependent" in message and "test_estimate.py" in message
+    assert "Traceback" not in message
+
+
+def test_estimate_module_leaves_the_callers_weights_alone():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16 * 16, 10))
+    profile = estimate_module(model, (4, 3, 16, 16), "a100")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert [n.id for n in profile.nodes if n.kind == "forward"] == ["_0", "_1", "_2", "_3"]
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(EstimateError, match="unknown GPU"):
+        estimate("vgg16", 1, "k80")
+    with pytest.raises(EstimateError, match="unknown model"):
+        estimate("alexnet", 1, "p40")
+    with pytest.raises(EstimateError, match="batch size"):
+        estimate("vgg16", 0, "p40")
+    with pytest.raises(EstimateError, match="optimizer"):
+        estimate("vgg16", 1, "p40", small=True, optimizer="lion")
+
+
+def test_cli_estimate_writes_a_valid_profile(tmp_path: Path):
+    out = tmp_path / "p.json"
+    runner = CliRunner()
+    result = runner.invoke(app, ["estimate", "--model", "unet", "--small", "--batch", "2", "--gpu", "p40",
+                                 "--memory", "12GiB", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(out)
+    assert profile.hardware.memory_capacity_bytes == 12 * 2**30
+    bad = runner.invoke(app, ["estimate", "--model", "unet", "--batch", "2", "--gpu", "k80", "-o", str(out)])
+    assert bad.exit_code == 2 and "unknown GPU" in bad.output and "Traceback" not in bad.output
+    missing = runner.invoke(app, ["estimate", "--model", "unet"])
+    assert missing.exit_code == 2 and "--batch" in missing.output
+
+
+@pytest.mark.parametrize("file_name", [entry[0] for entry in SHIPPED])
+def test_shipped_profiles_validate_and_plan_with_keep_all(file_name):
+    profile = load_profile(PROFILE_DIR / file_name)
+    assert profile.provenance.source == "estimated"
+    schedule = plan(profile, strategy="keep-all")
+    assert schedule.summary.peak_memory_bytes > profile.fixed_bytes
