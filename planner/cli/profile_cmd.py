@@ -1,0 +1,88 @@
+"""`mosos profile`: measure a reference network on this machine (CPU or CUDA) into a profile.
+
+torch, `models` and `executor` are imported only when the command runs, so the
+planner stays importable without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from planner.cli.app import app, console, error_console, friendly
+from planner.errors import MososError
+from planner.units import format_bytes
+
+
+def _load():
+    try:
+        import torch
+    except ImportError:
+        raise MososError("mosos profile needs torch to run the model: pip install torch") from None
+    from executor.profiler import profile_model
+    from models import get_model
+
+    return torch, profile_model, get_model
+
+
+@app.command("profile")
+@friendly
+def profile_command(
+    model: str = typer.Option(..., "--model", help="reference network: vgg19, resnet50, unet, transformer, ..."),
+    batch: int = typer.Option(..., "--batch", help="batch size"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
+    small: bool = typer.Option(False, "--small", help="the small variant of the network (for CPU tests)"),
+    image_size: int = typer.Option(None, help="input image size (images) instead of the network's default"),
+    tokens: int = typer.Option(None, help="sequence length (transformer) instead of the default"),
+    dtype: str = typer.Option("float32", help="float32 or float64"),
+    optimizer: str = typer.Option("sgd", help="optimizer whose state counts as fixed memory: sgd, momentum, adam, adamw"),
+    repeats: int = typer.Option(5, help="timed runs per node (the median is kept)"),
+    warmup: int = typer.Option(2, help="untimed runs per node before timing"),
+    d2h_gb_per_s: float = typer.Option(None, "--d2h-gb-per-s", help="device-to-host bandwidth, 1e9 B/s (CPU: none unless given; CUDA: measured unless given)"),
+    h2d_gb_per_s: float = typer.Option(None, "--h2d-gb-per-s", help="host-to-device bandwidth, 1e9 B/s"),
+    seed: int = typer.Option(0, help="seed for the parameters"),
+    output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
+) -> None:
+    """Profile one training step of a reference network, node by node, on this machine."""
+    if batch < 1:
+        raise MososError(f"--batch must be at least 1, got {batch}")
+    if repeats < 1 or warmup < 0:
+        raise MososError("--repeats must be at least 1 and --warmup at least 0")
+    for flag, value in (("--d2h-gb-per-s", d2h_gb_per_s), ("--h2d-gb-per-s", h2d_gb_per_s)):
+        if value is not None and not value > 0:
+            raise MososError(f"{flag} must be positive, got {value}")
+    torch, profile_model, get_model = _load()
+    if device not in ("cpu", "cuda"):
+        raise MososError(f"--device must be cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MososError("--device cuda: no CUDA device is available here (this torch build or machine has none)")
+    dtypes = {"float32": torch.float32, "float64": torch.float64}
+    if dtype not in dtypes:
+        raise MososError(f"--dtype must be float32 or float64, not {dtype!r}")
+    try:
+        spec = get_model(model, small=small, image_size=image_size, tokens=tokens)
+    except (KeyError, ValueError) as error:
+        raise MososError(str(error).strip("'\"")) from None
+    torch.manual_seed(seed)
+    network = spec.build().to(device=device, dtype=dtypes[dtype])
+    inputs, targets = spec.example_inputs(batch, device=device, dtype=dtypes[dtype])
+    label = f"{spec.name}{' (small)' if small else ''} batch {batch} {dtype} on {device}"
+    with console.status(f"profiling {label}") as status:
+        profile = profile_model(
+            network, inputs, spec.loss, targets,
+            name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
+            d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
+            progress=lambda message: status.update(f"profiling {label}: {message}"),
+        )
+    output.write_text(profile.to_json())
+    total_ms = sum(node.fastest.time_ms for node in profile.nodes)
+    activations = sum(node.size_bytes for node in profile.nodes if node.kind != "backward")
+    console.print(
+        f"{label}: {len(profile.nodes)} nodes, fastest compute {total_ms:.2f} ms, forward tensors "
+        f"{format_bytes(activations)}, fixed memory {format_bytes(profile.fixed_bytes)}, "
+        f"spread {profile.provenance.spread_percent}% over {repeats} repeats"
+    )
+    if profile.hardware.d2h_bandwidth_gb_per_s is None:
+        error_console.print("note: no transfer bandwidth (give --d2h-gb-per-s/--h2d-gb-per-s): plans cannot offload")
+    console.print(f"wrote {output}")
