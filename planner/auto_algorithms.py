@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 
 from planner.profile import GraphProfile, Implementation, Node
-from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
+from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Stage, Wait
 
 
 def choose_implementation(node: Node, free_bytes: int | None) -> Implementation:
@@ -122,7 +122,9 @@ def _replay(profile: GraphProfile, schedule: Schedule, on_compute, sync_budget_b
                     for tensor in clock.make_room(needed, sync_budget_bytes):
                         operations.append(Wait(tensor=tensor, transfer="offload"))
                 implementation = on_compute(node, operation, clock.live_bytes)
-                operations.append(Compute(node=node.id, implementation=implementation.name))
+                if implementation.name != operation.implementation:
+                    operation = Compute(node=node.id, implementation=implementation.name)
+                operations.append(operation)
                 clock.live_bytes += node.size_bytes
                 clock.compute_ms += implementation.time_ms
             else:
@@ -140,7 +142,7 @@ def _replay(profile: GraphProfile, schedule: Schedule, on_compute, sync_budget_b
                     clock.wait(operation.tensor, operation.transfer)
                 elif isinstance(operation, Free):
                     clock.free(operation.tensor)
-        stages.append(stage.model_copy(update={"operations": operations}))
+        stages.append(Stage.model_construct(index=stage.index, node=stage.node, operations=operations))
     return stages
 
 

@@ -67,18 +67,34 @@ def free_positions(profile: GraphProfile, steps: list[Step]) -> dict[int, list[s
     return frees
 
 
+_FREES: dict[str, Free] = {}
+
+
+def _free(tensor: str) -> Free:
+    """Free operations are never changed once made, so one object per tensor serves every schedule."""
+    operation = _FREES.get(tensor)
+    if operation is None:
+        operation = _FREES[tensor] = Free(tensor=tensor)
+    return operation
+
+
 def build_schedule(profile: GraphProfile, steps: list[Step], budget_bytes: int | None) -> Schedule:
-    """The schedule of `steps` with frees inserted; one stage per node of the profile's order."""
+    """The schedule of `steps` with frees inserted; one stage per node of the profile's order.
+
+    Heuristics build thousands of these, so stages are assembled without
+    re-validating operations that are already valid models.
+    """
     frees = free_positions(profile, steps)
-    stages = [Stage(index=i, node=node_id) for i, node_id in enumerate(profile.order)]
+    operations: list[list] = [[] for _ in profile.order]
     order: list[str] = []
     for index, step in enumerate(steps):
-        operations = stages[step.stage].operations
-        operations.append(step.operation)
+        stage_operations = operations[step.stage]
+        stage_operations.append(step.operation)
         if isinstance(step.operation, Compute):
             order.append(step.operation.node)
         for tensor in sorted(frees.get(index, ()), key=profile.position.__getitem__):
-            stages[step.stage].operations.append(Free(tensor=tensor))
+            stage_operations.append(_free(tensor))
+    stages = [Stage.model_construct(index=i, node=n, operations=operations[i]) for i, n in enumerate(profile.order)]
     return Schedule(
         profile_name=profile.name,
         profile_digest=profile.digest(),

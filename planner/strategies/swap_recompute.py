@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 from planner.attribute_plans import AttributeProgram, GraphFacts, move_prefetches_early, require_transfers
 from planner.auto_algorithms import apply_auto
-from planner.budget_search import fitting, smallest_budget
-from planner.builder import certify
+from planner.budget_search import smallest_budget
+from planner.builder import PlannerBug, certify
+from planner.errors import ScheduleRejected
 from planner.liveness import build_schedule
 from planner.planning import InfeasibleBudget
 from planner.profile import GraphProfile
@@ -76,10 +77,12 @@ class Evaluator:
         evaluation = None
         for variant in (early, steps):  # scheduled swap-ins; the on-demand ones if those do not fit
             schedule = apply_auto(profile, build_schedule(profile, variant, budget), budget, sync_offloads=True)
-            fits = fitting(profile, schedule, budget, NAME) is not None
+            try:  # replayed without the budget: it fits exactly when its peak is within it
+                result = simulate(profile, schedule.model_copy(update={"budget_bytes": None}), keep_timeline=spans)
+            except ScheduleRejected as rejection:
+                raise PlannerBug(f"strategy {NAME!r} wrote a schedule the simulator rejects: {rejection}") from rejection
+            fits = result.peak_memory_bytes <= budget
             if fits or evaluation is None:
-                unbounded = schedule.model_copy(update={"budget_bytes": None})
-                result = simulate(profile, unbounded, keep_timeline=spans)
                 evaluation = Evaluation(schedule, result, fits)
             if fits:
                 break
