@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import threading
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from planner.strategies import load_all
 from planner.validation import issues_from_validation_error
 
 PLANNER_VERSION = planner.__version__
+log = logging.getLogger("mosos.api")
 _plot_lock = threading.Lock()  # pyplot is not thread-safe
 
 
@@ -46,6 +48,8 @@ def read_json_body(raw: bytes, what: str) -> dict:
         raise invalid([Issue("", f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}")]) from None
     except ValueError as error:  # not UTF-8
         raise invalid([Issue("", f"not valid JSON: {error}")]) from None
+    except RecursionError:
+        raise invalid([Issue("", "not valid JSON here: nested too deeply")]) from None
     if not isinstance(data, dict):
         raise invalid([Issue("", f"a {what} is a JSON object, not {type(data).__name__}")])
     return data
@@ -231,6 +235,11 @@ class Service:
             result = simulate(request.profile, request.schedule, request.budget_bytes, keep_timeline=False)
         except ScheduleRejected as rejection:
             return {"valid": False, "figures": None, "violation": rejection.as_dict()}
+        except Exception as error:  # a simulator bug on odd input: say so, never a 500
+            log.exception("the simulator failed on a schedule")
+            raise ApiError(
+                422, "simulation_error", f"the simulator could not replay this schedule ({type(error).__name__}: {error})"
+            ) from None
         return {"valid": True, "figures": result.figures(), "violation": None}
 
     def _replay(self, plan_id: str):

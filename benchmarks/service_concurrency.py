@@ -95,16 +95,23 @@ def chain_profile(layers: int = 20) -> dict:
 
 @contextlib.contextmanager
 def serve(workdir: Path, *, workers: int = 2, queue_size: int = 32, extra: list[str] | None = None, db: Path | None = None,
-          port: int | None = None):
-    """A real `mosos serve` on a loopback port in its own session; always killed (whole session) on exit."""
-    plugin = workdir / "bench_busy_plugin.py"
-    plugin.write_text(BUSY_PLUGIN)
+          port: int | None = None, busy_plugin: bool = True):
+    """A real `mosos serve` on a loopback port in its own session; always killed (whole session) on exit.
+
+    The bench-busy plugin is left out when real strategies are measured: mosos runs every registered
+    strategy inside itself, and would spin through bench-busy too.
+    """
+    plugins = []
+    if busy_plugin:
+        plugin = workdir / "bench_busy_plugin.py"
+        plugin.write_text(BUSY_PLUGIN)
+        plugins = ["--plugin", str(plugin)]
     port = port or free_port()
     log_path = workdir / f"serve-{port}.log"
     command = [
         sys.executable, "-m", "planner.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--db", str(db or workdir / "plans.sqlite3"), "--workers", str(workers), "--queue-size", str(queue_size),
-        "--plugin", str(plugin), "--log-level", "warning", "--max-solver-workers", "1", *(extra or []),
+        *plugins, "--log-level", "warning", "--max-solver-workers", "1", *(extra or []),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MOSOS_API_TOKEN", None)
@@ -239,7 +246,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), workers=2) as (_, base, _log):
+    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), workers=2, busy_plugin=args.strategy == "bench-busy") as (_, base, _log):
         for repeat in range(args.repeats):
             stats = asyncio.run(run_mix(base, requests=args.requests, plans=args.plans, simulates=args.simulates,
                                         solve_seconds=args.solve_seconds, strategy=args.strategy,

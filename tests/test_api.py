@@ -104,7 +104,7 @@ def wait_for(client, plan_id: str, states: tuple[str, ...], timeout_s: float = 3
         if body["status"] in states:
             return body
         time.sleep(0.02)
-    raise AssertionError(f"plan {plan_id} did not reach {states} in {timeout_s} s (last: {body['status']})")
+    raise AssertionError(f"plan {plan_id} did not reach {states} in {timeout_s} s (last: {body['status']}: {body.get('reason')})")
 
 
 def metric(client, name: str, **labels) -> float:
@@ -333,6 +333,8 @@ def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
     broken = client.post("/v1/plans", content=b'{"profile": ', headers={"content-type": "application/json"})
     assert broken.status_code == 422 and broken.json()["issues"][0]["message"].startswith("not valid JSON")
     assert client.post("/v1/plans", json=[1, 2]).json()["issues"][0]["message"] == "a plan request is a JSON object, not list"
+    deep = client.post("/v1/plans", content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert deep.status_code == 422 and "nested too deeply" in deep.json()["issues"][0]["message"]
     assert plan_count(client) == before
 
 
@@ -408,28 +410,46 @@ def test_health_metrics_and_docs(client):
     text = client.get("/metrics").text
     for name in ("mosos_http_requests_total", "mosos_solves_total", "mosos_solve_seconds", "mosos_cache_hits_total", "mosos_queue_depth"):
         assert name in text
-    schema = client.get("/openapi.json").json()
-    assert {"GraphProfile", "Schedule", "PlanRequest", "PlanStatus"} <= set(schema["components"]["schemas"])
-    example = schema["paths"]["/v1/plans"]["post"]["requestBody"]["content"]["application/json"]["example"]
-    response = client.post("/v1/plans", json=example)
-    assert response.status_code == 200 and response.json()["status"] == "done", response.text
     assert client.get("/docs").status_code == 200
 
 
 # Auth, store recovery, the serve command --------------------------------------------------
 
 
-def test_bearer_token_guards_everything_but_healthz(tmp_path):
-    app = create_app(Settings(db_path=tmp_path / "plans.sqlite3", solve_processes=1, token="s3cret"))
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """A server with a token and only the shipped strategies (mosos runs every registered one inside)."""
+    directory = tmp_path_factory.mktemp("guarded")
+    app = create_app(Settings(db_path=directory / "plans.sqlite3", solve_processes=1, token="s3cret", max_solver_workers=1))
     with TestClient(app) as client:
-        assert client.get("/healthz").status_code == 200
-        for path in ("/v1/plans", "/metrics", "/openapi.json"):
-            assert client.get(path).status_code == 401
-            assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
-        response = client.get("/v1/plans", headers={"Authorization": "Bearer s3cret"})
-        assert response.status_code == 200
-        denied = client.post("/v1/plans", json=plan_request())
-        assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Bearer")
+        yield client
+
+
+def test_bearer_token_guards_everything_but_healthz(guarded):
+    assert guarded.get("/healthz").status_code == 200
+    for path in ("/v1/plans", "/metrics", "/openapi.json", "/docs"):
+        assert guarded.get(path).status_code == 401
+        assert guarded.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert guarded.get("/v1/plans", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    denied = guarded.post("/v1/plans", json=plan_request())
+    assert denied.status_code == 401 and denied.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_the_openapi_example_request_works(guarded):
+    headers = {"Authorization": "Bearer s3cret"}
+    schema = guarded.get("/openapi.json", headers=headers).json()
+    assert {"GraphProfile", "Schedule", "PlanRequest", "PlanStatus"} <= set(schema["components"]["schemas"])
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    example = schema["paths"]["/v1/plans"]["post"]["requestBody"]["content"]["application/json"]["example"]
+    response = guarded.post("/v1/plans", json=example, headers=headers)
+    assert response.status_code in (200, 202), response.text
+    deadline = time.monotonic() + 30
+    body = response.json()
+    while body["status"] in ("queued", "solving") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        body = guarded.get(f"/v1/plans/{body['id']}", headers=headers).json()
+    assert body["status"] == "done" and body["feasible"] is True, body.get("reason")
+    assert body["schedule"]["summary"]["strategy"] == example["strategy"]
 
 
 def test_store_recovery_marks_unfinished_plans_interrupted(tmp_path):
