@@ -9,12 +9,11 @@ its output; max-pooling: the input and its own indices; batch/layer norm: the
 input and its statistics; dropout: its mask; attention: q, k, v, its output
 and log-sum-exp). View-like nodes (flatten, view, transpose...) own no memory:
 they are nodes of 0 bytes, and whoever reads one also reads the tensor it
-views. Concatenations and views pass the gradient through unchanged, so
-they have no backward node: the gradient goes straight to their inputs' producers.
-Adds do get one: it stands for the sum autograd makes of the gradients that
-reach the add's output from its several readers (a residual stream), one
-tensor handed to both inputs; without it every residual gradient would stay
-alive to the end of the backward pass.
+views. Their backward nodes, and those of concatenations, hand on (slices
+of) the incoming gradient: 0 bytes and 0 ms, and whoever reads one also
+reads the gradient it shows. An add's backward node stands for the sum
+autograd makes of the gradients reaching the add's output from its readers
+(a residual stream): one tensor, handed to both inputs.
 
 Times: the roofline model of `models.roofline`; convolutions get one
 implementation per applicable cuDNN algorithm family (`models.cudnn`).
@@ -41,7 +40,7 @@ ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
 ESTIMATOR_VERSION = "1.0"
 TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
 OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
-PASSTHROUGH = {"view", "cat"}  # backward hands on (slices of) the gradient without work or saved tensors
+ALIAS_BACKWARD = {"view", "cat"}  # backward hands on (slices of) the incoming gradient: no work, no new memory
 
 
 class EstimateError(MososError):
@@ -74,7 +73,7 @@ def _saved(op: TracedOp) -> _Saved:
     if kind == "attention":
         batch, heads, tokens = op.output_shape[0], op.output_shape[1], op.output_shape[2]
         return _Saved((0, 1, 2), True, batch * heads * tokens * 4)  # log-sum-exp
-    if kind in ("avg_pool2d", "add"):
+    if kind in ("avg_pool2d", "add", "cat", "view"):
         return _Saved()
     return _Saved(tuple(range(len(op.inputs))))  # mul, matmul and unknown ops: all inputs, conservatively
 
@@ -146,6 +145,8 @@ def _op_implementations(op: TracedOp, device: Device, input_grad: bool) -> tuple
         return _default(forward), _default(backward)
     if kind == "view":
         return _default(0.0), _default(0.0)
+    if kind == "cat":
+        return _default(device.memory_ms(inp + out)), _default(0.0)  # backward: slices of the gradient
     if kind in ("batch_norm", "layer_norm"):
         return _default(device.memory_ms(2 * inp + out, kernels=2)), _default(device.memory_ms(3 * out + inp, kernels=2))
     if kind == "max_pool2d":
@@ -210,27 +211,43 @@ def build_profile(
             if source in consumers:
                 consumers[source].append(op.name)
 
-    has_backward = {
-        n: requires_grad[n] and ops[n].op_type not in PASSTHROUGH for n in order
-    }
-    grad_cache: dict[str, list[str]] = {}
+    # Which ops get a backward node: those on the gradient path whose output reaches the loss.
+    gradients_of: dict[str, list[str]] = {}
+    for op in reversed(traced.ops):
+        found: list[str] = ["loss"] if op.name == traced.output else []
+        for consumer in consumers[op.name]:
+            if gradients_of.get(consumer):
+                found.append(f"{consumer}:bwd")
+        gradients_of[op.name] = found if requires_grad[op.name] else []
 
-    def gradient_sources(node_id: str) -> list[str]:
-        """The backward nodes (or the loss) whose outputs make up the gradient of `node_id`'s tensor."""
-        if node_id not in grad_cache:
-            found: list[str] = ["loss"] if node_id == traced.output else []
-            for consumer in consumers[node_id]:
-                if not requires_grad[consumer]:
-                    continue
-                more = [f"{consumer}:bwd"] if has_backward[consumer] else gradient_sources(consumer)
-                found += [m for m in more if m not in found]
-            grad_cache[node_id] = found
-        return grad_cache[node_id]
+    grad_storage_cache: dict[str, list[str]] = {}
+
+    def grad_storage(node_id: str) -> list[str]:
+        """The gradient producers whose memory a backward node's output shows (itself, unless an alias)."""
+        if node_id not in grad_storage_cache:
+            forward_id = node_id.removesuffix(":bwd")
+            if node_id == "loss" or ops[forward_id].op_type not in ALIAS_BACKWARD:
+                grad_storage_cache[node_id] = [node_id]
+            else:
+                found: list[str] = []
+                for source in gradients_of[forward_id]:
+                    found += [s for s in grad_storage(source) if s not in found]
+                grad_storage_cache[node_id] = found
+        return grad_storage_cache[node_id]
+
+    def grad_reads(sources: list[str]) -> list[str]:
+        found: list[str] = []
+        for source in sources:
+            for item in [source, *grad_storage(source)]:
+                if item not in found:
+                    found.append(item)
+        return found
 
     forward_nodes: list[Node] = []
     backward_nodes: list[Node] = []
     for op in traced.ops:
-        saved = _saved(op) if has_backward[op.name] else _Saved()
+        gradients = gradients_of[op.name]
+        saved = _saved(op) if gradients else _Saved()
         input_grad = any(requires_grad.get(source, False) for source in op.inputs)
         forward_impls, backward_impls = _op_implementations(op, device, input_grad)
         label = op.module_path or op.name
@@ -247,11 +264,8 @@ def build_profile(
                 implementations=forward_impls,
             )
         )
-        if not has_backward[op.name]:
-            continue
-        gradients = gradient_sources(op.name)
         if not gradients:
-            continue  # its output does not reach the loss
+            continue  # no gradient reaches it (it does not depend on a parameter, or does not reach the loss)
         forward_reads = reads([op.inputs[i] for i in saved.inputs if i < len(op.inputs)])
         if saved.self_output and op.name not in forward_reads:
             forward_reads.append(op.name)
@@ -264,6 +278,8 @@ def build_profile(
             grad_bytes += _numel(shape) * op.element_bytes
         if op.op_type == "add":
             grad_bytes = min(grad_bytes, op.output_bytes)  # one gradient tensor, handed to both inputs
+        if op.op_type in ALIAS_BACKWARD:
+            grad_bytes = 0  # (slices of) the incoming gradient: whoever reads it also reads that gradient
         backward_nodes.append(
             Node(
                 id=f"{op.name}:bwd",
@@ -273,7 +289,7 @@ def build_profile(
                 output_bytes=grad_bytes,
                 module=op.module_path,
                 forward_node=op.name if forward_reads else None,
-                inputs=gradients + forward_reads,
+                inputs=grad_reads(gradients) + forward_reads,
                 implementations=backward_impls,
             )
         )
