@@ -53,7 +53,7 @@ def add_inputs_present(model: cp_model.CpModel, data: ModelData, v: Variables) -
                 for source in v.copies[j]:
                     if source.kind == "recompute" and _min_stage(source) > reader_max:
                         continue
-                    if source.kind == "prefetch" and data.prefetch_done[j][_min_stage(source)] > reader_max:
+                    if source.kind == "prefetch" and _min_stage(source) > reader_max:
                         continue
                     literal = model.new_bool_var(f"use_{k}_{reader.kind}{reader.rank}_{j}_{source.kind}{source.rank}")
                     model.add_implication(literal, source.present)
@@ -61,7 +61,8 @@ def add_inputs_present(model: cp_model.CpModel, data: ModelData, v: Variables) -
                     if source.kind == "recompute":
                         model.add(source.stage <= reader.stage).only_enforce_if(literal)
                     elif source.kind == "prefetch":
-                        model.add(source.ready_stage <= reader.stage).only_enforce_if(literal)
+                        model.add(source.stage <= reader.stage).only_enforce_if(literal)
+                        model.add(source.ready_stage <= reader.stage).only_enforce_if([literal, ~source.early])
                     candidates.append((source, literal))
                 model.add(sum(lit for _, lit in candidates) == reader.present)
                 v.uses[(k, reader.kind == "recompute" and reader.rank or 0, j)] = candidates
@@ -75,7 +76,13 @@ def add_one_copy_at_a_time(model: cp_model.CpModel, data: ModelData, v: Variable
 
 
 def add_offload_rules(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
-    """(6)-(9): one offload per tensor, prefetches only after it completes, device copy kept until then."""
+    """(6)-(9): one offload per tensor, prefetches only after it completes, device copy kept until then.
+
+    MO-SOS forces every prefetch to land before the stage that reads it. We
+    also let a prefetch be read in a stage before it lands ("early"): the
+    compute stream then waits, and the objective is charged the whole
+    transfer time, an upper bound on the wait (so the model stays safe).
+    """
     for j, offload in v.offloads.items():
         original = v.copies[j][0]
         model.add(original.end >= offload.done_stage * data.stride - 1).only_enforce_if(offload.present)
@@ -85,7 +92,7 @@ def add_offload_rules(model: cp_model.CpModel, data: ModelData, v: Variables) ->
             model.add_implication(copy.present, offload.present)
             model.add(copy.stage >= offload.done_stage).only_enforce_if(copy.present)
             # the buffer is kept at least until the copy lands, so waiting for it never stalls
-            model.add(copy.end >= copy.ready_stage * data.stride - 1).only_enforce_if(copy.present)
+            model.add(copy.end >= copy.ready_stage * data.stride - 1).only_enforce_if([copy.present, ~copy.early])
         # (8) no offload without a prefetch
         model.add(sum(c.present for c in prefetches) >= offload.present)
         model.add(offload.stage == offload.stage_low).only_enforce_if(~offload.present)

@@ -1,7 +1,7 @@
 """From solver values to a Schedule the simulator accepts.
 
-Stage by stage: at the stage start the offloads, then the frees of copies
-that end there, then the prefetches; then each computation in topological
+Stage by stage: at the stage start the offloads, the prefetches, then the
+frees of copies that end there; then each computation in topological
 order, preceded by a wait for any input whose prefetch has not been waited
 for, and followed by the frees of the copies whose last position it is.
 """
@@ -84,10 +84,10 @@ def build_schedule(data: ModelData, solution: Solution) -> Schedule:
         slot = data.stage_slot(t)
         for j in sorted(offloads.get(t, ())):
             builder.offload(ids[j])
-        free(slot)
         for j in sorted(prefetches.get(t, ())):
             builder.prefetch(ids[j])
             waiting.add(j)
+        free(slot)  # after the prefetches: a buffer may start and end here; releases precede allocations anyway
         for k in range(data.n):  # computations exist only for k <= t, but a copy may end at any position
             position = data.pos(t, k)
             copy = computes.get(position)

@@ -108,3 +108,31 @@ def add_hint(model: cp_model.CpModel, data: ModelData, v: Variables, hint: Solut
         model.add_hint(offload.present, stage is not None)
         if stage is not None:
             model.add_hint(offload.stage, stage)
+
+
+def complete_hint(model: cp_model.CpModel, time_limit_s: float, seed: int) -> bool:
+    """Turn the partial hint into a full assignment, so that CP-SAT starts from a solution at once.
+
+    A copy of the model with the hinted variables fixed is solved briefly; its
+    answer becomes the hint for every variable. If that copy is infeasible
+    (the baseline did something the model cannot express) the partial hint stays.
+    """
+    proto = model.proto
+    if not proto.solution_hint.vars:
+        return False
+    fixed = model.clone()
+    for index, value in zip(proto.solution_hint.vars, proto.solution_hint.values):
+        fixed.add(fixed.get_int_var_from_proto_index(index) == value)
+    fixed.clear_objective()
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = seed
+    status = solver.solve(fixed)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return False
+    values = list(solver.response_proto.solution)
+    model.clear_hints()
+    for index, value in enumerate(values):
+        model.add_hint(model.get_int_var_from_proto_index(index), value)
+    return True

@@ -1,4 +1,4 @@
-"""(1) the objective: total compute time, recomputations included (or the peak, for the minimum-budget search)."""
+"""(1) the objective: total compute time, recomputations included, plus charged prefetch waits (or the peak, for the minimum-budget search)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ def compute_time_expression(data: ModelData, v: Variables) -> cp_model.LinearExp
         for copy in tensor_copies:
             if copy.computes:
                 terms += [impl.time_units * literal for impl, literal in zip(data.impls[k], copy.implementations)]
+            elif copy.early is not None:
+                terms.append(data.prefetch_units[k] * copy.early)  # wait for a prefetch read before it lands
     return sum(terms)
 
 

@@ -59,14 +59,18 @@ def plan_with_model(
     others: list[tuple[str, Schedule | None]] = (),
     time_limit_s: float | None = None,
     explain_infeasible: bool = True,
+    fallbacks: list[tuple[str, Schedule | None]] = (),
 ) -> tuple[Schedule | None, SolverInfo, str | None]:
     """Solve the model; return (uncertified best plan, solver info, which plan won).
 
-    With nothing that fits: search the smallest feasible budget and raise
+    `others` compete with the CP-SAT plan; `fallbacks` are used only when
+    neither it nor `others` gives a plan. With nothing that fits: search the smallest feasible budget and raise
     InfeasibleBudget, or return (None, info, None) if `explain_infeasible` is off.
     """
     outcome = solve_model(profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s)
     best = best_plan(profile, budget_bytes, [("cp-sat", outcome.schedule)] + list(others))
+    if best is None:
+        best = best_plan(profile, budget_bytes, list(fallbacks))
     info = outcome.info
     if best is None:
         if not explain_infeasible:

@@ -12,7 +12,7 @@ from planner.cpsat.callback import ProgressCallback, StopWatcher, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
 from planner.cpsat.data import Features, ModelData, build_data
 from planner.cpsat.extract import Solution, build_schedule, read_solution
-from planner.cpsat.hints import add_hint, schedule_to_solution
+from planner.cpsat.hints import add_hint, complete_hint, schedule_to_solution
 from planner.cpsat.objective import set_objective
 from planner.cpsat.variables import create_variables
 from planner.errors import ScheduleRejected
@@ -39,6 +39,9 @@ def solver_parameters(options: SolveOptions, time_limit_s: float) -> cp_model.Cp
     parameters.random_seed = options.seed
     parameters.interleave_search = False
     parameters.log_search_progress = False
+    # Presolve probing costs seconds on the joint model and buys little here.
+    parameters.cp_model_probing_level = 0
+    parameters.symmetry_level = 0
     if workers == 1:
         parameters.max_deterministic_time = time_limit_s
         parameters.max_time_in_seconds = 3 * time_limit_s + 5  # a safety net on a loaded machine
@@ -68,9 +71,11 @@ def solve_model(
         add_family(model, data, variables)
     set_objective(model, data, variables)
     hint = _best_hint(data, hints)
+    limit = time_limit_s or options.time_limit_s
     if hint is not None:
         add_hint(model, data, variables, hint)
-    solver = solver_parameters(options, time_limit_s or options.time_limit_s)
+        complete_hint(model, min(2.0, 0.1 * limit), options.seed)
+    solver = solver_parameters(options, limit)
     if features.minimize_memory:
         scale = lambda units: units * data.memory_unit_bytes + profile.fixed_bytes  # noqa: E731
     else:

@@ -29,7 +29,8 @@ class Copy:
     end: cp_model.IntVar
     interval: cp_model.IntervalVar
     implementations: list[cp_model.IntVar] = field(default_factory=list)  # compute copies: one Boolean per implementation
-    ready_stage: cp_model.IntVar | None = None  # prefetch copies: first stage that may read it
+    ready_stage: cp_model.IntVar | None = None  # prefetch copies: first stage that may read it without waiting
+    early: cp_model.IntVar | None = None  # prefetch copies: read before ready_stage, the wait charged in full
     stage_low: int = 0
     stage_high: int = 0
 
@@ -137,6 +138,10 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                 end_p = model.new_int_var(data.stage_slot(low), max(data.stage_slot(low), last_use), f"end_{j}_p{p}")
                 size = model.new_int_var(0, max(1, last_use - data.stage_slot(low) + 1), f"size_{j}_p{p}")
                 interval = model.new_optional_interval_var(start_expr, size, end_p + 1, present, f"mem_{j}_p{p}")
-                tensor_copies.append(Copy(j, "prefetch", p, present, stage, start_expr, end_p, interval, ready_stage=ready, stage_low=low, stage_high=high))
+                early = model.new_bool_var(f"early_{j}_p{p}")
+                model.add_implication(early, present)
+                tensor_copies.append(
+                    Copy(j, "prefetch", p, present, stage, start_expr, end_p, interval, ready_stage=ready, early=early, stage_low=low, stage_high=high)
+                )
         copies.append(tensor_copies)
     return Variables(model, copies, offloads, capacity)

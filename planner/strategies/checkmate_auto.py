@@ -35,7 +35,7 @@ def checkmate_auto_plan(
     greedy = greedy_recompute_schedule(profile, budget_bytes)
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, "checkmate-auto", CHECKMATE,
-        hints=[s for s in (greedy,) if s is not None], others=[("greedy evict-and-recompute", greedy)],
+        hints=[s for s in (greedy,) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
         time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
     )
     if base is None:

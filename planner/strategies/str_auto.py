@@ -26,7 +26,7 @@ def str_auto_plan(
     greedy = greedy_recompute_schedule(profile, budget_bytes)
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, "str-auto", STR,
-        hints=[s for s in (greedy, *hints) if s is not None], others=[("greedy evict-and-recompute", greedy)],
+        hints=[s for s in (greedy, *hints) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
         time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
     )
     if base is None:
