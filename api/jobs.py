@@ -341,16 +341,20 @@ class JobQueue:
                 with self._lock:
                     worker.job = None
                     self._replace(worker)
-            elif job.started_monotonic is not None and now - job.started_monotonic > job.time_limit_s + self.settings.overrun_grace_s:
+            elif job.started_monotonic is not None and now - job.started_monotonic > self._kill_after_s(job):
                 self._finish(
                     job,
                     "failed",
-                    reason=f"the solver ran past its time limit of {job.time_limit_s:g} s and was stopped",
+                    reason=f"the solve ran {self._kill_after_s(job):g} s, far past its time limit of {job.time_limit_s:g} s, "
+                    "and was stopped",
                 )
                 self.metrics.solves.labels(strategy=job.strategy, outcome="failed").inc()
                 with self._lock:
                     worker.job = None
                     self._replace(worker)
+
+    def _kill_after_s(self, job: Job) -> float:
+        return self.settings.overrun_factor * job.time_limit_s + self.settings.overrun_grace_s
 
     def _dispatch(self) -> None:
         with self._lock:

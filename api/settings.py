@@ -43,7 +43,11 @@ class Settings(BaseModel):
         default=10, ge=0, le=19, description="Niceness of solve processes: the server answers first, solves use what is left."
     )
     cancel_grace_s: float = Field(default=3.0, gt=0, description="How long a cancelled solve may take to stop before it is killed.")
-    overrun_grace_s: float = Field(default=15.0, gt=0, description="How long past its time limit a solve may run before it is killed.")
+    overrun_factor: float = Field(
+        default=3.0, ge=1, description="A solve is killed after overrun_factor * its time limit + overrun_grace_s "
+        "(strategies do work outside the solver's clock, and a loaded machine slows it)."
+    )
+    overrun_grace_s: float = Field(default=60.0, gt=0)
     token: str | None = Field(default=None, repr=False, description="Bearer token; None: no authentication.")
     insecure: bool = False
     plugins: list[str] = Field(
