@@ -300,7 +300,7 @@ def build_profile(
         name="loss (forward and gradient of the output)",
         kind="loss",
         op_type="loss",
-        output_bytes=output_bytes,
+        output_bytes=output_bytes + output_op.element_bytes,  # the output's gradient and the scalar loss
         inputs=reads([traced.output]),
         implementations=_default(device.memory_ms(3 * output_bytes + target_bytes, kernels=3)),
     )

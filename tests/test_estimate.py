@@ -86,7 +86,7 @@ def test_sizes_and_saved_tensors_of_vgg16():
     fixed = profile.fixed_memory
     assert fixed.parameters_bytes == fixed.gradients_bytes == fixed.optimizer_state_bytes == params
     assert fixed.inputs_bytes == batch * 3 * 224 * 224 * FLOAT + batch * 8
-    assert nodes["loss"].output_bytes == batch * 1000 * FLOAT
+    assert nodes["loss"].output_bytes == batch * 1000 * FLOAT + FLOAT  # gradient of the logits + the loss
     adam = estimate("vgg16", batch, "titanx", optimizer="adam")
     assert adam.fixed_memory.optimizer_state_bytes == 2 * params
 
@@ -213,3 +213,15 @@ def test_shipped_profiles_validate_and_plan_with_keep_all(file_name):
     assert profile.provenance.source == "estimated"
     schedule = plan(profile, strategy="keep-all")
     assert schedule.summary.peak_memory_bytes > profile.fixed_bytes
+
+
+@pytest.mark.parametrize("name", ["vgg16", "resnet18", "unet", "transformer"])
+def test_same_node_ids_as_the_measured_profiler(name):
+    """Estimated and measured (executor) profiles of one model name the same nodes."""
+    profiler = pytest.importorskip("executor.profiler")
+    spec = get_model(name, small=True)
+    inputs, targets = spec.example_inputs(2)
+    measured = profiler.profile_model(spec.build(), inputs, spec.loss, targets, repeats=1, warmup=0)
+    estimated = estimate(name, 2, "p40", small=True)
+    assert [n.id for n in measured.nodes] == [n.id for n in estimated.nodes]
+    assert [n.kind for n in measured.nodes] == [n.kind for n in estimated.nodes]
