@@ -53,4 +53,32 @@ def smallest_budget(
         return MinimumBudget(None, False, None, outcome.info.wall_time_s)
     budget = max(int(round(outcome.objective_value)), minimum_budget_bytes(profile))
     schedule = outcome.schedule.model_copy(update={"budget_bytes": budget})
-    return MinimumBudget(budget, outcome.info.status == "OPTIMAL", schedule, outcome.info.wall_time_s)
+    proven = outcome.info.status == "OPTIMAL"
+    if features.recompute:
+        # The strategies also fall back on the greedy plan, which may recompute more often than the model allows.
+        greedy = _greedy_minimum(profile, budget)
+        if greedy is not None:
+            budget, schedule, proven = greedy[0], greedy[1], False
+    return MinimumBudget(budget, proven, schedule, outcome.info.wall_time_s)
+
+
+def _greedy_minimum(profile: GraphProfile, above_bytes: int, time_limit_s: float = 5.0):
+    """Bisect the smallest budget below `above_bytes` at which the greedy recompute plan fits, if any."""
+    import time
+
+    from planner.cpsat.greedy import greedy_recompute_schedule
+
+    deadline = time.monotonic() + time_limit_s
+    low = minimum_budget_bytes(profile) - 1  # fails: below what any plan needs
+    found = greedy_recompute_schedule(profile, above_bytes - 1)
+    if found is None:
+        return None
+    high = above_bytes - 1
+    while high - low > 1 and time.monotonic() < deadline:
+        middle = (low + high) // 2
+        schedule = greedy_recompute_schedule(profile, middle)
+        if schedule is None:
+            low = middle
+        else:
+            high, found = middle, schedule
+    return high, found.model_copy(update={"budget_bytes": high})

@@ -1,0 +1,87 @@
+"""The CP-SAT model itself: safe rounding, stage timing, and what the extracted program does."""
+
+from __future__ import annotations
+
+from planner.budget import budget_from_ratio
+from planner.cpsat.data import Features, _done_stage, _memory_unit, build_data
+from planner.cpsat.solve import solve_model
+from planner.schedule import Compute, Offload, Prefetch, Wait
+from planner.simulator import simulate
+from planner.strategies import SolveOptions
+from tests.conftest import make_profile, node
+from tests.test_cpsat_profiles import small_cnn
+
+OPTIONS = SolveOptions(time_limit_s=5.0, workers=1, seed=0)
+
+
+def test_memory_unit_keeps_sizes_exact_and_rounds_the_budget_down():
+    assert _memory_unit([4096, 8192, 12288]) == 4096
+    profile = make_profile([node("a", output_bytes=3000), node("b", inputs=["a"], output_bytes=4500)], fixed_bytes=10)
+    data = build_data(profile, 10 + 7499, Features(transfers=False))
+    assert data.memory_unit_bytes == 1500
+    assert data.size_units == [2, 3]
+    assert data.capacity_units == 4  # 7499 // 1500: never more than the budget
+
+
+def test_transfer_done_stage_counts_whole_fastest_stages():
+    starts = [0, 10, 20, 25, 40]
+    assert _done_stage(starts, 0, 10) == 1
+    assert _done_stage(starts, 0, 11) == 2
+    assert _done_stage(starts, 1, 15) == 3
+    assert _done_stage(starts, 2, 100) == len(starts)  # never within the step
+
+
+def test_backward_nodes_and_unread_tensors_get_no_extra_copies():
+    profile = small_cnn(layers=3)
+    data = build_data(profile, budget_from_ratio(profile, 0.8), Features())
+    from ortools.sat.python import cp_model
+
+    from planner.cpsat.variables import create_variables
+
+    variables = create_variables(cp_model.CpModel(), data)
+    for k, copies in enumerate(variables.copies):
+        node_ = profile.node_by_id[data.ids[k]]
+        if node_.kind == "backward":
+            assert [c.kind for c in copies if c.kind == "recompute"] == []
+        if not data.users[k]:
+            assert len(copies) == 1 and k not in variables.offloads
+
+
+def test_offload_plans_wait_for_prefetches_and_fit_the_simulator():
+    profile = small_cnn(layers=8, bandwidth_gb_per_s=2.0)
+    budget = budget_from_ratio(profile, 0.7)
+    outcome = solve_model(profile, budget, Features(recompute=False, implementations="fastest"), OPTIONS, "test")
+    schedule = outcome.schedule
+    assert schedule is not None and outcome.info.status == "OPTIMAL"
+    operations = [op for _, _, op in schedule.operations()]
+    assert any(isinstance(op, Offload) for op in operations)
+    waited: set[str] = set()
+    prefetched: set[str] = set()
+    for op in operations:
+        if isinstance(op, Prefetch):
+            prefetched.add(op.tensor)
+        elif isinstance(op, Wait):
+            waited.add(op.tensor)
+        elif isinstance(op, Compute):
+            for source in profile.node_by_id[op.node].inputs:
+                assert source not in prefetched or source in waited
+    result = simulate(profile, schedule, budget)
+    assert result.peak_memory_bytes <= budget
+    # transfers were planned to hide behind the fastest stages: no stall at all
+    assert result.stall_time_ms == 0.0
+    assert result.step_time_ms == outcome.info.objective
+
+
+def test_the_objective_is_the_simulated_time_for_recompute_plans():
+    profile = small_cnn(layers=6, bandwidth_gb_per_s=None)
+    budget = budget_from_ratio(profile, 0.7)
+    outcome = solve_model(profile, budget, Features(transfers=False), OPTIONS, "test")
+    assert outcome.schedule.summary.predicted_step_time_ms == outcome.info.objective
+    assert outcome.schedule.summary.recompute_time_ms > 0
+
+
+def test_memory_minimizing_solve_gives_the_peak_of_its_plan():
+    profile = small_cnn(layers=6, bandwidth_gb_per_s=None)
+    outcome = solve_model(profile, None, Features(transfers=False, minimize_memory=True), OPTIONS, "test")
+    assert outcome.info.status == "OPTIMAL"
+    assert simulate(profile, outcome.schedule, keep_timeline=False).peak_memory_bytes <= outcome.objective_value

@@ -1,0 +1,134 @@
+"""The CP-SAT strategies through `planner.plan`: valid plans, mosos never loses, minimum budgets, determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.budget import budget_from_ratio
+from planner.errors import BudgetError
+from planner.importer import import_graph
+from planner.planning import InfeasibleBudget, plan, strategy_names
+from planner.simulator import simulate
+from tests.conftest import CHECKMATE_GRAPHS, requires_shared
+from tests.test_cpsat_profiles import branchy, small_cnn
+
+SOLVER_STRATEGIES = ["recompute-only", "checkmate-auto", "str-auto", "mosos"]
+FAST = dict(time_limit_s=5.0, workers=1, seed=0)
+
+
+def _step_or_none(profile, budget, strategy):
+    try:
+        return plan(profile, budget, strategy=strategy, **FAST)
+    except BudgetError:
+        return None
+
+
+@pytest.mark.parametrize(("make", "ratio"), [(small_cnn, 0.9), (small_cnn, 0.7), (branchy, 0.95), (branchy, 0.85)])
+@pytest.mark.parametrize("strategy", SOLVER_STRATEGIES)
+def test_every_solver_strategy_plan_validates_in_the_simulator(make, ratio, strategy):
+    profile = make()
+    budget = budget_from_ratio(profile, ratio)
+    schedule = _step_or_none(profile, budget, strategy)
+    if schedule is None:
+        pytest.skip(f"{strategy} has no plan at {ratio}")
+    result = simulate(profile, schedule, budget)
+    assert result.peak_memory_bytes <= budget
+    assert schedule.summary.strategy == strategy
+    assert schedule.summary.predicted_step_time_ms == pytest.approx(result.step_time_ms)
+    assert schedule.summary.solver is not None and schedule.summary.solver.workers == 1
+
+
+@pytest.mark.parametrize(("make", "ratio"), [(small_cnn, 0.8), (small_cnn, 0.6), (branchy, 0.9), (branchy, 0.8)])
+def test_mosos_is_never_slower_than_any_other_strategy(make, ratio):
+    profile = make()
+    budget = budget_from_ratio(profile, ratio)
+    mosos = _step_or_none(profile, budget, "mosos")
+    if mosos is not None:
+        assert simulate(profile, mosos, budget).peak_memory_bytes <= budget
+    compared = 0
+    for name in strategy_names():
+        if name == "mosos":
+            continue
+        other = _step_or_none(profile, budget, name)
+        if other is None or simulate(profile, other, keep_timeline=False).peak_memory_bytes > budget:
+            continue  # keep-all ignores the budget
+        compared += 1
+        assert mosos is not None, f"{name} fits where mosos found nothing"
+        assert mosos.summary.predicted_step_time_ms <= other.summary.predicted_step_time_ms + 1e-9, name
+    assert compared >= 2 or mosos is None
+
+
+def test_mosos_beats_the_algorithm_blind_baselines_when_workspace_matters():
+    profile = small_cnn(layers=8)
+    budget = budget_from_ratio(profile, 0.7)
+    mosos = plan(profile, budget, strategy="mosos", **FAST).summary.predicted_step_time_ms
+    checkmate = plan(profile, budget, strategy="checkmate-auto", **FAST).summary.predicted_step_time_ms
+    assert mosos < checkmate
+
+
+def test_infeasible_budget_gives_a_minimum_that_is_feasible_and_tight():
+    profile = small_cnn(layers=6, bandwidth_gb_per_s=None)
+    budget = budget_from_ratio(profile, 0.55)
+    with pytest.raises(InfeasibleBudget) as caught:
+        plan(profile, budget, strategy="recompute-only", **FAST)
+    minimum = caught.value.minimum_budget_bytes
+    assert minimum is not None and minimum > budget
+    assert str(minimum) in str(caught.value)
+    schedule = plan(profile, minimum, strategy="recompute-only", **FAST)
+    assert simulate(profile, schedule, minimum).peak_memory_bytes <= minimum
+    with pytest.raises(BudgetError):
+        plan(profile, minimum - 1, strategy="recompute-only", **FAST)
+
+
+def test_mosos_reports_its_minimum_when_nothing_fits():
+    profile = small_cnn(layers=6, bandwidth_gb_per_s=None)
+    budget = budget_from_ratio(profile, 0.55)
+    with pytest.raises(InfeasibleBudget) as caught:
+        plan(profile, budget, strategy="mosos", **FAST)
+    minimum = caught.value.minimum_budget_bytes
+    schedule = plan(profile, minimum, strategy="mosos", **FAST)
+    assert simulate(profile, schedule, minimum).peak_memory_bytes <= minimum
+
+
+@pytest.mark.parametrize("strategy", ["mosos", "str-auto"])
+def test_seeded_single_worker_runs_are_deterministic(strategy):
+    profile = branchy()
+    budget = budget_from_ratio(profile, 0.85)
+    first = plan(profile, budget, strategy=strategy, time_limit_s=5.0, workers=1, seed=7)
+    second = plan(profile, budget, strategy=strategy, time_limit_s=5.0, workers=1, seed=7)
+    assert first.stages == second.stages
+    assert first.compute_order == second.compute_order
+    assert first.summary.solver.seed == 7
+
+
+def test_progress_reports_each_improving_solution():
+    profile = small_cnn()
+    events = []
+    plan(profile, budget_from_ratio(profile, 0.7), strategy="str-auto", progress=events.append, **FAST)
+    assert events
+    assert {"strategy", "objective", "bound", "gap", "solutions", "elapsed_s"} <= set(events[-1])
+    assert [e["solutions"] for e in events] == sorted(e["solutions"] for e in events)
+
+
+def test_a_stop_request_still_returns_a_checked_plan():
+    profile = small_cnn()
+    budget = budget_from_ratio(profile, 0.8)
+    schedule = plan(profile, budget, strategy="recompute-only", should_stop=lambda: True, **FAST)
+    assert simulate(profile, schedule, budget).peak_memory_bytes <= budget
+
+
+def test_checkmate_vgg19_recompute_only_reaches_the_published_cost():
+    profile = import_graph(requires_shared(CHECKMATE_GRAPHS / "vgg19_b256_train.json"))
+    schedule = plan(profile, 13_646_587_904, strategy="recompute-only", time_limit_s=10.0, workers=1)
+    assert schedule.summary.predicted_step_time_ms <= 9_953_615
+    assert schedule.summary.peak_memory_bytes <= 13_646_587_904
+
+
+def test_checkmate_vgg16_at_0_8_is_below_every_plan_and_at_0_9_solves_to_optimality():
+    profile = import_graph(requires_shared(CHECKMATE_GRAPHS / "vgg16_b256_train.json"))
+    peak = simulate(profile, plan(profile, strategy="keep-all")).peak_memory_bytes
+    with pytest.raises(BudgetError):
+        plan(profile, int(0.8 * peak), strategy="recompute-only", time_limit_s=10.0, workers=1)
+    schedule = plan(profile, int(0.9 * peak), strategy="recompute-only", time_limit_s=10.0, workers=1)
+    assert schedule.summary.solver.status == "OPTIMAL"
+    assert schedule.summary.peak_memory_bytes <= int(0.9 * peak)
