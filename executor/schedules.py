@@ -56,3 +56,40 @@ def offload_everything_schedule(profile: GraphProfile, budget_bytes: int | None 
         for t in sorted(free_at.get(i, []), key=position.__getitem__):
             builder.free(t)
     return certify(profile, builder.build(budget_bytes), "offload-everything")
+
+
+def recompute_everything_schedule(profile: GraphProfile, budget_bytes: int | None = None) -> Schedule:
+    """Every forward tensor leaves the device after its last forward reader; backward recomputes
+    what it needs from the nearest resident ancestors. Recomputes every node that backward reads
+    (dropout masks and BatchNorm statistics included), which is what tests of recomputation need."""
+    order = profile.order
+    position = profile.position
+    nodes = profile.node_by_id
+    backward_phase = {node_id for node_id in order if nodes[node_id].kind == "backward"}
+    remaining = {node_id: sorted(position[r] for r in profile.consumers[node_id]) for node_id in order}
+    resident: set[str] = set()
+    builder = ScheduleBuilder(profile)
+
+    def ensure(t: str, at: int) -> None:
+        if t in resident:
+            return
+        for source in dict.fromkeys(nodes[t].inputs):
+            ensure(source, at)
+        builder.compute(t)
+        resident.add(t)
+
+    for i, node_id in enumerate(order):
+        builder.stage(node_id)
+        if node_id in backward_phase:
+            for source in dict.fromkeys(nodes[node_id].inputs):
+                ensure(source, i)
+        builder.compute(node_id)
+        resident.add(node_id)
+        in_forward = node_id not in backward_phase
+        for t in sorted(resident, key=position.__getitem__):
+            later = [p for p in remaining[t] if p > i]
+            forward_later = [p for p in later if order[p] not in backward_phase]
+            if not later or (in_forward and nodes[t].kind == "forward" and not forward_later):
+                builder.free(t)
+                resident.discard(t)
+    return certify(profile, builder.build(budget_bytes), "recompute-everything")

@@ -1,0 +1,259 @@
+"""PlannedModule against plain PyTorch: same loss, gradients and BatchNorm buffers, planned memory.
+
+float64 with the native convolution: bitwise equal for the convolutional
+networks. The transformer's LayerNorm output is read by three projections,
+and the executor sums their three gradients in another order than autograd's
+engine, so there we allow 1e-14 of the largest gradient (measured: 3.5e-17).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+models = pytest.importorskip("models")
+
+from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
+from executor.profiler import profile_model  # noqa: E402
+from executor.replay import PlannedModule  # noqa: E402
+from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from planner.errors import BudgetError  # noqa: E402
+from planner.planning import plan, strategy_names  # noqa: E402
+from planner.schedule import Compute  # noqa: E402
+
+MODELS = ["vgg19", "unet", "resnet18", "transformer"]
+BATCH = 4
+ONE_MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """Each small model in float64, profiled with the native convolution only."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            spec = models.get_model(name, small=True)
+            torch.manual_seed(0)
+            model = spec.build().double()
+            inputs, targets = spec.example_inputs(BATCH, dtype=torch.float64)
+            profile = profile_model(
+                model, inputs, spec.loss, targets, repeats=1, warmup=0, algorithms=("native",),
+                d2h_gb_per_s=10.0, h2d_gb_per_s=10.0,
+            )
+            cache[name] = (spec, model, inputs, targets, profile)
+        return cache[name]
+
+    return get
+
+
+def _schedule(profile, kind: str):
+    if kind == "keep-all":
+        return plan(profile, strategy="keep-all")
+    if kind == "offload-everything":
+        return offload_everything_schedule(profile)
+    if kind == "recompute-everything":
+        return recompute_everything_schedule(profile)
+    if kind not in strategy_names():
+        pytest.skip(f"strategy {kind!r} is not in this checkout yet")
+    ratio = 0.5 if kind == "mosos" else 1.0  # chen-sqrt recomputes at any budget; 1.0 always fits
+    options = {"workers": 1, "time_limit_s": 20} if kind == "mosos" else {}
+    try:
+        return plan(profile, memory_ratio=ratio, strategy=kind, **options)
+    except BudgetError as error:
+        if error.minimum_budget_bytes is None:
+            raise
+        return plan(profile, error.minimum_budget_bytes, strategy=kind, **options)
+
+
+def _plain_step(model, spec, inputs, targets, seed=1):
+    torch.manual_seed(seed)
+    loss = spec.loss(model(inputs), targets)
+    loss.backward()
+    return loss
+
+
+def _assert_same(name, planned_model, plain_model, planned_loss, plain_loss):
+    assert planned_loss.item() == plain_loss.item()
+    scale = max(p.grad.abs().max().item() for p in plain_model.parameters())
+    for (key, a), (_, b) in zip(planned_model.named_parameters(), plain_model.named_parameters()):
+        assert a.grad is not None, f"{key} got no gradient"
+        if name == "transformer":
+            assert (a.grad - b.grad).abs().max().item() <= 1e-14 * scale, key
+        else:
+            assert torch.equal(a.grad, b.grad), f"{key}: max difference {(a.grad - b.grad).abs().max().item():.3e}"
+    for (key, a), (_, b) in zip(planned_model.named_buffers(), plain_model.named_buffers()):
+        assert torch.equal(a, b), f"buffer {key} differs"
+
+
+SCHEDULES = ["keep-all", "offload-everything", "recompute-everything", "chen-sqrt", "mosos"]
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("name", MODELS)
+def test_one_step_equals_plain_pytorch_and_memory_is_as_simulated(profiled, name, kind):
+    spec, model, inputs, targets, profile = profiled(name)
+    schedule = _schedule(profile, kind)
+    planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, schedule, spec.loss, strict=True)
+    torch.manual_seed(1)
+    loss = planned(inputs, targets)
+    loss.backward()
+    plain_loss = _plain_step(plain_model, spec, inputs, targets)
+    _assert_same(name, planned_model, plain_model, loss, plain_loss)
+    simulated = planned.simulated_peak_bytes
+    assert abs(planned.peak_memory_bytes - simulated) <= max(0.01 * simulated, ONE_MIB)
+    # exactly, in fact: the ledger counts the real tensors, and their sizes are the profile's
+    assert planned.peak_memory_bytes == simulated
+    if kind in ("keep-all", "offload-everything", "recompute-everything"):
+        assert planned.last_step.accountant.held_bytes() == 0  # everything released by the end of the step
+
+
+def test_schedules_really_move_and_recompute(profiled):
+    _, _, _, _, profile = profiled("resnet18")
+    offload = offload_everything_schedule(profile)
+    recompute = recompute_everything_schedule(profile)
+    assert offload.summary.offloaded_bytes > 0 and offload.summary.prefetched_bytes > 0
+    assert recompute.summary.recompute_time_ms > 0
+    recomputed = len(recompute.compute_order) - len(profile.nodes)
+    assert any(profile.node_by_id[n].op_type == "BatchNorm2d" for n in recompute.compute_order[len(profile.nodes) // 2:])
+    assert recomputed > 10
+
+
+@pytest.mark.parametrize("name,kind", [("vgg19", "recompute-everything"), ("resnet18", "offload-everything")])
+def test_three_steps_equal_three_plain_steps(profiled, name, kind):
+    spec, model, inputs, targets, profile = profiled(name)
+    schedule = _schedule(profile, kind)
+    planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, schedule, spec.loss, strict=True)
+    planned_opt = torch.optim.SGD(planned_model.parameters(), lr=0.05, momentum=0.9)
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(3):
+        planned_opt.zero_grad()
+        torch.manual_seed(10 + step)
+        loss = planned(inputs, targets)
+        loss.backward()
+        planned_opt.step()
+        plain_opt.zero_grad()
+        plain_loss = _plain_step(plain_model, spec, inputs, targets, seed=10 + step)
+        plain_opt.step()
+        assert loss.item() == plain_loss.item(), f"step {step}"
+    for a, b in zip(planned_model.state_dict().values(), plain_model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_gradients_accumulate_like_plain_pytorch(profiled):
+    """Two backward passes without zero_grad add up, and a scaled loss scales the gradients."""
+    spec, model, inputs, targets, profile = profiled("unet")
+    planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, _schedule(profile, "offload-everything"), spec.loss)
+    for scale in (1.0, 3.0):
+        torch.manual_seed(1)
+        (planned(inputs, targets) * scale).backward()
+        torch.manual_seed(1)
+        (spec.loss(plain_model(inputs), targets) * scale).backward()
+    for a, b in zip(planned_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-13, atol=1e-15)
+
+
+def test_float32_with_every_convolution_algorithm():
+    """Profile with all algorithms, then force each one in turn on every convolution, forward and backward."""
+    spec = models.get_model("vgg16", small=True)
+    torch.manual_seed(0)
+    model = spec.build()
+    inputs, targets = spec.example_inputs(2)
+    profile = profile_model(model, inputs, spec.loss, targets, repeats=1, warmup=0)
+    base = plan(profile, strategy="keep-all")
+    plain_model = copy.deepcopy(model)
+    plain_loss = _plain_step(plain_model, spec, inputs, targets)
+    scale = max(p.grad.abs().max().item() for p in plain_model.parameters())
+    for algorithm in ("native", "im2col", "im2col-chunked", "winograd"):
+        stages = []
+        for stage in base.stages:
+            operations = []
+            for op in stage.operations:
+                node = profile.node_by_id.get(getattr(op, "node", ""), None)
+                if isinstance(op, Compute) and node is not None and any(i.name == algorithm for i in node.implementations):
+                    op = Compute(node=op.node, implementation=algorithm)
+                operations.append(op)
+            stages.append(stage.model_copy(update={"operations": operations}))
+        schedule = base.model_copy(update={"stages": stages, "summary": None})
+        planned_model = copy.deepcopy(model)
+        planned = PlannedModule(planned_model, profile, schedule, spec.loss, strict=True)
+        torch.manual_seed(1)
+        loss = planned(inputs, targets)
+        loss.backward()
+        assert abs(loss.item() - plain_loss.item()) <= 1e-5 * abs(plain_loss.item())
+        worst = max(
+            (a.grad - b.grad).abs().max().item() / scale
+            for a, b in zip(planned_model.parameters(), plain_model.parameters())
+        )
+        assert worst <= 1e-4, f"{algorithm}: relative gradient error {worst:.2e}"
+        assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+
+
+def test_a_profile_of_another_model_is_refused(profiled):
+    spec, model, inputs, targets, profile = profiled("vgg19")
+    other = models.get_model("resnet18", small=True).build().double()
+    with pytest.raises(ProfileMismatch, match="another model: operation 0"):
+        PlannedModule(other, profile, plan(profile, strategy="keep-all"), spec.loss)
+    wider = models.get_model("vgg19", small=True).build().double()
+    wider.features[0] = torch.nn.Conv2d(3, 4, 3, padding=2).double()
+    with pytest.raises(ProfileMismatch, match="module settings or parameter shapes differ"):
+        PlannedModule(wider, profile, plan(profile, strategy="keep-all"), spec.loss)
+
+
+def test_a_schedule_of_another_profile_is_refused(profiled):
+    spec, model, _, _, profile = profiled("vgg19")
+    _, _, _, _, other_profile = profiled("unet")
+    with pytest.raises(ProfileMismatch, match="made for profile"):
+        PlannedModule(copy.deepcopy(model), profile, plan(other_profile, strategy="keep-all"), spec.loss)
+
+
+def test_inputs_of_other_shapes_are_refused(profiled):
+    spec, model, inputs, targets, profile = profiled("vgg19")
+    planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"), spec.loss)
+    smaller_inputs, smaller_targets = spec.example_inputs(BATCH - 1, dtype=torch.float64)
+    with pytest.raises(ProfileMismatch, match=r"measured with inputs float64\[4,3,32,32\].*got float64\[3,3,32,32\]"):
+        planned(smaller_inputs, smaller_targets)
+    with pytest.raises(ProfileMismatch, match="float32"):
+        planned(inputs.float(), targets)
+
+
+def test_a_profile_without_structure_hash_is_refused(profiled):
+    spec, model, _, _, profile = profiled("vgg19")
+    anonymous = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": None})})
+    with pytest.raises(ProfileMismatch, match="no structure hash"):
+        PlannedModule(copy.deepcopy(model), anonymous, plan(anonymous, strategy="keep-all"), spec.loss)
+
+
+def test_strict_mode_catches_sizes_that_disagree_with_the_profile(profiled):
+    spec, model, inputs, targets, profile = profiled("transformer")
+    node = next(n for n in profile.nodes if n.kind == "forward")
+    doctored = profile.model_copy(deep=True)
+    doctored.nodes[0].output_bytes = node.output_bytes + 8
+    doctored = type(profile).model_validate(doctored.model_dump())
+    planned = PlannedModule(copy.deepcopy(model), doctored, plan(doctored, strategy="keep-all"), spec.loss, strict=True)
+    with pytest.raises(ReplayError, match="profile says"):
+        planned(inputs, targets)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_gpu_memory_stays_within_the_plan_and_gradients_match():
+    spec = models.get_model("resnet18", small=True)
+    torch.manual_seed(0)
+    model = spec.build().cuda().double()
+    inputs, targets = spec.example_inputs(BATCH, device="cuda", dtype=torch.float64)
+    profile = profile_model(model, inputs, spec.loss, targets, repeats=2, warmup=1, algorithms=("native",))
+    schedule = offload_everything_schedule(profile)
+    planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, schedule, spec.loss)
+    torch.manual_seed(1)
+    loss = planned(inputs, targets)
+    loss.backward()
+    plain_loss = _plain_step(plain_model, spec, inputs, targets)
+    torch.testing.assert_close(loss, plain_loss)
+    for a, b in zip(planned_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
