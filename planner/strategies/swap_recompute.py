@@ -13,7 +13,9 @@ the simulator), in two stages:
    allows. The fastest combination that fits wins.
 2. swap or recompute (4.4.3): for each swapped tensor X, with everything else
    fixed, r(X) = recompute overhead / swap overhead (both against keeping X).
-   Tensors with r >= 1 stay swapped; the one with the smallest r < 1 becomes
+   A swap hidden behind computation has no overhead (r is infinite), so only
+   the tensors whose swap-in stalls or whose swap-out outlasts forward are
+   measured. Tensors with r >= 1 stay swapped; the one with the smallest r < 1 becomes
    recompute (if the plan still fits), and the rest are judged again. The
    re-evaluation is lazy: a tensor's stale r is refreshed when it comes to the
    top, which gives the same choice whenever ratios only grow as recomputes
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass
 
 from planner.attribute_plans import AttributeProgram, GraphFacts, move_prefetches_early, require_transfers
@@ -109,16 +112,29 @@ def unhidden(evaluation: Evaluation, facts: GraphFacts, swapped: list[str]) -> t
 
 
 def keep_from_output_side(evaluate: Evaluator, attributes: dict[str, str], tensors: list[str], position) -> dict[str, str]:
-    """Switch tensors to keep, latest first, as long as the plan still fits."""
-    for t in sorted(tensors, key=position.__getitem__, reverse=True):
-        trial = {**attributes, t: "keep"}
-        if not evaluate(trial).fits:
-            break
-        attributes = trial
-    return attributes
+    """Switch tensors to keep, latest first, as long as the plan still fits.
+
+    Keeping more never uses less memory, so the longest fitting run of latest
+    tensors is found by bisection on its length.
+    """
+    latest_first = sorted(tensors, key=position.__getitem__, reverse=True)
+
+    def keeping(count: int) -> dict[str, str]:
+        return {**attributes, **{t: "keep" for t in latest_first[:count]}}
+
+    if evaluate(keeping(len(latest_first))).fits:
+        return keeping(len(latest_first))
+    fits, breaks = 0, len(latest_first)
+    while breaks - fits > 1:
+        middle = (fits + breaks) // 2
+        if evaluate(keeping(middle)).fits:
+            fits = middle
+        else:
+            breaks = middle
+    return keeping(fits)
 
 
-def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts) -> dict[str, str] | None:
+def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts, deadline: float) -> dict[str, str] | None:
     all_swap = {t: "swap" for t in facts.candidates}
     start = evaluate(all_swap, spans=True)
     if not start.fits:
@@ -130,6 +146,8 @@ def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts) -> dict[str, str
     best, best_time = None, None
     for size in range(len(swap_in) + 1):
         for kept in itertools.combinations(swap_in, size):
+            if best is not None and time.monotonic() > deadline:
+                return best
             leaf = {**all_swap, **{t: "keep" for t in kept}}
             if not evaluate(leaf).fits:
                 continue
@@ -144,19 +162,24 @@ def ratio(evaluate: Evaluator, attributes: dict[str, str], tensor: str) -> float
     """r(X): recompute overhead over swap overhead, both measured against keeping X, the rest fixed."""
     kept = evaluate({**attributes, tensor: "keep"}).step_time_ms
     swap_overhead = evaluate({**attributes, tensor: "swap"}).step_time_ms - kept
-    recompute_overhead = evaluate({**attributes, tensor: "recompute"}).step_time_ms - kept
     if swap_overhead <= 1e-9:
-        return float("inf")
+        return float("inf")  # the swap costs nothing: nothing to gain by recomputing
+    recompute_overhead = evaluate({**attributes, tensor: "recompute"}).step_time_ms - kept
     return recompute_overhead / swap_overhead
 
 
-def choose_recomputes(evaluate: Evaluator, attributes: dict[str, str], position) -> dict[str, str]:
+def choose_recomputes(evaluate: Evaluator, attributes: dict[str, str], facts: GraphFacts, deadline: float) -> dict[str, str]:
+    position = evaluate.profile.position
     heap = []
-    for t in sorted((t for t, a in attributes.items() if a == "swap"), key=position.__getitem__):
+    for t in facts.candidates:
+        if time.monotonic() > deadline:
+            break
+        if attributes.get(t) != "swap":
+            continue
         r = ratio(evaluate, attributes, t)
         if r < 1.0:
             heapq.heappush(heap, (r, position[t], t))
-    while heap:
+    while heap and time.monotonic() <= deadline:
         _, order, t = heapq.heappop(heap)
         r = ratio(evaluate, attributes, t)
         if r >= 1.0:
@@ -170,12 +193,17 @@ def choose_recomputes(evaluate: Evaluator, attributes: dict[str, str], position)
     return attributes
 
 
-def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts) -> Schedule | None:
+def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, time_limit_s: float) -> Schedule | None:
+    """The plan at this budget, or None when not even everything swapped fits.
+
+    Past the time limit the search stops where it is (the plan found so far fits).
+    """
+    deadline = time.monotonic() + time_limit_s
     evaluate = Evaluator(profile, budget_bytes, facts)
-    attributes = choose_keep_or_swap(evaluate, facts)
+    attributes = choose_keep_or_swap(evaluate, facts, deadline)
     if attributes is None:
         return None
-    attributes = choose_recomputes(evaluate, attributes, profile.position)
+    attributes = choose_recomputes(evaluate, attributes, facts, deadline)
     evaluation = evaluate(attributes)
     return evaluation.schedule if evaluation.fits else None
 
@@ -184,7 +212,7 @@ def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts) -> Sc
 def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     require_transfers(profile, NAME)
     facts = GraphFacts(profile)
-    schedule = heuristic(profile, budget_bytes, facts)
+    schedule = heuristic(profile, budget_bytes, facts, options.time_limit_s)
     if schedule is not None:
         return certify(profile, schedule, NAME)
     # The heuristic finds a plan exactly when its starting point, everything swapped, fits.
@@ -196,8 +224,8 @@ def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options
 
     unbounded = Evaluator(profile, 2**62, facts)(all_swap).result.peak_memory_bytes
     minimum = smallest_budget(starting_point_fits, budget_bytes, max(unbounded, budget_bytes + 1))
-    if minimum is not None and heuristic(profile, minimum, facts) is None:
-        minimum = smallest_budget(lambda b: heuristic(profile, b, facts), minimum, 2 * minimum)
+    if minimum is not None and heuristic(profile, minimum, facts, options.time_limit_s) is None:
+        minimum = smallest_budget(lambda b: heuristic(profile, b, facts, options.time_limit_s), minimum, 2 * minimum)
     if minimum is None:
         raise InfeasibleBudget(f"strategy {NAME!r} finds no plan within {budget_bytes} bytes, nor within any budget it tried")
     raise InfeasibleBudget(
