@@ -21,14 +21,14 @@ allows", vDNN hooks `window_prefetches`.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Callable, Literal
+from typing import Literal
 
 from planner.auto_algorithms import compute_peaks
 from planner.builder import PlannerBug
 from planner.errors import MososError
 from planner.liveness import Step, build_schedule
 from planner.profile import GraphProfile
-from planner.schedule import Compute, Offload, Prefetch, Schedule, Wait
+from planner.schedule import Compute, Offload, Prefetch, Wait
 
 Attribute = Literal["keep", "swap", "recompute"]
 OffloadStyle = Literal["after_last_reader", "with_last_reader"]
@@ -201,10 +201,6 @@ class AttributeProgram:
         return self.steps
 
 
-def schedule_from_steps(profile: GraphProfile, steps: list[Step], budget_bytes: int | None) -> Schedule:
-    return build_schedule(profile, steps, budget_bytes)
-
-
 def move_prefetches_early(
     profile: GraphProfile, steps: list[Step], budget_bytes: int | None, earliest_stage: int
 ) -> list[Step]:
@@ -260,6 +256,3 @@ def move_prefetches_early(
             result.append(step)
     return result
 
-
-def implementations_for(profile: GraphProfile, choice: Callable[[str], str]) -> dict[str, str]:
-    return {node_id: choice(node_id) for node_id in profile.order}

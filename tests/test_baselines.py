@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner.budget import minimum_budget_bytes
-from planner.errors import BudgetError, MososError
+from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan
 from planner.schedule import Compute, Offload, Prefetch, Wait
 from planner.simulator import simulate
