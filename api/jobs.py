@@ -155,6 +155,11 @@ class JobQueue:
     # What request threads call ----------------------------------------------
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held while a request is matched against the store and the queue, so identical requests solve once."""
+        return self._lock
+
+    @property
     def depth(self) -> int:
         return len(self._pending)
 
@@ -197,8 +202,8 @@ class JobQueue:
         return None
 
     def get(self, plan_id: str) -> Job | None:
-        with self._lock:
-            return self._active.get(plan_id)
+        """Lock-free (a dict read is atomic): status calls never wait for a result being written."""
+        return self._active.get(plan_id)
 
     def cancel(self, plan_id: str) -> bool:
         """Cancel a queued or running plan; False if it is not active here."""

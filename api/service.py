@@ -133,7 +133,7 @@ class Service:
     def find_or_queue(self, parsed: ParsedPlan) -> tuple[PlanRow | None, Job | None]:
         """The stored answer (cache hit), the same request already in flight, or a new job."""
         profile: GraphProfile = parsed.request.profile
-        with self.queue._lock:
+        with self.queue.lock:
             hit = self.store.find_done(parsed.request_hash)
             if hit is not None:
                 self.metrics.cache_hits.inc()

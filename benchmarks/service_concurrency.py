@@ -257,13 +257,14 @@ def main() -> None:
             print(f"run {repeat + 1}: {stats['answered']}/{stats['requests']} answered, {len(stats['wrong'])} wrong, "
                   f"{lost} lost, busy {stats['busy_during']}/2, status p50 {stats['status_p50_sequential_ms']:.1f} ms one at a time, "
                   f"{stats['status_p50_during_ms']:.1f} ms 10 at a time while solving, burst p50 {stats['status_p50_burst_ms']:.1f} ms")
-    header = ("| run | in flight | answered | wrong | plans lost | solves busy | status p50 / p95 while solving, one at a time (ms) "
+    header = ("| run | in flight | answered | wrong | plans done / lost | solves busy | status p50 / p95 while solving, one at a time (ms) "
               "| status p50 / p95 while solving, 10 at a time (ms) | status p50 / p95 in the 50-request burst (ms) "
               "| simulate p50 (ms) | plan POST p50 (ms) |")
     lines = [header, "|" + "---|" * 11]
     for s in rows:
         lines.append(
-            f"| {s['repeat']} | {s['requests']} | {s['answered']} | {len(s['wrong'])} | {s['plans'] - len(s['finals'])} "
+            f"| {s['repeat']} | {s['requests']} | {s['answered']} | {len(s['wrong'])} "
+            f"| {sum(1 for v in s['finals'].values() if v == 'done')} / {s['plans'] - len(s['finals'])} "
             f"| {s['busy_during']}/2 | {s['status_p50_sequential_ms']:.1f} / {s['status_p95_sequential_ms']:.1f} "
             f"| {s['status_p50_during_ms']:.1f} / {s['status_p95_during_ms']:.1f} "
             f"| {s['status_p50_burst_ms']:.1f} / {s['status_p95_burst_ms']:.1f} | {s['simulate_p50_ms']:.1f} "
@@ -275,22 +276,35 @@ def main() -> None:
         return
     cpu = os.cpu_count()
     load = os.getloadavg()
-    RESULTS.write_text(
-        "# Planning service under concurrent load\n\n"
+    section = (
+        f"## strategy `{args.strategy}`\n\n"
         f"Command: `python3 benchmarks/service_concurrency.py --requests {args.requests} --plans {args.plans} "
-        f"--simulates {args.simulates} --solve-seconds {args.solve_seconds:g} --strategy {args.strategy}`\n\n"
-        f"A real `mosos serve` on 127.0.0.1 with 2 solve processes; {args.requests} requests fired at once "
-        f"({args.plans} plans of a {len(chain_profile()['nodes'])}-node profile with strategy `{args.strategy}` "
-        f"and a {args.solve_seconds:g} s time limit, {args.simulates} simulations, the rest status calls), then "
-        "status calls of the new plans timed while both solve processes were busy: 40 one at a time (as a job "
-        "polling its plan does), then 3 waves of 10 at once. Latencies are measured by "
-        "the client (httpx, same machine), so they include its own overhead.\n\n"
-        f"Machine: {cpu} cores; load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} "
-        "(other engineers' jobs were running: timings were taken under load).\n\n"
-        f"{table}\n\n"
-        "wrong: answers other than 200/202 for plans and 200 for status and simulate. plans lost: plans that never "
-        "reached done, failed or cancelled. solves busy: solve processes running at the time of the timed status calls.\n"
+        f"--simulates {args.simulates} --solve-seconds {args.solve_seconds:g} --strategy {args.strategy}"
+        + (f" --memory-ratio {args.memory_ratio:g}" if args.memory_ratio is not None else "")
+        + f" --repeats {args.repeats}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+        f"Machine: {cpu} cores; load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}.\n\n"
+        f"{table}\n"
     )
+    intro = (
+        "# Planning service under concurrent load\n\n"
+        "A real `mosos serve` on 127.0.0.1 with 2 solve processes. Each run fires 50 requests at once: 10 plans "
+        f"of a {len(chain_profile()['nodes'])}-node profile (fresh seeds, so every one is a real solve), 10 "
+        "simulations and 30 status calls. Then, while both solve processes are busy, it times status calls of "
+        "the new plans: 40 one at a time (as a training job polling its plan does), then 3 waves of 10 at once. "
+        "Finally it polls every plan until it ends. Latencies are measured by the client (httpx, same machine), "
+        "so they include its own overhead. `bench-busy` is a plugin strategy that spins one core for the time "
+        "limit (a CPU-bound stand-in with a known duration); `mosos` is the real CP-SAT planner. Other engineers' "
+        "jobs were running on the same 2 cores: the timings were taken under load.\n\n"
+        "wrong: answers other than 200/202 for plans and 200 for status and simulate. plans done / lost: plans that "
+        "ended done (of 10), and plans that never reached done, failed or cancelled. solves busy: solve processes running when the status calls "
+        "were timed.\n"
+    )
+    sections: dict[str, str] = {}
+    if RESULTS.exists():
+        for chunk in RESULTS.read_text().split("\n## ")[1:]:
+            sections[chunk.split("\n", 1)[0]] = "## " + chunk.rstrip() + "\n"
+    sections[section.split("\n", 1)[0][3:]] = section
+    RESULTS.write_text(intro + "".join("\n" + body for _, body in sorted(sections.items())))
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 
