@@ -276,3 +276,11 @@ def test_recompute_and_algorithm_strategies_need_no_bandwidth(strategy):
     profile = conv_net(bandwidth=None)
     budget = keep_all_peak_bytes(profile)
     valid(profile, plan(profile, budget, strategy=strategy), budget, strategy)
+
+
+@pytest.mark.parametrize("strategy", BASELINES)
+def test_the_same_question_gets_the_same_plan(strategy):
+    profile = skip_net()
+    budget = keep_all_peak_bytes(profile) - 2 * MB
+    first = plan(profile, budget, strategy=strategy).to_json()
+    assert plan(profile, budget, strategy=strategy).to_json() == first

@@ -21,9 +21,14 @@ the simulator), in two stages:
    top, which gives the same choice whenever ratios only grow as recomputes
    are added.
 
-Swap-outs start when the last forward reader ends and do not block forward;
-swap-ins start as early as free memory allows (4.3, `move_prefetches_early`).
-Algorithms: Auto's choice at the budget (the fastest wherever it fits).
+Swap-outs start when the last forward reader ends and do not block forward
+(a buffer is released when its copy ends); only when memory is full does the
+compute stream wait for in-flight swap-outs, as an allocator that synchronizes
+and retries would. Swap-ins start as early as free memory allows (4.3,
+`move_prefetches_early`). Algorithms: Auto's choice at the budget (the
+fastest wherever it fits). The search stops at the time limit (or when asked
+to stop) with the best fitting plan so far; within the limit it is
+deterministic.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from planner.attribute_plans import AttributeProgram, GraphFacts, move_prefetches_early, require_transfers
 from planner.auto_algorithms import apply_auto
@@ -134,7 +140,7 @@ def keep_from_output_side(evaluate: Evaluator, attributes: dict[str, str], tenso
     return keeping(fits)
 
 
-def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts, deadline: float) -> dict[str, str] | None:
+def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts, out_of_time: Callable[[], bool]) -> dict[str, str] | None:
     all_swap = {t: "swap" for t in facts.candidates}
     start = evaluate(all_swap, spans=True)
     if not start.fits:
@@ -146,7 +152,7 @@ def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts, deadline: float)
     best, best_time = None, None
     for size in range(len(swap_in) + 1):
         for kept in itertools.combinations(swap_in, size):
-            if best is not None and time.monotonic() > deadline:
+            if best is not None and out_of_time():
                 return best
             leaf = {**all_swap, **{t: "keep" for t in kept}}
             if not evaluate(leaf).fits:
@@ -168,18 +174,22 @@ def ratio(evaluate: Evaluator, attributes: dict[str, str], tensor: str) -> float
     return recompute_overhead / swap_overhead
 
 
-def choose_recomputes(evaluate: Evaluator, attributes: dict[str, str], facts: GraphFacts, deadline: float) -> dict[str, str]:
+def choose_recomputes(
+    evaluate: Evaluator, attributes: dict[str, str], facts: GraphFacts, out_of_time: Callable[[], bool]
+) -> dict[str, str]:
     position = evaluate.profile.position
+    if evaluate(attributes).result.stall_time_ms <= 1e-9:
+        return attributes  # no swap stalls anything: every swap overhead is zero, every r infinite
     heap = []
     for t in facts.candidates:
-        if time.monotonic() > deadline:
+        if out_of_time():
             break
         if attributes.get(t) != "swap":
             continue
         r = ratio(evaluate, attributes, t)
         if r < 1.0:
             heapq.heappush(heap, (r, position[t], t))
-    while heap and time.monotonic() <= deadline:
+    while heap and not out_of_time():
         _, order, t = heapq.heappop(heap)
         r = ratio(evaluate, attributes, t)
         if r >= 1.0:
@@ -193,17 +203,22 @@ def choose_recomputes(evaluate: Evaluator, attributes: dict[str, str], facts: Gr
     return attributes
 
 
-def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, time_limit_s: float) -> Schedule | None:
+def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, options: SolveOptions) -> Schedule | None:
     """The plan at this budget, or None when not even everything swapped fits.
 
-    Past the time limit the search stops where it is (the plan found so far fits).
+    Past the time limit, or when asked to stop, the search stops where it is
+    (the plan found so far fits).
     """
-    deadline = time.monotonic() + time_limit_s
+    deadline = time.monotonic() + options.time_limit_s
+
+    def out_of_time() -> bool:
+        return time.monotonic() > deadline or bool(options.should_stop and options.should_stop())
+
     evaluate = Evaluator(profile, budget_bytes, facts)
-    attributes = choose_keep_or_swap(evaluate, facts, deadline)
+    attributes = choose_keep_or_swap(evaluate, facts, out_of_time)
     if attributes is None:
         return None
-    attributes = choose_recomputes(evaluate, attributes, facts, deadline)
+    attributes = choose_recomputes(evaluate, attributes, facts, out_of_time)
     evaluation = evaluate(attributes)
     return evaluation.schedule if evaluation.fits else None
 
@@ -212,7 +227,7 @@ def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, time_
 def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     require_transfers(profile, NAME)
     facts = GraphFacts(profile)
-    schedule = heuristic(profile, budget_bytes, facts, options.time_limit_s)
+    schedule = heuristic(profile, budget_bytes, facts, options)
     if schedule is not None:
         return certify(profile, schedule, NAME)
     # The heuristic finds a plan exactly when its starting point, everything swapped, fits.
@@ -224,8 +239,8 @@ def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options
 
     unbounded = Evaluator(profile, 2**62, facts)(all_swap).result.peak_memory_bytes
     minimum = smallest_budget(starting_point_fits, budget_bytes, max(unbounded, budget_bytes + 1))
-    if minimum is not None and heuristic(profile, minimum, facts, options.time_limit_s) is None:
-        minimum = smallest_budget(lambda b: heuristic(profile, b, facts, options.time_limit_s), minimum, 2 * minimum)
+    if minimum is not None and heuristic(profile, minimum, facts, options) is None:
+        minimum = smallest_budget(lambda b: heuristic(profile, b, facts, options), minimum, 2 * minimum)
     if minimum is None:
         raise InfeasibleBudget(f"strategy {NAME!r} finds no plan within {budget_bytes} bytes, nor within any budget it tried")
     raise InfeasibleBudget(
