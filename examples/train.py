@@ -1,0 +1,119 @@
+"""Train a reference network a few steps under a memory budget, next to plain PyTorch.
+
+    python3 examples/train.py --model vgg19 --small --batch 8 --memory-ratio 0.6 --steps 3
+    python3 examples/train.py --model resnet50 --batch 64 --budget 6GiB --device cuda
+
+Both runs start from the same weights and see the same batches and random
+numbers, so their losses should agree step by step. Peak memory is
+torch.cuda.max_memory_allocated on a GPU; on the CPU, the executor's
+byte-exact ledger for the planned run, and the simulated keep-all peak for
+plain PyTorch (which the CPU cannot measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import executor  # noqa: E402
+from models import get_model  # noqa: E402
+from planner.errors import MososError  # noqa: E402
+from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
+from planner.units import format_bytes  # noqa: E402
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="vgg19")
+    parser.add_argument("--small", action="store_true", help="the small variant (CPU-sized)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--budget", default=None, help="device memory budget, e.g. 6GiB")
+    parser.add_argument("--memory-ratio", type=float, default=None, help="budget as a fraction of the keep-all peak")
+    parser.add_argument("--strategy", default="mosos")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--time-limit", type=float, default=30.0, help="planner time limit, seconds")
+    parser.add_argument("--planner-url", default=None, help="plan on a mosos service instead of locally")
+    parser.add_argument("--d2h-gb-per-s", type=float, default=None, help="CPU: assumed copy bandwidth (default 10)")
+    parser.add_argument("--h2d-gb-per-s", type=float, default=None)
+    parser.add_argument("--lr", type=float, default=0.01)
+    args = parser.parse_args()
+    if args.budget is None and args.memory_ratio is None:
+        args.memory_ratio = 0.6
+    return args
+
+
+def _peak(device: str) -> int | None:
+    return torch.cuda.max_memory_allocated() if device == "cuda" else None
+
+
+def main() -> int:
+    args = _arguments()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    if device.type == "cpu":
+        args.d2h_gb_per_s = args.d2h_gb_per_s or 10.0
+        args.h2d_gb_per_s = args.h2d_gb_per_s or 10.0
+    spec = get_model(args.model, small=args.small)
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    plain_model = copy.deepcopy(model)
+    inputs, targets = spec.example_inputs(args.batch, device=device)
+    try:
+        planned = executor.optimize(
+            model, inputs, spec.loss, budget=args.budget, targets=targets, memory_ratio=args.memory_ratio,
+            strategy=args.strategy, planner_url=args.planner_url, time_limit_s=args.time_limit,
+            optimizer="momentum", d2h_gb_per_s=args.d2h_gb_per_s, h2d_gb_per_s=args.h2d_gb_per_s,
+        )
+    except MososError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=args.lr, momentum=0.9)
+    planned_opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    def run(step_model, optimizer, seed):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        if step_model is planned:
+            loss = planned(inputs, targets)
+        else:
+            loss = spec.loss(step_model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return loss.item(), (time.perf_counter() - start) * 1e3, _peak(device.type)
+
+    summary = planned.schedule.summary
+    print(f"\n{spec.name}{' (small)' if args.small else ''}, batch {args.batch}, {device.type}; plan: "
+          f"{summary.strategy}, budget {format_bytes(planned.schedule.budget_bytes)}, predicted step "
+          f"{summary.predicted_step_time_ms:.2f} ms, predicted peak {format_bytes(summary.peak_memory_bytes)}")
+    plain_peak_note = format_bytes(keep_all_peak_bytes(planned.profile)) + " (simulated keep-all)"
+    print(f"{'step':>4}  {'plain loss':>12}  {'planned loss':>12}  {'plain ms':>9}  {'planned ms':>10}  "
+          f"{'plain peak':>26}  {'planned peak':>14}")
+    for step in range(args.steps):
+        plain_loss, plain_ms, plain_peak = run(plain_model, plain_opt, 100 + step)
+        planned_loss, planned_ms, planned_peak = run(planned, planned_opt, 100 + step)
+        if planned_peak is None:
+            planned_peak = planned.peak_memory_bytes
+        plain_text = format_bytes(plain_peak) if plain_peak is not None else plain_peak_note
+        print(f"{step:>4}  {plain_loss:>12.6f}  {planned_loss:>12.6f}  {plain_ms:>9.1f}  {planned_ms:>10.1f}  "
+              f"{plain_text:>26}  {format_bytes(planned_peak):>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

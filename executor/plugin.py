@@ -1,0 +1,141 @@
+"""`optimize()`: the one call a training script adds. Profile here, plan (locally or on a service), replay.
+
+    planned = executor.optimize(model, inputs, loss_fn, targets=targets, budget="10GiB")
+    loss = planned(inputs, targets); loss.backward(); optimizer.step()
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from executor.profiler import profile_model
+from executor.replay import PlannedModule
+from planner.errors import MososError
+from planner.planning import plan
+from planner.profile import GraphProfile
+from planner.schedule import Schedule, parse_schedule
+from planner.units import format_bytes, parse_bytes
+
+
+class PlannerServiceError(MososError):
+    """The planner service answered with an error, or not at all."""
+
+
+def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
+    if callable(progress):
+        return progress
+    if not progress:
+        return lambda message: None
+    started = time.monotonic()
+    return lambda message: print(f"[mosos {time.monotonic() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def plan_remotely(
+    planner_url: str,
+    profile: GraphProfile,
+    budget_bytes: int | None,
+    memory_ratio: float | None,
+    strategy: str,
+    time_limit_s: float,
+    token: str | None = None,
+    say: Callable[[str], None] = lambda m: None,
+    poll_s: float = 1.0,
+) -> Schedule:
+    """POST the profile to a planner service (/v1/plans) and wait for its schedule."""
+    import json
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    body = {"profile": json.loads(profile.to_json()), "strategy": strategy, "time_limit_s": time_limit_s, "wait_s": 10}
+    if budget_bytes is not None:
+        body["budget_bytes"] = budget_bytes
+    if memory_ratio is not None:
+        body["memory_ratio"] = memory_ratio
+    base = planner_url.rstrip("/")
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+            answer = client.post("/v1/plans", json=body)
+            while True:
+                if answer.status_code >= 400:
+                    try:
+                        message = answer.json().get("message", answer.text)
+                    except ValueError:
+                        message = answer.text
+                    raise PlannerServiceError(f"planner service at {base} answered {answer.status_code}: {message}")
+                status = answer.json()
+                if status["status"] == "done":
+                    if not status.get("feasible", True) or status.get("schedule") is None:
+                        minimum = status.get("minimum_budget_bytes")
+                        raise PlannerServiceError(
+                            f"no plan fits: {status.get('reason') or 'infeasible'}"
+                            + (f" (the smallest budget that works: {format_bytes(minimum)})" if minimum else "")
+                        )
+                    return parse_schedule(status["schedule"], f"{base}/v1/plans/{status['id']}")
+                if status["status"] in ("failed", "cancelled"):
+                    raise PlannerServiceError(f"plan {status['id']} {status['status']}: {status.get('reason')}")
+                progress = status.get("progress") or {}
+                say(f"planning on {base}: {status['status']}" + (f", best {progress['objective']:.4g}" if progress.get("objective") else ""))
+                time.sleep(poll_s)
+                answer = client.get(f"/v1/plans/{status['id']}")
+    except httpx.HTTPError as error:
+        raise PlannerServiceError(f"cannot reach the planner service at {base}: {error}") from None
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs,
+    loss_fn: Callable,
+    budget: str | int | None = "10GiB",
+    *,
+    targets=None,
+    memory_ratio: float | None = None,
+    strategy: str = "mosos",
+    planner_url: str | None = None,
+    planner_token: str | None = None,
+    time_limit_s: float = 60.0,
+    workers: int | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "sgd",
+    d2h_gb_per_s: float | None = None,
+    h2d_gb_per_s: float | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: bool | Callable[[str], None] = True,
+) -> PlannedModule:
+    """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
+    keep-all peak), and return the PlannedModule that trains as planned."""
+    say = _reporter(progress)
+    budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
+    profile = profile_model(
+        model, example_inputs, loss_fn, targets,
+        optimizer=optimizer, repeats=repeats, warmup=warmup,
+        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, progress=say,
+    )
+    say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
+    if planner_url:
+        schedule = plan_remotely(planner_url, profile, budget_bytes, memory_ratio, strategy, time_limit_s,
+                                 planner_token, say)
+    else:
+        def on_progress(event: dict) -> None:
+            if event.get("objective") is not None:
+                gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
+                say(f"{event.get('strategy', strategy)}: best {event['objective']:.4g}{gap}")
+
+        schedule = plan(
+            profile, budget_bytes, memory_ratio=memory_ratio, strategy=strategy,
+            time_limit_s=time_limit_s, workers=workers, progress=on_progress,
+        )
+    planned = PlannedModule(model, profile, schedule, loss_fn)
+    summary = schedule.summary
+    if summary is not None:
+        say(
+            f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
+            f"{format_bytes(summary.peak_memory_bytes)}, offloaded {format_bytes(summary.offloaded_bytes)}, "
+            f"recompute {summary.recompute_time_ms:.2f} ms"
+        )
+    return planned
