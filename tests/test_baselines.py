@@ -173,10 +173,9 @@ def test_vdnn_static_policies_fall_back_to_memory_optimal_algorithms():
     profile = conv_net(bandwidth=10.0)
     performance = plan(profile, keep_all_peak_bytes(profile), strategy="vdnn-all")
     assert performance.summary.implementations_changed == 0
-    try:
+    with pytest.raises(InfeasibleBudget) as caught:
         plan(profile, minimum_budget_bytes(profile), strategy="vdnn-all")
-    except InfeasibleBudget as error:
-        memory = plan(profile, error.minimum_budget_bytes, strategy="vdnn-all")
+    memory = plan(profile, caught.value.minimum_budget_bytes, strategy="vdnn-all")
     assert memory.summary.peak_memory_bytes < performance.summary.peak_memory_bytes
     chosen = [op.implementation for _, op in operations(memory, Compute)]
     assert "implicit" in chosen and "fft" not in chosen
@@ -189,10 +188,9 @@ def test_vdnn_dyn_prefers_no_offload_then_offload_then_slower_algorithms():
     static_all = plan(profile, peak, strategy="vdnn-all").summary.peak_memory_bytes
     with_offload = plan(profile, static_all, strategy="vdnn-dyn")
     assert with_offload.summary.offloaded_bytes > 0 and with_offload.summary.implementations_changed == 0
-    try:
+    with pytest.raises(InfeasibleBudget) as caught:
         plan(profile, minimum_budget_bytes(profile), strategy="vdnn-dyn")
-    except InfeasibleBudget as error:
-        smallest = plan(profile, error.minimum_budget_bytes, strategy="vdnn-dyn")
+    smallest = plan(profile, caught.value.minimum_budget_bytes, strategy="vdnn-dyn")
     assert smallest.summary.implementations_changed > 0
     assert smallest.summary.predicted_step_time_ms >= with_offload.summary.predicted_step_time_ms
 
