@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 models = pytest.importorskip("models")
 
 from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
+from executor.plugin import PlannerServiceError  # noqa: E402
+from executor.plugin import optimize as executor_optimize  # noqa: E402
 from executor.profiler import profile_model  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
@@ -257,3 +259,33 @@ def test_on_gpu_memory_stays_within_the_plan_and_gradients_match():
     torch.testing.assert_close(loss, plain_loss)
     for a, b in zip(planned_model.parameters(), plain_model.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_optimize_profiles_plans_and_returns_a_module_that_trains():
+    spec = models.get_model("transformer", small=True)
+    torch.manual_seed(0)
+    model = spec.build().double()
+    plain_model = copy.deepcopy(model)
+    inputs, targets = spec.example_inputs(BATCH, dtype=torch.float64)
+    messages = []
+    planned = executor_optimize(
+        model, inputs, spec.loss, targets=targets, memory_ratio=1.0, strategy="chen-sqrt",
+        repeats=1, warmup=0, progress=messages.append, d2h_gb_per_s=10, h2d_gb_per_s=10,
+    )
+    assert isinstance(planned, PlannedModule) and planned.schedule.summary.strategy == "chen-sqrt"
+    assert any("profiled" in m for m in messages) and any("plan (chen-sqrt)" in m for m in messages)
+    torch.manual_seed(1)
+    loss = planned(inputs, targets)
+    loss.backward()
+    plain_loss = _plain_step(plain_model, spec, inputs, targets)
+    _assert_same("transformer", model, plain_model, loss, plain_loss)
+    assert list(planned.parameters()) == list(model.parameters())  # an optimizer can take either
+
+
+def test_optimize_with_an_unreachable_planner_service_says_so():
+    spec = models.get_model("transformer", small=True)
+    model = spec.build()
+    inputs, targets = spec.example_inputs(2)
+    with pytest.raises(PlannerServiceError, match="cannot reach the planner service at http://127.0.0.1:9"):
+        executor_optimize(model, inputs, spec.loss, targets=targets, memory_ratio=0.8, repeats=1, warmup=0,
+                          planner_url="http://127.0.0.1:9", progress=False)
