@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.capture import Ref
@@ -164,8 +165,6 @@ def resolve_args(args, kwargs, store, fixed_values: dict[str, Any], compute_ids)
             else:
                 new_leaves.append(leaf)
         return tree_unflatten(new_leaves, entry.spec) if entry.spec is not None else new_leaves[0]
-
-    import torch.fx as fx
 
     args, kwargs = fx.node.map_aggregate((args, kwargs), materialize)
     return args, kwargs, leaves, sources

@@ -178,6 +178,9 @@ class PlannedModule(nn.Module):
         if targets is None and len(args) == expected_inputs + 1:
             *args, targets = args
         inputs = tuple(args)
+        if not torch.is_grad_enabled():  # evaluation: no backward, so no schedule to follow
+            output = self.model(*inputs)
+            return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
         check_inputs(self.profile, inputs, targets)
         ctx = step_context(self.graph, inputs, targets, self.loss_fn)
         step = _Step(ctx, Accountant(self.profile, self.profile.fixed_bytes))

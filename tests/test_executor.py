@@ -289,3 +289,65 @@ def test_optimize_with_an_unreachable_planner_service_says_so():
     with pytest.raises(PlannerServiceError, match="cannot reach the planner service at http://127.0.0.1:9"):
         executor_optimize(model, inputs, spec.loss, targets=targets, memory_ratio=0.8, repeats=1, warmup=0,
                           planner_url="http://127.0.0.1:9", progress=False)
+
+
+class _Odd(torch.nn.Module):
+    """Tuples and getitem, chunk, MultiheadAttention, a parameter used directly, `+=`, in-place ReLUs,
+    an int from size(), views, dropout, a weight used twice, and two model outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.head = torch.nn.Linear(8, 3)
+        self.tied = torch.nn.Linear(8, 8, bias=False)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x):
+        a, b = self.lin(x).chunk(2, dim=-1)
+        y, _ = self.attn(a * torch.sigmoid(b), a, b)
+        y = torch.nn.functional.linear(y, self.w)
+        y += x
+        y = self.act(y)
+        n = y.size(0)
+        z = self.drop(y.view(n, -1)).view(n, -1, 8)
+        z = torch.nn.functional.relu(self.tied(z), inplace=True)
+        z = self.tied(z).mean(1)
+        return self.head(z), z.sum()
+
+
+def _odd_loss(output, targets):
+    logits, extra = output
+    return torch.nn.functional.cross_entropy(logits, targets) + 0.01 * extra
+
+
+@pytest.mark.parametrize("kind", ["keep-all", "offload-everything", "recompute-everything"])
+def test_unusual_graphs_replay_like_plain_pytorch(kind):
+    torch.manual_seed(0)
+    model = _Odd().double()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    t = torch.tensor([0, 1, 2, 1])
+    profile = profile_model(model, x, _odd_loss, t, repeats=1, warmup=0, d2h_gb_per_s=10, h2d_gb_per_s=10)
+    planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, _schedule(profile, kind), _odd_loss, strict=True)
+    torch.manual_seed(3)
+    loss = planned(x, t)
+    loss.backward()
+    torch.manual_seed(3)
+    plain_loss = _odd_loss(plain_model(x), t)
+    plain_loss.backward()
+    assert loss.item() == plain_loss.item()
+    for a, b in zip(planned_model.parameters(), plain_model.parameters()):
+        # the tied weight's two contributions are summed in another order: 1e-17 here
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=1e-15)
+    assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+
+
+def test_without_grad_the_module_just_evaluates(profiled):
+    spec, model, inputs, targets, profile = profiled("vgg19")
+    planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"), spec.loss)
+    with torch.no_grad():
+        loss = planned(inputs, targets)
+    assert loss.shape == () and planned.last_step is None
