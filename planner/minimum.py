@@ -62,19 +62,18 @@ def smallest_budget(
     return MinimumBudget(budget, proven, schedule, outcome.info.wall_time_s)
 
 
-def _greedy_minimum(profile: GraphProfile, above_bytes: int, time_limit_s: float = 5.0):
+def _greedy_minimum(profile: GraphProfile, above_bytes: int, max_steps: int = 64):
     """Bisect the smallest budget below `above_bytes` at which the greedy recompute plan fits, if any."""
-    import time
-
     from planner.cpsat.greedy import greedy_recompute_schedule
 
-    deadline = time.monotonic() + time_limit_s
     low = minimum_budget_bytes(profile) - 1  # fails: below what any plan needs
     found = greedy_recompute_schedule(profile, above_bytes - 1)
     if found is None:
         return None
     high = above_bytes - 1
-    while high - low > 1 and time.monotonic() < deadline:
+    for _ in range(max_steps):
+        if high - low <= 1:
+            break
         middle = (low + high) // 2
         schedule = greedy_recompute_schedule(profile, middle)
         if schedule is None:

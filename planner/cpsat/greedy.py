@@ -11,7 +11,6 @@ hint for CP-SAT and a fallback, never a claim of optimality.
 from __future__ import annotations
 
 import sys
-import time
 
 from planner.builder import ScheduleBuilder
 from planner.errors import ScheduleRejected
@@ -24,9 +23,12 @@ class _Stuck(Exception):
     pass
 
 
-def greedy_recompute_schedule(profile: GraphProfile, budget_bytes: int, time_limit_s: float = 1.0) -> Schedule | None:
-    """The plan, or None if the rule gets stuck (or runs past `time_limit_s`)."""
-    deadline = time.monotonic() + time_limit_s
+def greedy_recompute_schedule(profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None) -> Schedule | None:
+    """The plan, or None if the rule gets stuck or needs more than `max_evictions` frees.
+
+    The limit is a count, not a clock, so that the answer does not depend on the machine's load.
+    """
+    evictions_left = max_evictions if max_evictions is not None else 20 * len(profile.nodes)
     ids = list(profile.order)
     index = {node_id: i for i, node_id in enumerate(ids)}
     nodes = [profile.node_by_id[node_id] for node_id in ids]
@@ -55,8 +57,10 @@ def greedy_recompute_schedule(profile: GraphProfile, budget_bytes: int, time_lim
         builder.free(ids[j])
 
     def make_room(needed: int, pinned: set[int], soft: set[int]) -> None:
+        nonlocal evictions_left
         while used + needed > capacity:
-            if time.monotonic() > deadline:
+            evictions_left -= 1
+            if evictions_left < 0:
                 raise _Stuck
             candidates = [j for j in resident if j not in pinned]
             if not candidates:

@@ -125,7 +125,8 @@ def complete_hint(model: cp_model.CpModel, time_limit_s: float, seed: int) -> bo
         fixed.add(fixed.get_int_var_from_proto_index(index) == value)
     fixed.clear_objective()
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.max_deterministic_time = time_limit_s  # same answer on a busy machine
+    solver.parameters.max_time_in_seconds = 3 * time_limit_s + 1
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     status = solver.solve(fixed)

@@ -1,0 +1,178 @@
+"""How fast the CP-SAT model finds and proves plans.
+
+Run: `python benchmarks/solver_scaling.py [--time-limit 60] [--workers 2]`. Two tables, written to
+benchmarks/results/solver_scaling.md:
+
+1. The full MO-SOS model (keep / offload+prefetch / recompute, algorithm choice) on the shipped
+   profiles (VGG19 and U-Net on the P40, ResNet-50, VGG-416) at memory ratios 0.8 and 0.6, cold
+   (no hint) and warm (hinted with the best baseline plan that fits): time to the first feasible
+   plan, time to the best, objective, bound, gap.
+2. recompute-only on the Checkmate/Moccasin graphs at 0.8 and 0.9 of the topological peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.budget import budget_from_ratio  # noqa: E402
+from planner.cpsat.data import Features  # noqa: E402
+from planner.cpsat.greedy import greedy_recompute_schedule  # noqa: E402
+from planner.cpsat.solve import solve_model  # noqa: E402
+from planner.errors import BudgetError  # noqa: E402
+from planner.importer import import_graph  # noqa: E402
+from planner.profile import load_profile  # noqa: E402
+from planner.simulator import simulate  # noqa: E402
+from planner.strategies import SolveOptions  # noqa: E402
+from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
+from planner.strategies.mosos import MOSOS, baseline_plans  # noqa: E402
+from planner.strategies.recompute_only import RECOMPUTE_ONLY  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "solver_scaling.md"
+PROFILES = ["vgg19-b144-227-p40", "unet-b120-256-p40", "resnet50-b256-v100", "vgg416-b32-titanx"]
+GRAPHS = ["vgg16_b256_train", "vgg19_b256_train", "random_layered_n100", "random_layered_n250"]
+CHECKMATE = ROOT.parent / "shared" / "data" / "checkmate-graphs"
+
+
+def _fmt(value, digits=2):
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def _row(name, ratio, budget, mode, outcome, best_s, simulated):
+    info = outcome.info
+    return (
+        f"| {name} | {ratio} | {budget} | {mode} | {info.status} | {_fmt(info.time_to_first_solution_s)} | "
+        f"{_fmt(best_s)} | {_fmt(info.objective, 3)} | {_fmt(info.bound, 3)} | "
+        f"{'' if info.gap is None else f'{100 * info.gap:.2f}%'} | {_fmt(simulated, 3)} | {info.wall_time_s:.1f} |"
+    )
+
+
+def _solve(profile, budget, features, options, hints=()):
+    best = {"t": None}
+
+    def progress(event):
+        best["t"] = event["elapsed_s"]
+
+    run_options = SolveOptions(options.time_limit_s, options.workers, options.seed, progress=progress)
+    outcome = solve_model(profile, budget, features, run_options, "bench", hints=list(hints))
+    simulated = simulate(profile, outcome.schedule, budget).step_time_ms if outcome.schedule else None
+    return outcome, best["t"], simulated
+
+
+def full_model_rows(options, ratios):
+    rows, missing = [], []
+    for name in PROFILES:
+        path = ROOT / "models" / "profiles" / f"{name}.json"
+        if not path.exists():
+            missing.append(name)
+            continue
+        profile = load_profile(path)
+        for ratio in ratios:
+            budget = budget_from_ratio(profile, ratio)
+            outcome, best_s, simulated = _solve(profile, budget, MOSOS, options)
+            rows.append(_row(name, ratio, budget, "cold", outcome, best_s, simulated))
+            print(rows[-1], flush=True)
+            try:
+                hints = [s for _, s in baseline_plans(profile, budget, SolveOptions(min(10.0, options.time_limit_s), options.workers, options.seed))]
+            except BudgetError:
+                hints = []
+            greedy = greedy_recompute_schedule(profile, budget)
+            hints += [greedy] if greedy else []
+            outcome, best_s, simulated = _solve(profile, budget, MOSOS, options, hints)
+            rows.append(_row(name, ratio, budget, "warm (baselines)", outcome, best_s, simulated))
+            print(rows[-1], flush=True)
+    return rows, missing
+
+
+def recompute_rows(options):
+    rows, missing = [], []
+    for name in GRAPHS:
+        path = CHECKMATE / f"{name}.json"
+        if not path.exists():
+            missing.append(name)
+            continue
+        profile = import_graph(path)
+        peak = keep_all_peak_bytes(profile)
+        for ratio in (0.8, 0.9):
+            budget = int(peak * ratio)
+            if name == "vgg19_b256_train" and ratio == 0.8:
+                budget = 13_646_587_904  # the figure of the target (the papers' peak differs by 512 bytes)
+            try:
+                greedy = greedy_recompute_schedule(profile, budget)
+                outcome, best_s, simulated = _solve(profile, budget, RECOMPUTE_ONLY, options, [greedy] if greedy else [])
+            except BudgetError as error:
+                rows.append(f"| {name} | {ratio} | {budget} | below every plan: {error} |||||||||")
+                continue
+            rows.append(_row(name, ratio, budget, "recompute-only", outcome, best_s, simulated))
+            print(rows[-1], flush=True)
+    return rows, missing
+
+
+HEADER = (
+    "| case | ratio | budget (bytes) | mode | status | first feasible (s) | best found (s) | objective (ms) | "
+    "bound (ms) | gap | simulated step (ms) | wall (s) |\n| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per full-model solve")
+    parser.add_argument("--recompute-time-limit", type=float, default=10.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ratios", default="0.8,0.6")
+    parser.add_argument("--skip-full", action="store_true")
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",")]
+    started = time.time()
+    load = os.getloadavg()[0]
+    recompute, missing_graphs = recompute_rows(SolveOptions(args.recompute_time_limit, args.workers, 0))
+    full, missing_profiles = ([], []) if args.skip_full else full_model_rows(SolveOptions(args.time_limit, args.workers, 0), ratios)
+    load = max(load, os.getloadavg()[0])
+    lines = [
+        "# CP-SAT solver scaling",
+        "",
+        f"Generated by `python benchmarks/solver_scaling.py --time-limit {args.time_limit:g} --recompute-time-limit "
+        f"{args.recompute_time_limit:g} --workers {args.workers}` on this {os.cpu_count()}-core machine "
+        f"(load average up to {load:.1f} while it ran: other engineers' jobs shared the cores, so times are "
+        "pessimistic). Encoding: intervals + cumulative (`planner/cpsat`), at most 2 recomputations and 1 "
+        "prefetch per tensor. Objective = modelled compute time (+ charged prefetch waits); the simulated step "
+        f"is the referee's figure for the extracted plan. Total {time.time() - started:.0f} s.",
+        "",
+        "## recompute-only on the Checkmate / Moccasin graphs (fraction of the topological-order peak)",
+        "",
+        "Targets: VGG19 at 0.8 (13,646,587,904 bytes) cost <= 9,953,615 within 10 s; VGG16 proven optimal "
+        "within 10 s; random_layered_n250 feasible within 10 s at 0.8.",
+        "",
+        HEADER,
+        *recompute,
+    ]
+    if missing_graphs:
+        lines += ["", f"Missing graphs (skipped): {', '.join(missing_graphs)}"]
+    if not args.skip_full:
+        lines += [
+            "",
+            "## Full MO-SOS model on the shipped profiles (fraction of the keep-all peak)",
+            "",
+            "Targets: VGG19 and U-Net feasible within 2 s and within 1% of optimal within 60 s; ResNet-50 feasible "
+            "within 10 s at 0.8. Cold: the model alone. Warm: hinted with the fastest baseline plan that fits "
+            "(what `mosos` does).",
+            "",
+            HEADER,
+            *full,
+        ]
+        if missing_profiles:
+            lines += ["", f"Missing profiles (skipped): {', '.join(missing_profiles)}"]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
