@@ -484,3 +484,28 @@ def _conv_geometry(ctx: StepContext, node: CapturedNode, store) -> conv_algorith
         shape = ctx.fixed_values[source.name].shape
     m = node.module
     return conv_algorithms.ConvGeometry.of(shape, m.weight.shape, m.stride, m.padding, m.dilation, m.groups)
+
+
+def plain_step_time_ms(model: nn.Module, example_inputs, loss_fn: Callable, targets=None, *,
+                       repeats: int = 5, warmup: int = 2) -> float:
+    """Median time of one plain PyTorch step (forward, loss, backward): what a profile's node times should add up to."""
+    inputs = as_tuple(example_inputs)
+    device = _first_device(model, inputs)
+    timer = Timer(device, repeats, warmup)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def step(_):
+        loss = call_loss(loss_fn, model(*inputs), targets)
+        return torch.autograd.grad(loss, parameters)  # leaves .grad alone
+
+    with _Preserved(model, device):
+        return timer.measure(lambda: None, step)
+
+
+def plain_equivalent_time_ms(profile: GraphProfile) -> float:
+    """Sum of node times with the implementations plain PyTorch uses (native convolutions)."""
+    total = 0.0
+    for node in profile.nodes:
+        names = {impl.name: impl for impl in node.implementations}
+        total += (names.get("native") or names.get("default") or node.fastest).time_ms
+    return total

@@ -20,10 +20,10 @@ def _load():
         import torch
     except ImportError:
         raise MososError("mosos profile needs torch to run the model: pip install torch") from None
-    from executor.profiler import profile_model
+    from executor import profiler
     from models import get_model
 
-    return torch, profile_model, get_model
+    return torch, profiler, get_model
 
 
 @app.command("profile")
@@ -52,7 +52,7 @@ def profile_command(
     for flag, value in (("--d2h-gb-per-s", d2h_gb_per_s), ("--h2d-gb-per-s", h2d_gb_per_s)):
         if value is not None and not value > 0:
             raise MososError(f"{flag} must be positive, got {value}")
-    torch, profile_model, get_model = _load()
+    torch, profiler, get_model = _load()
     if device not in ("cpu", "cuda"):
         raise MososError(f"--device must be cpu or cuda, not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -69,19 +69,26 @@ def profile_command(
     inputs, targets = spec.example_inputs(batch, device=device, dtype=dtypes[dtype])
     label = f"{spec.name}{' (small)' if small else ''} batch {batch} {dtype} on {device}"
     with console.status(f"profiling {label}") as status:
-        profile = profile_model(
+        profile = profiler.profile_model(
             network, inputs, spec.loss, targets,
             name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
             d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
             progress=lambda message: status.update(f"profiling {label}: {message}"),
         )
+        status.update(f"timing plain PyTorch steps of {label}")
+        plain_ms = profiler.plain_step_time_ms(network, inputs, spec.loss, targets, repeats=repeats, warmup=warmup)
     output.write_text(profile.to_json())
+    nodes_ms = profiler.plain_equivalent_time_ms(profile)
     total_ms = sum(node.fastest.time_ms for node in profile.nodes)
     activations = sum(node.size_bytes for node in profile.nodes if node.kind != "backward")
     console.print(
         f"{label}: {len(profile.nodes)} nodes, fastest compute {total_ms:.2f} ms, forward tensors "
         f"{format_bytes(activations)}, fixed memory {format_bytes(profile.fixed_bytes)}, "
         f"spread {profile.provenance.spread_percent}% over {repeats} repeats"
+    )
+    console.print(
+        f"node times with native algorithms add up to {nodes_ms:.2f} ms; a plain PyTorch step takes "
+        f"{plain_ms:.2f} ms (ratio {nodes_ms / plain_ms:.2f})"
     )
     if profile.hardware.d2h_bandwidth_gb_per_s is None:
         error_console.print("note: no transfer bandwidth (give --d2h-gb-per-s/--h2d-gb-per-s): plans cannot offload")
