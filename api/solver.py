@@ -27,9 +27,7 @@ def load_plugins(plugins: list[str]) -> None:
     for plugin in plugins:
         if plugin.endswith(".py"):
             path = Path(plugin).resolve()
-            name = f"mosos_plugin_{path.stem}"
-            if name in sys.modules:
-                continue
+            name = f"mosos_plugin_{path.stem}"  # executed every time, so that its strategies register again
             spec = importlib.util.spec_from_file_location(name, path)
             if spec is None or spec.loader is None:
                 raise ImportError(f"cannot import plugin file {plugin}")
