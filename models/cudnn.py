@@ -154,7 +154,6 @@ def applies(family: str, s: ConvShape) -> bool:
     if not s.unit_stride:
         return False
     if family == "fft":
-        hf, _ = _fft_size(s)
         return s.h + 2 * s.padding[0] <= 256 and s.w + 2 * s.padding[1] <= 256 and s.kh > 1
     if family == "fft_tiling":
         return s.kh <= 32 and s.kw <= 32 and s.kh > 1
