@@ -171,6 +171,8 @@ def build_profile(
     """Turn a traced graph into an estimated GraphProfile for `gpu`."""
     if optimizer not in OPTIMIZER_STATE_BUFFERS:
         raise EstimateError(f"unknown optimizer {optimizer!r}; use {', '.join(OPTIMIZER_STATE_BUFFERS)}")
+    if math not in ("fp32", "tf32"):
+        raise EstimateError(f"math must be fp32 or tf32 (tensors are float32), not {math!r}")
     device = Device(gpu, math)
     ops = {op.name: op for op in traced.ops}
     order = [op.name for op in traced.ops]

@@ -191,6 +191,8 @@ def test_bad_arguments_are_clear_errors():
         estimate("vgg16", 0, "p40")
     with pytest.raises(EstimateError, match="optimizer"):
         estimate("vgg16", 1, "p40", small=True, optimizer="lion")
+    with pytest.raises(EstimateError, match="math"):
+        estimate("vgg16", 1, "h100", small=True, math="bf16")
 
 
 def test_cli_estimate_writes_a_valid_profile(tmp_path: Path):
