@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from executor import conv_algorithms
 from executor.capture import CapturedGraph, CapturedNode, capture, tensor_signature
@@ -188,30 +189,41 @@ class Timer:
     def __init__(self, device: torch.device, repeats: int, warmup: int):
         self.device, self.repeats, self.warmup = device, repeats, warmup
         self.spreads: list[float] = []
+        self.samples: dict[Any, list[float]] = {}
 
-    def measure(self, prepare: Callable[[], Any], run: Callable[[Any], Any]) -> float:
-        samples = []
-        for i in range(self.warmup + self.repeats):
-            state = prepare()
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(self.device)
-                start.record()
-                result = run(state)
-                end.record()
-                end.synchronize()
-                elapsed_ms = start.elapsed_time(end)
-            else:
-                begin = time.perf_counter_ns()
-                result = run(state)
-                elapsed_ms = (time.perf_counter_ns() - begin) / 1e6
-            del result, state
-            if i >= self.warmup:
-                samples.append(elapsed_ms)
+    def once(self, run: Callable[[Any], Any], state: Any) -> float:
+        """Milliseconds `run(state)` takes on the device."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            result = run(state)
+            end.record()
+            end.synchronize()
+            del result
+            return start.elapsed_time(end)
+        begin = time.perf_counter_ns()
+        result = run(state)
+        elapsed_ms = (time.perf_counter_ns() - begin) / 1e6
+        del result
+        return elapsed_ms
+
+    def record(self, key, pass_index: int, elapsed_ms: float) -> None:
+        if pass_index >= self.warmup:
+            self.samples.setdefault(key, []).append(elapsed_ms)
+
+    def median(self, key) -> float:
+        samples = self.samples[key]
         median = statistics.median(samples)
         if median > 0:
             self.spreads.append(100.0 * (max(samples) - min(samples)) / median)
         return median
+
+    def measure(self, prepare: Callable[[], Any], run: Callable[[Any], Any]) -> float:
+        key = object()
+        for i in range(self.warmup + self.repeats):
+            self.record(key, i, self.once(run, prepare()))
+        return self.median(key)
 
 
 def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainable_bytes: int) -> int:
@@ -343,17 +355,20 @@ def profile_model(
     return parse_profile(document, "measured profile")
 
 
-def _workspace_bytes(device, algorithm, geometry, element_size, phase, measure: Callable[[], Any], baseline_bytes: int) -> int:
+def _workspace_bytes(device, algorithm, geometry, element_size, phase, measure: Callable[[Any], Any],
+                     baseline_bytes: int, prepare: Callable[[], Any] = lambda: None) -> int:
+    """On a GPU, the allocator's peak while the algorithm runs beyond what it returns; on the CPU, its formula."""
     formula = conv_algorithms.workspace_bytes(algorithm, geometry, element_size, phase)
     if device.type != "cuda":
         return formula
+    state = prepare()
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    result = measure()
+    result = measure(state)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del result
+    del result, state
     return max(0, peak - baseline_bytes)
 
 
@@ -387,24 +402,58 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         backward_inputs[node_id] = forward_reads + used
         grad_outputs_of[node_id] = grads
 
+    algorithms_of: dict[str, list] = {}
+    geometry_of: dict[str, Any] = {}
+    for node in graph.nodes:
+        geometry = geometry_of[node.id] = _conv_geometry(ctx, node, store)
+        algorithms_of[node.id] = [
+            a for a in algorithms if geometry is not None and conv_algorithms.applicable(a, geometry)
+        ] or [None]
     timer = Timer(device, repeats, warmup)
+    # Whole passes, node after node as in a real step (caches as cold or warm as they would be),
+    # rather than one node many times in a row.
+    for pass_index in range(warmup + repeats):
+        say(f"timing pass {pass_index + 1}/{warmup + repeats}: forward")
+        for node in graph.nodes:
+            for algorithm in algorithms_of[node.id]:
+                elapsed = timer.once(lambda state, node=node, a=algorithm: _call(node, state, a), _operands(ctx, node, store))
+                timer.record((node.id, "forward", algorithm), pass_index, elapsed)
+        elapsed = timer.once(lambda state: _loss_and_gradient(ctx, state), _operands(ctx, None, store))
+        timer.record((LOSS_ID,), pass_index, elapsed)
+        say(f"timing pass {pass_index + 1}/{warmup + repeats}: backward")
+        graphs = {
+            node.id: _plain_graph(ctx, node, store, "native" if node.is_conv2d else None, grad_outputs_of[node.id])
+            for node in graph.nodes if node.id in backward_inputs
+        }
+        for node in reversed(graph.nodes):
+            if node.id not in graphs:
+                continue
+            outputs, targets, gradients = graphs.pop(node.id)
+            for algorithm in algorithms_of[node.id]:
+                def backward(_, a=algorithm, outputs=outputs, targets=targets, gradients=gradients):
+                    with conv_algorithms.backward_algorithm(a):
+                        return torch.autograd.grad(outputs, targets, gradients, retain_graph=True, allow_unused=True)
+
+                timer.record((node.id, "backward", algorithm), pass_index, timer.once(backward, None))
+            del outputs, targets, gradients
+
     docs: list[dict] = []
     bwd_docs: list[dict] = []
     for index, node in enumerate(graph.nodes):
-        say(f"timing {node.id} ({index + 1}/{len(order)})")
         entry = store.entries[node.id]
         output_bytes = distinct_bytes([t for t in entry.leaves if isinstance(t, torch.Tensor)], ctx.fixed_ptrs)
         extra_bytes = distinct_bytes(entry.extras, ctx.fixed_ptrs)
-        geometry = _conv_geometry(ctx, node, store)
-        names = [a for a in algorithms if geometry is not None and conv_algorithms.applicable(a, geometry)] or [None]
+        geometry = geometry_of[node.id]
+        names = algorithms_of[node.id]
         implementations = []
         for algorithm in names:
-            time_ms = timer.measure(lambda: None, lambda _: forward_node(ctx, node, store, algorithm))
+            time_ms = timer.median((node.id, "forward", algorithm))
             workspace = 0
             if algorithm is not None:
                 workspace = _workspace_bytes(
                     device, algorithm, geometry, entry.leaves[0].element_size(), "forward",
-                    lambda: forward_node(ctx, node, store, algorithm), output_bytes + extra_bytes,
+                    lambda state, a=algorithm: _call(node, state, a), output_bytes,
+                    prepare=lambda: _operands(ctx, node, store),
                 )
             implementations.append({"name": algorithm or "default", "time_ms": time_ms, "workspace_bytes": workspace})
         docs.append(
@@ -426,21 +475,18 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         bwd_entry = grad_entries[backward_id(node.id)]
         bwd_implementations = []
         for algorithm in names:
-            def prepare(node=node, algorithm=algorithm):
-                # a fresh local graph; its saved tensors resolve to the reference entries (same shapes)
-                return forward_node(ctx, node, store, "native" if algorithm else None)[1]
-
-            def backward(fresh_run, algorithm=algorithm, grads=grads):
-                with conv_algorithms.backward_algorithm(algorithm):
-                    return run_backward(fresh_run, grads, retain_graph=False)
-
-            time_ms = timer.measure(prepare, backward)
+            time_ms = timer.median((node.id, "backward", algorithm))
             workspace = 0
             if algorithm is not None:
-                state = prepare()
+                def backward_once(state, a=algorithm):
+                    outputs, targets, gradients = state
+                    with conv_algorithms.backward_algorithm(a):
+                        return torch.autograd.grad(outputs, targets, gradients, allow_unused=True)
+
                 workspace = _workspace_bytes(
-                    device, algorithm, geometry, entry.leaves[0].element_size(), "backward",
-                    lambda: backward(state), distinct_bytes([g for g in bwd_entry.grads if g is not None]),
+                    device, algorithm, geometry, entry.leaves[0].element_size(), "backward", backward_once,
+                    distinct_bytes([g for g in bwd_entry.grads if g is not None]) + _parameter_bytes(node),
+                    prepare=lambda node=node, grads=grads: _plain_graph(ctx, node, store, "native", grads),
                 )
             bwd_implementations.append({"name": algorithm or "default", "time_ms": time_ms, "workspace_bytes": workspace})
         reads_forward = any(not source.endswith(":bwd") for source in backward_inputs[node.id])
@@ -457,9 +503,8 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
                 "implementations": bwd_implementations,
             }
         )
-    say("timing the loss")
     loss_entry = store.entries[LOSS_ID]
-    loss_time = timer.measure(lambda: None, lambda _: loss_node(ctx, store))
+    loss_time = timer.median((LOSS_ID,))
     loss_doc = {
         "id": LOSS_ID,
         "name": "loss",
@@ -470,6 +515,47 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         "implementations": [{"name": "default", "time_ms": loss_time, "workspace_bytes": 0}],
     }
     return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads
+
+
+# Timing measures the operation itself (as plain PyTorch runs it), not the executor's bookkeeping:
+# operands are prepared outside the timed region, and no saved-tensor hooks are installed.
+
+
+def _parameter_bytes(node: CapturedNode) -> int:
+    return sum(p.numel() * p.element_size() for p in node.parameters if p.requires_grad)
+
+
+def _operands(ctx: StepContext, node: CapturedNode | None, store):
+    if node is None:
+        args, _, leaves, _ = resolve_args((ctx.graph.output,), {}, store, ctx.fixed_values, ctx.compute_ids)
+        return args, {}, leaves
+    args, kwargs, leaves, _ = resolve_args(node.args, node.kwargs, store, ctx.fixed_values, ctx.compute_ids)
+    return args, kwargs, leaves
+
+
+def _call(node: CapturedNode, state, algorithm: str | None):
+    args, kwargs, _ = state
+    algorithm = algorithm or ("native" if node.is_conv2d else None)
+    with torch.enable_grad():
+        return node.call(args, kwargs, conv_algorithm=algorithm)
+
+
+def _loss_and_gradient(ctx: StepContext, state):
+    args, _, leaves = state
+    with torch.enable_grad():
+        loss = call_loss(ctx.loss_fn, args[0], ctx.targets)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        return torch.autograd.grad(loss, wanted, allow_unused=True) if wanted and loss.requires_grad else loss
+
+
+def _plain_graph(ctx: StepContext, node: CapturedNode, store, algorithm: str | None, grads: list):
+    """A fresh forward of one node without hooks: (outputs, differentiable inputs, output gradients)."""
+    state = _operands(ctx, node, store)
+    out_leaves = tree_flatten(_call(node, state, algorithm))[0]
+    pairs = [(o, g) for o, g in zip(out_leaves, grads)
+             if isinstance(o, torch.Tensor) and o.grad_fn is not None and g is not None]
+    targets = [leaf for leaf in state[2] if leaf.requires_grad] + [p for p in node.parameters if p.requires_grad]
+    return [o for o, _ in pairs], targets, [g for _, g in pairs]
 
 
 def _conv_geometry(ctx: StepContext, node: CapturedNode, store) -> conv_algorithms.ConvGeometry | None:

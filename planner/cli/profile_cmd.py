@@ -42,6 +42,7 @@ def profile_command(
     d2h_gb_per_s: float = typer.Option(None, "--d2h-gb-per-s", help="device-to-host bandwidth, 1e9 B/s (CPU: none unless given; CUDA: measured unless given)"),
     h2d_gb_per_s: float = typer.Option(None, "--h2d-gb-per-s", help="host-to-device bandwidth, 1e9 B/s"),
     seed: int = typer.Option(0, help="seed for the parameters"),
+    threads: int = typer.Option(None, help="torch CPU threads (default: torch's); 1 avoids thread-barrier stalls on a busy machine"),
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
     """Profile one training step of a reference network, node by node, on this machine."""
@@ -64,6 +65,10 @@ def profile_command(
         spec = get_model(model, small=small, image_size=image_size, tokens=tokens)
     except (KeyError, ValueError) as error:
         raise MososError(str(error).strip("'\"")) from None
+    if threads is not None:
+        if threads < 1:
+            raise MososError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     network = spec.build().to(device=device, dtype=dtypes[dtype])
     inputs, targets = spec.example_inputs(batch, device=device, dtype=dtypes[dtype])
