@@ -595,3 +595,12 @@ def plain_equivalent_time_ms(profile: GraphProfile) -> float:
         names = {impl.name: impl for impl in node.implementations}
         total += (names.get("native") or names.get("default") or node.fastest).time_ms
     return total
+
+
+def backward_call_overhead_ms(device: torch.device | str = "cpu", repeats: int = 50) -> float:
+    """Median cost of one torch.autograd.grad call on a one-element graph: what every backward node pays
+    on top of its work when nodes run one at a time (plain PyTorch pays it once per step)."""
+    device = torch.device(device)
+    x = torch.ones(1, device=device, requires_grad=True)
+    timer = Timer(device, repeats, 5)
+    return timer.measure(lambda: x * 2, lambda y: torch.autograd.grad(y, x, torch.ones_like(y)))

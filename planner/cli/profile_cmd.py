@@ -84,6 +84,8 @@ def profile_command(
         plain_ms = profiler.plain_step_time_ms(network, inputs, spec.loss, targets, repeats=repeats, warmup=warmup)
     output.write_text(profile.to_json())
     nodes_ms = profiler.plain_equivalent_time_ms(profile)
+    backward_nodes = sum(1 for node in profile.nodes if node.kind == "backward")
+    overhead_ms = backward_nodes * profiler.backward_call_overhead_ms(device)
     total_ms = sum(node.fastest.time_ms for node in profile.nodes)
     activations = sum(node.size_bytes for node in profile.nodes if node.kind != "backward")
     console.print(
@@ -93,7 +95,8 @@ def profile_command(
     )
     console.print(
         f"node times with native algorithms add up to {nodes_ms:.2f} ms; a plain PyTorch step takes "
-        f"{plain_ms:.2f} ms (ratio {nodes_ms / plain_ms:.2f})"
+        f"{plain_ms:.2f} ms (ratio {nodes_ms / plain_ms:.2f}); {overhead_ms:.2f} ms of the node times is the cost of "
+        f"calling backward once per node ({backward_nodes} calls), which node-by-node replay pays too"
     )
     if profile.hardware.d2h_bandwidth_gb_per_s is None:
         error_console.print("note: no transfer bandwidth (give --d2h-gb-per-s/--h2d-gb-per-s): plans cannot offload")
