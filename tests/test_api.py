@@ -59,9 +59,9 @@ PLUGIN_SOURCE = textwrap.dedent(
         return certify(profile, keep_all_schedule(profile, None), "test-sleep")
 
 
-    @strategy("test-stubborn", "sleeps time_limit_s and never looks at should_stop", uses_budget=False)
+    @strategy("test-stubborn", "sleeps 10 times time_limit_s and never looks at should_stop", uses_budget=False)
     def stubborn(profile, budget_bytes, options):
-        time.sleep(options.time_limit_s)
+        time.sleep(10 * options.time_limit_s)
         return certify(profile, keep_all_schedule(profile, None), "test-stubborn")
 
 
@@ -135,6 +135,8 @@ def settings(tmp_path_factory) -> Settings:
         max_solver_workers=2,
         max_wait_s=20,
         cancel_grace_s=1.0,
+        overrun_factor=1.0,
+        overrun_grace_s=1.5,
         plugins=[write_plugin(directory)],
     )
 
@@ -264,6 +266,14 @@ def test_a_solve_that_ignores_cancel_is_killed_and_its_process_replaced(client):
     assert client.get(f"/v1/plans/{stubborn['id']}").json()["status"] == "cancelled"
 
 
+def test_a_solve_far_past_its_time_limit_is_stopped_and_fails(client):
+    body = client.post("/v1/plans", json=plan_request(strategy="test-stubborn", time_limit_s=0.5, wait_s=10)).json()
+    if body["status"] != "failed":
+        body = wait_for(client, body["id"], ("failed",))
+    assert "far past its time limit of 0.5 s" in body["reason"]
+    assert metric(client, "mosos_solves_total", strategy="test-stubborn", outcome="failed") == 1
+
+
 def test_a_crashed_solve_process_fails_its_plan_and_is_replaced(client):
     response = client.post("/v1/plans", json=plan_request(strategy="test-crash", wait_s=10))
     body = response.json()
@@ -353,6 +363,12 @@ def test_profile_messages_are_the_cli_messages(client):
 def test_limits_are_named(client, settings):
     big = client.post("/v1/plans", content=b" " * (settings.max_body_bytes + 1), headers={"content-type": "application/json"})
     assert big.status_code == 413 and big.json()["limit"] == "max_body_bytes"
+    def chunks():  # no content-length: counted while it is read
+        for _ in range(settings.max_body_bytes // 65536 + 2):
+            yield b" " * 65536
+
+    streamed = client.post("/v1/plans", content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413 and streamed.json()["limit"] == "max_body_bytes"
     many = plan_request(profile={**EXAMPLE_PROFILE, "nodes": [EXAMPLE_PROFILE["nodes"][0]] * (settings.max_nodes + 1)})
     response = client.post("/v1/plans", json=many)
     assert response.status_code == 413 and response.json()["limit"] == "max_nodes"
