@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -175,3 +176,26 @@ def test_profile_cli_writes_a_valid_profile(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert bad.returncode == 2 and "unknown model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+SHIPPED = sorted((Path(__file__).resolve().parent.parent / "models" / "profiles").glob("*-small-cpu.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_cpu_profiles_match_todays_networks(path):
+    """Each shipped measured profile validates and was made from the network `models` builds now."""
+    models = pytest.importorskip("models")
+    from executor.replay import check_model, profile_notes
+    from planner.profile import load_profile
+
+    profile = load_profile(path)
+    assert profile.provenance.source == "measured"
+    name = path.stem.removesuffix("-small-cpu")
+    spec = models.get_model(name, small=True)
+    check_model(capture(spec.build()), profile)  # raises ProfileMismatch, saying what differs
+    batch = int(profile_notes(profile)["inputs"].split("[")[1].split(",")[0])
+    inputs, targets = spec.example_inputs(batch)
+    from executor.capture import tensor_signature
+
+    assert profile_notes(profile)["inputs"] == tensor_signature(inputs)
+    assert profile_notes(profile)["targets"] == tensor_signature(targets)
