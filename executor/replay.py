@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,7 +34,6 @@ from executor.local import Entry, ForwardRun, distinct_bytes, own_storage, run_b
 from executor.profiler import (
     LOSS_ID,
     StepContext,
-    as_tuple,
     forward_node,
     gradient_outputs,
     gradient_sources,
@@ -42,7 +41,6 @@ from executor.profiler import (
     step_context,
 )
 from executor.transfers import HostCopy, Transfers
-from planner.errors import ScheduleRejected
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 from planner.simulator import simulate
