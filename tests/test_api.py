@@ -492,3 +492,17 @@ def test_serve_refuses_a_public_address_without_a_token(monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--port", "1"])
     assert result.exit_code == 2
     assert "refusing to bind 0.0.0.0 without a token" in result.output
+
+
+def test_token_comes_from_the_file_or_the_environment(tmp_path, monkeypatch):
+    from api.settings import TOKEN_ENV, is_loopback, read_token
+
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert read_token(None) == "from-env"
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    assert read_token(token_file) == "from-file"
+    monkeypatch.setenv(TOKEN_ENV, "  ")
+    assert read_token(None) is None
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
