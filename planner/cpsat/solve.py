@@ -11,7 +11,7 @@ from planner.builder import PlannerBug, certify
 from planner.cpsat.callback import ProgressCallback, StopWatcher, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
 from planner.cpsat.data import Features, ModelData, build_data
-from planner.cpsat.extract import Solution, build_schedule, read_solution
+from planner.cpsat.extract import build_schedule, read_solution
 from planner.cpsat.hints import add_hint, complete_hint, schedule_to_solution
 from planner.cpsat.objective import set_objective
 from planner.cpsat.variables import create_variables
@@ -70,11 +70,8 @@ def solve_model(
     for add_family in ALL_FAMILIES:
         add_family(model, data, variables)
     set_objective(model, data, variables)
-    hint = _best_hint(data, hints)
     limit = time_limit_s or options.time_limit_s
-    if hint is not None:
-        add_hint(model, data, variables, hint)
-        complete_hint(model, min(2.0, 0.1 * limit), options.seed)
+    _warm_start(model, data, variables, hints, limit, options.seed)
     solver = solver_parameters(options, limit)
     if features.minimize_memory:
         scale = lambda units: units * data.memory_unit_bytes + profile.fixed_bytes  # noqa: E731
@@ -104,22 +101,34 @@ def solve_model(
     return SolveOutcome(schedule, info, data, objective)
 
 
-def _best_hint(data: ModelData, hints) -> Solution | None:
-    """The fastest hint schedule that fits the budget, read back into model values."""
-    best, best_time = None, None
-    for schedule in hints:
+def _fitting_hints(data: ModelData, hints) -> list[Schedule]:
+    """The hint schedules that fit the budget, fastest first."""
+    timed = []
+    for position, schedule in enumerate(hints):
         try:
             result = simulate(data.profile, schedule, data.budget_bytes, keep_timeline=False)
         except ScheduleRejected:
             continue
-        if best_time is None or result.step_time_ms < best_time:
-            best, best_time = schedule, result.step_time_ms
-    if best is None:
-        return None
-    try:
-        return schedule_to_solution(data, best)
-    except (KeyError, IndexError, StopIteration):
-        return None
+        timed.append((result.step_time_ms, position, schedule))
+    return [schedule for _, _, schedule in sorted(timed, key=lambda item: item[:2])]
+
+
+def _warm_start(model, data: ModelData, variables, hints, limit_s: float, seed: int, attempts: int = 4) -> bool:
+    """Hint the fastest plan that the model can express, completed to a full assignment.
+
+    A plan the model cannot express (a baseline that stalls on transfers, say)
+    would be a misleading partial hint, so it is dropped and the next one tried.
+    """
+    for schedule in _fitting_hints(data, hints)[:attempts]:
+        try:
+            solution = schedule_to_solution(data, schedule)
+        except (KeyError, IndexError, StopIteration):
+            continue
+        add_hint(model, data, variables, solution)
+        if complete_hint(model, min(2.0, 0.05 * limit_s), seed):
+            return True
+        model.clear_hints()
+    return False
 
 
 __all__ = ["SolveOutcome", "solve_model", "PlannerBug"]

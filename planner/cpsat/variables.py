@@ -80,6 +80,29 @@ def _prefetch_window(data: ModelData, j: int, first_offload_stage: int) -> tuple
     return (stages[0], stages[-1]) if stages else None
 
 
+# Transfers start only at a few stages each: the right after its computation (offload) and just in
+# time for each reader (prefetch), plus a little slack for the one-copy-at-a-time streams. This keeps
+# the element constraints of the stage timing small; a wider choice buys little and costs presolve.
+OFFLOAD_CHOICES = 3
+PREFETCH_SLACK = 2
+
+
+def _offload_stages(data: ModelData, window: tuple[int, int]) -> list[int]:
+    return list(range(window[0], min(window[1], window[0] + OFFLOAD_CHOICES - 1) + 1))
+
+
+def _prefetch_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[int]:
+    low, high = window
+    chosen: set[int] = set()
+    for u in data.users[j]:
+        latest = max((p for p in range(low, min(high, u) + 1) if data.prefetch_done[j][p] <= u), default=None)
+        if latest is not None:
+            chosen.update(p for p in range(latest - PREFETCH_SLACK, latest + 1) if p >= low)
+        if low <= u <= high:
+            chosen.add(u)  # issued in the reader's own stage: read early, the wait charged
+    return sorted(chosen)
+
+
 def _implementation_literals(model: cp_model.CpModel, data: ModelData, k: int, present, name: str) -> list:
     if len(data.impls[k]) == 1:
         return [present]
@@ -123,15 +146,17 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                 tensor_copies.append(copy)
         if window:
             offload_present = model.new_bool_var(f"offload_{j}")
-            stage = model.new_int_var(window[0], window[1], f"offload_stage_{j}")
+            offload_stages = _offload_stages(data, window)
+            stage = model.new_int_var_from_domain(cp_model.Domain.from_values(offload_stages), f"offload_stage_{j}")
             done = model.new_int_var(0, n, f"offload_done_{j}")
-            model.add_element(stage, data.offload_done[j][: window[1] + 1], done)
-            offloads[j] = Offload(j, offload_present, stage, done, stage_low=window[0])
+            model.add_element(stage, data.offload_done[j][: offload_stages[-1] + 1], done)
+            offloads[j] = Offload(j, offload_present, stage, done, stage_low=offload_stages[0])
             prefetch_window = _prefetch_window(data, j, window[0])
-            for p in range(1, data.features.max_prefetches + 1 if prefetch_window else 1):
-                low, high = prefetch_window
+            prefetch_stages = _prefetch_stages(data, j, prefetch_window) if prefetch_window else []
+            for p in range(1, data.features.max_prefetches + 1 if prefetch_stages else 1):
+                low, high = prefetch_stages[0], prefetch_stages[-1]
                 present = model.new_bool_var(f"present_{j}_p{p}")
-                stage = model.new_int_var(low, high, f"prefetch_stage_{j}_p{p}")
+                stage = model.new_int_var_from_domain(cp_model.Domain.from_values(prefetch_stages), f"prefetch_stage_{j}_p{p}")
                 ready = model.new_int_var(0, n, f"prefetch_ready_{j}_p{p}")
                 model.add_element(stage, data.prefetch_done[j][: high + 1], ready)
                 start_expr = stage * data.stride
