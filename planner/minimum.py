@@ -30,7 +30,8 @@ class MinimumBudget:
         if self.budget_bytes is None:
             return "the search for the smallest feasible budget found no plan"
         how = "proven minimal" if self.proven else f"best found in {self.wall_time_s:.1f} s, not proven minimal"
-        return f"the smallest budget it can meet is {self.budget_bytes} bytes ({format_bytes(self.budget_bytes)}, {how})"
+        size = format_bytes(self.budget_bytes)
+        return f"the smallest budget it can meet is {self.budget_bytes} bytes ({size}, {how})"
 
 
 def smallest_budget(

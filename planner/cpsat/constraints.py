@@ -107,13 +107,19 @@ def add_transfer_streams(model: cp_model.CpModel, data: ModelData, v: Variables)
     for j, offload in v.offloads.items():
         start = model.new_int_var(0, horizon, f"offload_time_{j}")
         model.add_element(offload.stage, data.stage_start, start)
-        d2h.append(model.new_optional_fixed_size_interval_var(start, data.offload_units[j], offload.present, f"d2h_{j}"))
+        d2h.append(
+            model.new_optional_fixed_size_interval_var(start, data.offload_units[j], offload.present, f"d2h_{j}")
+        )
         for copy in v.copies[j]:
             if copy.kind != "prefetch":
                 continue
             start = model.new_int_var(0, horizon, f"prefetch_time_{j}_{copy.rank}")
             model.add_element(copy.stage, data.stage_start, start)
-            h2d.append(model.new_optional_fixed_size_interval_var(start, data.prefetch_units[j], copy.present, f"h2d_{j}_{copy.rank}"))
+            h2d.append(
+                model.new_optional_fixed_size_interval_var(
+                    start, data.prefetch_units[j], copy.present, f"h2d_{j}_{copy.rank}"
+                )
+            )
     model.add_no_overlap(d2h)
     model.add_no_overlap(h2d)
 
@@ -131,7 +137,9 @@ def add_memory(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
             for impl, literal in zip(data.impls[j], copy.implementations):
                 if impl.workspace_units:
                     intervals.append(
-                        model.new_optional_fixed_size_interval_var(copy.start, 1, literal, f"ws_{j}_{copy.kind}{copy.rank}_{impl.name}")
+                        model.new_optional_fixed_size_interval_var(
+                            copy.start, 1, literal, f"ws_{j}_{copy.kind}{copy.rank}_{impl.name}"
+                        )
                     )
                     demands.append(impl.workspace_units)
     model.add_cumulative(intervals, demands, v.capacity)

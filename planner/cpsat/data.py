@@ -45,7 +45,10 @@ class Features:
             parts.append(f"recompute<= {self.max_recomputes}")
         if self.transfers:
             parts.append(f"offload+prefetch<= {self.max_prefetches}")
-        parts.append({"all": "algorithm choice", "fastest": "fastest algorithms", "framework": "smallest-workspace algorithms"}[self.implementations])
+        names = {
+            "all": "algorithm choice", "fastest": "fastest algorithms", "framework": "smallest-workspace algorithms"
+        }
+        parts.append(names[self.implementations])
         return "intervals+cumulative (" + ", ".join(parts) + ")"
 
 
@@ -177,6 +180,7 @@ def build_data(profile: GraphProfile, budget_bytes: int | None, features: Featur
     if data.transfers:
         data.offload_units = [math.ceil(hardware.offload_time_ms(s) * TIME_UNITS_PER_MS) for s in sizes]
         data.prefetch_units = [math.ceil(hardware.prefetch_time_ms(s) * TIME_UNITS_PER_MS) for s in sizes]
-        data.offload_done = [[_done_stage(data.stage_start, a, data.offload_units[j]) for a in range(n + 1)] for j in range(n)]
-        data.prefetch_done = [[_done_stage(data.stage_start, a, data.prefetch_units[j]) for a in range(n + 1)] for j in range(n)]
+        starts = data.stage_start
+        data.offload_done = [[_done_stage(starts, a, data.offload_units[j]) for a in range(n + 1)] for j in range(n)]
+        data.prefetch_done = [[_done_stage(starts, a, data.prefetch_units[j]) for a in range(n + 1)] for j in range(n)]
     return data

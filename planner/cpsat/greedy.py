@@ -23,7 +23,9 @@ class _Stuck(Exception):
     pass
 
 
-def greedy_recompute_schedule(profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None) -> Schedule | None:
+def greedy_recompute_schedule(
+    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None
+) -> Schedule | None:
     """The plan, or None if the rule gets stuck or needs more than `max_evictions` frees.
 
     The limit is a count, not a clock, so that the answer does not depend on the machine's load.

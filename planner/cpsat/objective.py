@@ -1,4 +1,7 @@
-"""(1) the objective: total compute time, recomputations included, plus charged prefetch waits (or the peak, for the minimum-budget search)."""
+"""(1) the objective: compute time, recomputations and charged prefetch waits included.
+
+Or the peak memory, for the minimum-budget search.
+"""
 
 from __future__ import annotations
 

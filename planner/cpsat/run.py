@@ -33,7 +33,9 @@ def best_plan(profile: GraphProfile, budget_bytes: int | None, candidates: list[
     return best
 
 
-def infeasible(profile: GraphProfile, budget_bytes: int, features: Features, options: SolveOptions, strategy: str, status: str):
+def infeasible(
+    profile: GraphProfile, budget_bytes: int, features: Features, options: SolveOptions, strategy: str, status: str
+):
     """Search the smallest budget the strategy can meet; return a plan if that search found one within the budget."""
     from planner.minimum import smallest_budget
     from planner.planning import InfeasibleBudget
@@ -67,7 +69,9 @@ def plan_with_model(
     neither it nor `others` gives a plan. With nothing that fits: search the smallest feasible budget and raise
     InfeasibleBudget, or return (None, info, None) if `explain_infeasible` is off.
     """
-    outcome = solve_model(profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s)
+    outcome = solve_model(
+        profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s
+    )
     best = best_plan(profile, budget_bytes, [("cp-sat", outcome.schedule)] + list(others))
     if best is None:
         best = best_plan(profile, budget_bytes, list(fallbacks))
@@ -76,10 +80,12 @@ def plan_with_model(
         if not explain_infeasible:
             return None, info, None
         schedule = infeasible(profile, budget_bytes, features, options, strategy, info.status)
-        return schedule, info.model_copy(update={"encoding": f"{info.encoding}; plan from the memory-minimizing search"}), "cp-sat (memory-minimizing)"
+        note = f"{info.encoding}; plan from the memory-minimizing search"
+        return schedule, info.model_copy(update={"encoding": note}), "cp-sat (memory-minimizing)"
     name, schedule, _ = best
     encoding = info.encoding if name == "cp-sat" else f"{info.encoding}; best plan: {name}"
-    return schedule.model_copy(update={"budget_bytes": budget_bytes}), info.model_copy(update={"encoding": encoding}), name
+    schedule = schedule.model_copy(update={"budget_bytes": budget_bytes})
+    return schedule, info.model_copy(update={"encoding": encoding}), name
 
 
 def certified(profile: GraphProfile, schedule: Schedule, strategy: str, info: SolverInfo) -> Schedule:

@@ -28,7 +28,8 @@ class Copy:
     start: cp_model.LinearExprT
     end: cp_model.IntVar
     interval: cp_model.IntervalVar
-    implementations: list[cp_model.IntVar] = field(default_factory=list)  # compute copies: one Boolean per implementation
+    # compute copies: one Boolean per implementation
+    implementations: list[cp_model.IntVar] = field(default_factory=list)
     ready_stage: cp_model.IntVar | None = None  # prefetch copies: first stage that may read it without waiting
     early: cp_model.IntVar | None = None  # prefetch copies: read before ready_stage, the wait charged in full
     stage_low: int = 0
@@ -141,7 +142,8 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                 end_r = model.new_int_var(data.pos(j + 1, j), max(data.pos(j + 1, j), last_use), f"end_{j}_r{r}")
                 size = model.new_int_var(0, max(1, last_use - data.pos(j + 1, j) + 1), f"size_{j}_r{r}")
                 interval = model.new_optional_interval_var(start_expr, size, end_r + 1, present, f"mem_{j}_r{r}")
-                copy = Copy(j, "recompute", r, present, stage, start_expr, end_r, interval, stage_low=j + 1, stage_high=last_stage)
+                copy = Copy(j, "recompute", r, present, stage, start_expr, end_r, interval,
+                            stage_low=j + 1, stage_high=last_stage)
                 copy.implementations = _implementation_literals(model, data, j, present, f"c_{j}_r{r}")
                 tensor_copies.append(copy)
         if window:
@@ -156,7 +158,8 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
             for p in range(1, data.features.max_prefetches + 1 if prefetch_stages else 1):
                 low, high = prefetch_stages[0], prefetch_stages[-1]
                 present = model.new_bool_var(f"present_{j}_p{p}")
-                stage = model.new_int_var_from_domain(cp_model.Domain.from_values(prefetch_stages), f"prefetch_stage_{j}_p{p}")
+                domain = cp_model.Domain.from_values(prefetch_stages)
+                stage = model.new_int_var_from_domain(domain, f"prefetch_stage_{j}_p{p}")
                 ready = model.new_int_var(0, n, f"prefetch_ready_{j}_p{p}")
                 model.add_element(stage, data.prefetch_done[j][: high + 1], ready)
                 start_expr = stage * data.stride
@@ -166,7 +169,8 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                 early = model.new_bool_var(f"early_{j}_p{p}")
                 model.add_implication(early, present)
                 tensor_copies.append(
-                    Copy(j, "prefetch", p, present, stage, start_expr, end_p, interval, ready_stage=ready, early=early, stage_low=low, stage_high=high)
+                    Copy(j, "prefetch", p, present, stage, start_expr, end_p, interval,
+                         ready_stage=ready, early=early, stage_low=low, stage_high=high)
                 )
         copies.append(tensor_copies)
     return Variables(model, copies, offloads, capacity)

@@ -48,7 +48,9 @@ def baseline_plans(profile: GraphProfile, budget_bytes: int, options: SolveOptio
         if options.should_stop is not None and options.should_stop():
             break
         try:
-            schedule = solved[name](profile, budget_bytes, options, time_limit_s=share * options.time_limit_s, explain_infeasible=False)
+            schedule = solved[name](
+                profile, budget_bytes, options, time_limit_s=share * options.time_limit_s, explain_infeasible=False
+            )
         except MososError:
             continue
         if schedule is not None:
@@ -71,6 +73,8 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     return certify(profile, schedule, "mosos", info.model_copy(update={"wall_time_s": time.monotonic() - started}))
 
 
-@strategy("mosos", "the joint MO-SOS model on CP-SAT: keep, offload+prefetch or recompute, and the algorithm of every node")
+@strategy(
+    "mosos", "the joint MO-SOS model on CP-SAT: keep, offload+prefetch or recompute, and the algorithm of every node"
+)
 def plan_mosos(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     return mosos_plan(profile, budget_bytes, options)

@@ -32,6 +32,9 @@ def recompute_only_plan(
     return None if schedule is None else certify(profile, schedule, "recompute-only", info)
 
 
-@strategy("recompute-only", "optimal plan that only recomputes, fastest implementation everywhere (Checkmate/Moccasin problem, CP-SAT)")
+@strategy(
+    "recompute-only",
+    "optimal plan that only recomputes, fastest implementation everywhere (Checkmate/Moccasin problem, CP-SAT)",
+)
 def plan_recompute_only(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     return recompute_only_plan(profile, budget_bytes, options)
