@@ -84,6 +84,10 @@ def plan_with_model(
         return schedule, info.model_copy(update={"encoding": note}), "cp-sat (memory-minimizing)"
     name, schedule, _ = best
     encoding = info.encoding if name == "cp-sat" else f"{info.encoding}; best plan: {name}"
+    if outcome.schedule is None:
+        # the model found nothing (it may allow fewer recomputations than the plan that won), yet a plan exists
+        encoding = f"{encoding}; the model alone: {info.status}"
+        info = info.model_copy(update={"status": "FEASIBLE", "objective": None, "bound": None, "gap": None})
     schedule = schedule.model_copy(update={"budget_bytes": budget_bytes})
     return schedule, info.model_copy(update={"encoding": encoding}), name
 
