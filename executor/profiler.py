@@ -346,6 +346,8 @@ def profile_model(
                     f"targets={tensor_signature(targets) if targets is not None else ''}",
                     f"warmup={warmup}",
                     "timer=" + ("cuda events" if device.type == "cuda" else "perf_counter_ns"),
+                    f"torch_threads={torch.get_num_threads()}",
+                    "times are of each operation alone, timed node after node in whole passes",
                     "spread_percent is the median over nodes of (max-min)/median of the repeats",
                     "workspace=" + ("allocator peak" if device.type == "cuda" else "algorithm formula"),
                 ]

@@ -351,3 +351,30 @@ def test_without_grad_the_module_just_evaluates(profiled):
     with torch.no_grad():
         loss = planned(inputs, targets)
     assert loss.shape == () and planned.last_step is None
+
+
+def test_transfers_bring_back_any_geometry_on_the_cpu():
+    """Offload copies storages byte for byte, so strides, offsets and shared storages come back as they were."""
+    from executor.local import Entry
+    from executor.transfers import Transfers
+
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    view = base.t()[1:, ::2]  # non-contiguous, offset, on the same storage as base
+    mask = torch.tensor([True, False, True])
+    entry = Entry(leaves=[base, 7], spec=None, requires_grad=[False, None], grads=[view], extras=[mask])
+    transfers = Transfers(torch.device("cpu"))
+    copy_ = transfers.offload("n", entry, fixed_ptrs=set())
+    assert copy_.size_bytes == base.untyped_storage().nbytes() + mask.untyped_storage().nbytes()
+    expected = [t.clone() for t in (base, view, mask)]
+    geometry = [(t.shape, t.stride(), t.storage_offset()) for t in (base, view, mask)]
+    transfers.release("n", entry, fixed_ptrs=set())
+    assert entry.leaves == [None, 7] and entry.grads == [None] and entry.extras == [None]
+    transfers.prefetch("n", entry, copy_)
+    restored = [entry.leaves[0], entry.grads[0], entry.extras[0]]
+    for tensor, value, (shape, stride, offset) in zip(restored, expected, geometry):
+        assert torch.equal(tensor, value)
+        assert (tensor.shape, tensor.stride(), tensor.storage_offset()) == (shape, stride, offset)
+    assert restored[0].untyped_storage().data_ptr() == restored[1].untyped_storage().data_ptr()
+    pool = transfers.host_pool["n"]
+    transfers.offload("n", entry, fixed_ptrs=set())
+    assert transfers.host_pool["n"] is pool  # host buffers are allocated once and reused
