@@ -378,3 +378,54 @@ def test_transfers_bring_back_any_geometry_on_the_cpu():
     pool = transfers.host_pool["n"]
     transfers.offload("n", entry, fixed_ptrs=set())
     assert transfers.host_pool["n"] is pool  # host buffers are allocated once and reused
+
+
+def test_optimize_plans_on_a_planner_service(tmp_path):
+    """The plugin posts its measured profile to `mosos serve` and replays the schedule it gets back."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "planner.cli", "serve", "--port", str(port), "--db", str(tmp_path / "plans.sqlite3")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mosos serve did not start"
+            time.sleep(0.3)
+        spec = models.get_model("transformer", small=True)
+        torch.manual_seed(0)
+        model = spec.build().double()
+        plain_model = copy.deepcopy(model)
+        inputs, targets = spec.example_inputs(BATCH, dtype=torch.float64)
+        planned = executor_optimize(
+            model, inputs, spec.loss, targets=targets, memory_ratio=1.0, strategy="chen-sqrt",
+            planner_url=f"http://127.0.0.1:{port}", repeats=1, warmup=0, progress=False,
+            d2h_gb_per_s=10, h2d_gb_per_s=10,
+        )
+        assert planned.schedule.summary.strategy == "chen-sqrt"
+        torch.manual_seed(1)
+        loss = planned(inputs, targets)
+        loss.backward()
+        _assert_same("transformer", model, plain_model, loss, _plain_step(plain_model, spec, inputs, targets))
+        with pytest.raises(PlannerServiceError, match="no plan fits.*smallest budget that works"):
+            executor_optimize(model, inputs, spec.loss, targets=targets, budget="1KiB", strategy="chen-sqrt",
+                              planner_url=f"http://127.0.0.1:{port}", repeats=1, warmup=0, progress=False)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
