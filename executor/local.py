@@ -130,9 +130,16 @@ class Resolver:
         return _view(base, saved.geometry)
 
 
+_SCALARS: dict[tuple, torch.Tensor] = {}
+
+
 def _tiny(tensor: torch.Tensor) -> torch.Tensor:
-    """A one-element stand-in with the same shape, dtype and device."""
-    return torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+    """A stand-in with the same shape, dtype and device, backed by one shared element (no allocation)."""
+    key = (tensor.dtype, tensor.device)
+    scalar = _SCALARS.get(key)
+    if scalar is None:
+        scalar = _SCALARS[key] = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
+    return scalar.expand(tensor.shape)
 
 
 def release_storage(tensor: torch.Tensor) -> None:
