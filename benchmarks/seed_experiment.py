@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.budget import budget_from_ratio  # noqa: E402
+from planner.budget import budget_from_ratio, minimum_budget_bytes  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.planning import plan, strategy_names  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
@@ -70,8 +70,12 @@ def main() -> int:
             continue
         profile = load_profile(path)
         lower = simulate(profile, keep_all_schedule(profile), keep_timeline=False)
+        floor = minimum_budget_bytes(profile)
         lines_tables += [
             f"## {title} ({stem}): lower bound {lower.step_time_ms:.2f} ms, keep-all peak {format_bytes(lower.peak_memory_bytes)}",
+            "",
+            f"No plan of any strategy fits below {format_bytes(floor)} ({floor / lower.peak_memory_bytes:.3f} of the peak): "
+            "fixed memory plus the largest node with its inputs and its smallest workspace.",
             "",
             "Simulated step time in ms (overhead over the lower bound); `-`: no plan fits (the smallest budget "
             "the strategy reported, when it did). keep-all ignores the budget and is shown only where it fits.",

@@ -65,6 +65,9 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
     remaining = options.time_limit_s * (1 - sum(SOLVED_INSIDE.values())) if baselines else options.time_limit_s
+    if options.workers != 1:
+        # wall-clock budgeting; with one worker the shares stay fixed so that a seeded run repeats exactly
+        remaining = max(0.2 * options.time_limit_s, options.time_limit_s - (time.monotonic() - started))
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "mosos", MOSOS,
         hints=[s for _, s in others], others=others, time_limit_s=remaining,
