@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
+from planner.simulator import SimulationFigures
 
 PlanState = Literal["queued", "solving", "done", "failed", "cancelled"]
 
@@ -111,22 +112,6 @@ class PlanStatus(BaseModel):
 class PlanList(BaseModel):
     plans: list[PlanStatus]
     next_cursor: str | None = Field(default=None, description="Pass as `cursor` for the next (older) page.")
-
-
-class SimulationFigures(BaseModel):
-    step_time_ms: float
-    stall_time_ms: float
-    compute_busy_ms: float
-    d2h_busy_ms: float
-    h2d_busy_ms: float
-    recompute_time_ms: float
-    peak_memory_bytes: int
-    peak_time_ms: float
-    fixed_memory_bytes: int
-    budget_bytes: int | None
-    offloaded_bytes: int
-    prefetched_bytes: int
-    implementations_changed: int
 
 
 class Violation(BaseModel):

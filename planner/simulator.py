@@ -48,7 +48,9 @@ class MemoryPoint(BaseModel):
     used_bytes: int
 
 
-class SimulationResult(BaseModel):
+class SimulationFigures(BaseModel):
+    """The headline numbers of one replay."""
+
     step_time_ms: float
     stall_time_ms: float
     compute_busy_ms: float
@@ -62,6 +64,11 @@ class SimulationResult(BaseModel):
     offloaded_bytes: int
     prefetched_bytes: int
     implementations_changed: int
+
+
+class SimulationResult(SimulationFigures):
+    """The figures plus what a trace or a plot needs."""
+
     memory_timeline: list[MemoryPoint] = Field(default_factory=list)
     spans: list[Span] = Field(default_factory=list)
 
