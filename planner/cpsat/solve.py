@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
@@ -92,7 +92,7 @@ def solve_model(
         time_to_first_solution_s=callback.first_solution_s,
         workers=solver.parameters.num_workers,
         seed=options.seed,
-        encoding=features.describe(),
+        encoding=replace(features, transfers=data.transfers).describe(),  # no bandwidth: no transfers
     )
     if not found:
         return SolveOutcome(None, info, data)
