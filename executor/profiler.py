@@ -339,11 +339,11 @@ def profile_model(
             "repeats": repeats,
             "spread_percent": round(statistics.median(spread), 3) if spread else 0.0,
             "tool": f"{TOOL}, torch {torch.__version__}",
+            "model_structure_sha256": graph.structure_sha256(),
+            "input_signature": tensor_signature(inputs),
+            "target_signature": tensor_signature(targets) if targets is not None else None,
             "notes": "; ".join(
                 [
-                    f"structure_sha256={graph.structure_sha256()}",
-                    f"inputs={tensor_signature(inputs)}",
-                    f"targets={tensor_signature(targets) if targets is not None else ''}",
                     f"warmup={warmup}",
                     "timer=" + ("cuda events" if device.type == "cuda" else "perf_counter_ns"),
                     f"torch_threads={torch.get_num_threads()}",

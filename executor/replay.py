@@ -19,7 +19,6 @@ optimizer works unchanged.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,19 +45,12 @@ from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 from planner.simulator import simulate
 
 
-def profile_notes(profile: GraphProfile) -> dict[str, str]:
-    """The key=value facts the profiler writes into provenance.notes."""
-    notes = profile.provenance.notes or ""
-    return dict(re.findall(r"(\w+)=([^;]*)", notes))
-
-
 def check_model(graph: CapturedGraph, profile: GraphProfile) -> None:
     """Refuse a profile measured on another model, saying what differs."""
-    notes = profile_notes(profile)
-    expected = notes.get("structure_sha256")
+    expected = profile.provenance.model_structure_sha256
     if expected is None:
         raise ProfileMismatch(
-            f"profile {profile.name!r} carries no structure hash (provenance.notes has no structure_sha256=...): "
+            f"profile {profile.name!r} carries no model structure hash (provenance.model_structure_sha256): "
             "only profiles measured by executor.profile_model / `mosos profile` can be replayed on a model"
         )
     actual = graph.structure_sha256()
@@ -84,15 +76,17 @@ def check_model(graph: CapturedGraph, profile: GraphProfile) -> None:
 
 
 def check_inputs(profile: GraphProfile, inputs: tuple, targets) -> None:
-    notes = profile_notes(profile)
-    for what, values in (("inputs", inputs), ("targets", targets)):
-        expected = notes.get(what)
-        if expected is None:
+    signatures = (
+        ("inputs", inputs, profile.provenance.input_signature),
+        ("targets", targets, profile.provenance.target_signature),
+    )
+    for what, values, expected in signatures:
+        if expected is None and (what == "inputs" or values is None):
             continue
         actual = tensor_signature(values) if values is not None else ""
-        if actual != expected.strip():
+        if actual != (expected or ""):
             raise ProfileMismatch(
-                f"profile {profile.name!r} was measured with {what} {expected.strip() or '(none)'}, "
+                f"profile {profile.name!r} was measured with {what} {expected or '(none)'}, "
                 f"but this step got {actual or '(none)'}: profile the model again for these shapes"
             )
 

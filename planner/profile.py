@@ -149,6 +149,11 @@ class Provenance(_Strict):
     repeats: int | None = Field(default=None, ge=1)
     spread_percent: float | None = Field(default=None, ge=0)
     tool: str | None = Field(default=None, description="Tool and version that wrote the profile.")
+    model_structure_sha256: str | None = Field(
+        default=None, description="Hash of the model's captured graph, so a replay can refuse another model."
+    )
+    input_signature: str | None = Field(default=None, description="Dtypes and shapes of the inputs it was measured with.")
+    target_signature: str | None = Field(default=None, description="Dtypes and shapes of the targets, if any.")
     notes: str | None = None
 
 

@@ -226,8 +226,8 @@ def test_inputs_of_other_shapes_are_refused(profiled):
 
 def test_a_profile_without_structure_hash_is_refused(profiled):
     spec, model, _, _, profile = profiled("vgg19")
-    anonymous = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": None})})
-    with pytest.raises(ProfileMismatch, match="no structure hash"):
+    anonymous = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"model_structure_sha256": None})})
+    with pytest.raises(ProfileMismatch, match="no model structure hash"):
         PlannedModule(copy.deepcopy(model), anonymous, plan(anonymous, strategy="keep-all"), spec.loss)
 
 

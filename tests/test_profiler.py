@@ -104,8 +104,8 @@ def test_sizes_times_and_fixed_memory(small_profile):
     assert profile.hardware.d2h_bandwidth_gb_per_s == 8 and profile.hardware.h2d_bandwidth_gb_per_s == 9
     provenance = profile.provenance
     assert provenance.source == "measured" and provenance.repeats == 2 and provenance.spread_percent >= 0
-    assert f"structure_sha256={capture(model).structure_sha256()}" in provenance.notes
-    assert "inputs=float64[2,3,8,8]" in provenance.notes and "targets=int64[2]" in provenance.notes
+    assert provenance.model_structure_sha256 == capture(model).structure_sha256()
+    assert provenance.input_signature == "float64[2,3,8,8]" and provenance.target_signature == "int64[2]"
     parse_profile(json.loads(profile.to_json()))  # round-trips through the contract
 
 
@@ -185,7 +185,7 @@ SHIPPED = sorted((Path(__file__).resolve().parent.parent / "models" / "profiles"
 def test_shipped_cpu_profiles_match_todays_networks(path):
     """Each shipped measured profile validates and was made from the network `models` builds now."""
     models = pytest.importorskip("models")
-    from executor.replay import check_model, profile_notes
+    from executor.replay import check_model
     from planner.profile import load_profile
 
     profile = load_profile(path)
@@ -193,9 +193,9 @@ def test_shipped_cpu_profiles_match_todays_networks(path):
     name = path.stem.removesuffix("-small-cpu")
     spec = models.get_model(name, small=True)
     check_model(capture(spec.build()), profile)  # raises ProfileMismatch, saying what differs
-    batch = int(profile_notes(profile)["inputs"].split("[")[1].split(",")[0])
+    batch = int(profile.provenance.input_signature.split("[")[1].split(",")[0])
     inputs, targets = spec.example_inputs(batch)
     from executor.capture import tensor_signature
 
-    assert profile_notes(profile)["inputs"] == tensor_signature(inputs)
-    assert profile_notes(profile)["targets"] == tensor_signature(targets)
+    assert profile.provenance.input_signature == tensor_signature(inputs)
+    assert profile.provenance.target_signature == tensor_signature(targets)
