@@ -6,6 +6,7 @@ planner stays importable without them.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import typer
@@ -17,12 +18,10 @@ from planner.units import format_bytes, parse_bytes
 
 
 def _load_estimator():
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         raise MososError(
             "mosos estimate needs torch to trace the model (a CPU build is enough): pip install torch"
-        ) from None
+        )
     from models import estimator, gpus, registry
 
     return estimator, gpus, registry
