@@ -21,6 +21,7 @@ from api.examples import EXAMPLE_PROFILE
 from api.jobs import JobQueue, QueueFull, ServiceStopping
 from api.metrics import Metrics
 from api.middleware import GuardMiddleware
+from api.pool import RequestPool
 from api.models import ErrorBody, Health, PlanList, PlanRequest, PlanStatus, SimulateRequest, SimulateResponse
 from api.service import PLANNER_VERSION, Service
 from api.settings import Settings
@@ -42,7 +43,7 @@ def _error_responses(*codes: int) -> dict:
         413: "Past a size limit (max_body_bytes or max_nodes); `limit` names it.",
         422: "Bad input: one issue (JSON path + sentence) per problem, or a limit named in `limit`.",
         429: "The plan queue is full; retry after `Retry-After` seconds.",
-        503: "The server is stopping.",
+        503: "The server is stopping, or a request process was lost while reading this request (retry).",
     }
     responses = {code: {"model": ErrorBody, "description": descriptions[code]} for code in codes}
     if 429 in responses:
@@ -91,17 +92,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if interrupted:
             log.warning("mosos serve: %d plan(s) left unfinished by the last run marked failed (interrupted by restart)", interrupted)
         queue = JobQueue(store, settings, metrics)
+        pool = RequestPool(settings)
         try:
-            await run_in_threadpool(queue.start)
+            # Both kinds of process import the planner; start them side by side.
+            await asyncio.gather(run_in_threadpool(queue.start), run_in_threadpool(pool.start))
         except Exception:
+            pool.stop()
             queue.stop()
             store.close()
             raise
         metrics.solves_running.set_function(lambda: queue.running)
-        app.state.service = Service(settings, store, queue, metrics)
+        app.state.service = Service(settings, store, queue, metrics, pool)
         try:
             yield
         finally:
+            await run_in_threadpool(pool.stop)
             await run_in_threadpool(queue.stop)
             store.close()
 
@@ -173,7 +178,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """200 with the plan when it is ready within `wait_s` (or stored from an identical request), else 202."""
         svc = service(request)
         raw = await request.body()
-        parsed = await run_in_threadpool(svc.parse_plan, raw)
+        parsed = await svc.parse_plan(raw)
         try:
             hit, job = await run_in_threadpool(svc.find_or_queue, parsed)
         except QueueFull as full:
@@ -222,25 +227,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(svc.render_json(row), media_type="application/json")
 
     @app.get("/v1/plans/{plan_id}/trace", summary="Chrome trace of the plan's simulated step (Perfetto)",
-             responses=_error_responses(401, 404, 409))
-    def plan_trace(request: Request, plan_id: str) -> dict:
-        return JSONResponse(service(request).trace(plan_id))
+             responses=_error_responses(401, 404, 409, 503))
+    async def plan_trace(request: Request, plan_id: str) -> dict:
+        svc = service(request)
+        row, profile_json = await run_in_threadpool(svc.replay_inputs, plan_id)
+        return Response(await svc.trace_json(row, profile_json), media_type="application/json")
 
     @app.get("/v1/plans/{plan_id}/memory.png", summary="Device memory over the step, with the budget line",
              response_class=Response,
              responses={200: {"content": {"image/png": {}}, "description": "PNG picture."},
-                        **_error_responses(401, 404, 409)})
-    def plan_memory(request: Request, plan_id: str):
-        return Response(service(request).memory_png(plan_id), media_type="image/png")
+                        **_error_responses(401, 404, 409, 503)})
+    async def plan_memory(request: Request, plan_id: str):
+        svc = service(request)
+        row, profile_json = await run_in_threadpool(svc.replay_inputs, plan_id)
+        return Response(await svc.memory_png(row, profile_json), media_type="image/png")
 
     # Simulation ------------------------------------------------------------------
 
     @app.post("/v1/simulate", summary="Replay a schedule: figures, or the first violation",
-              response_model=SimulateResponse, responses=_error_responses(401, 413, 422),
+              response_model=SimulateResponse, responses=_error_responses(401, 413, 422, 503),
               openapi_extra=_json_body("SimulateRequest"))
     async def simulate_schedule(request: Request):
         raw = await request.body()
-        return JSONResponse(await run_in_threadpool(service(request).simulate, raw))
+        return JSONResponse(await service(request).simulate(raw))
 
     # Operations ------------------------------------------------------------------
 

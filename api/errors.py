@@ -26,6 +26,12 @@ class ApiError(Exception):
         self.headers = headers or {}
         super().__init__(message)
 
+    def __reduce__(self):
+        """Pickled whole, so that an error raised in a request process reaches the server intact."""
+        return _rebuild_api_error, (
+            self.status_code, self.error, self.message, self.issues, self.limit, self.limit_value, self.headers,
+        )
+
     def body(self) -> dict:
         return {
             "error": self.error,
@@ -34,6 +40,10 @@ class ApiError(Exception):
             "limit": self.limit,
             "limit_value": self.limit_value,
         }
+
+
+def _rebuild_api_error(status_code, error, message, issues, limit, limit_value, headers) -> ApiError:
+    return ApiError(status_code, error, message, issues=issues, limit=limit, limit_value=limit_value, headers=headers)
 
 
 def invalid(issues: list[Issue], what: str = "request") -> ApiError:

@@ -1,138 +1,46 @@
-"""The service's work, free of HTTP: read requests, hash them, find or queue plans, render answers."""
+"""The service's work, free of HTTP: find or queue plans, read the store, render answers.
+
+The CPU-heavy part of a request (validating a large body, hashing, simulating,
+drawing) runs in the request processes (`api.work` through `api.pool`); what is
+left here is store reads and small JSON, cheap enough for the server process.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import logging
-import threading
 import uuid
-from dataclasses import dataclass
-from typing import Any
-
-from pydantic import BaseModel, ValidationError
 
 import planner
-from api.errors import ApiError, invalid, over_limit
+from api import work
+from api.errors import ApiError
 from api.jobs import Job, JobQueue
 from api.metrics import Metrics
-from api.models import PlanRequest, SimulateRequest
+from api.pool import RequestPool
 from api.settings import Settings
 from api.store import PlanRow, Store
-from planner.errors import Issue, ScheduleRejected
-from planner.profile import GraphProfile, parse_profile
-from planner.schedule import parse_schedule
-from planner.simulator import simulate
-from planner.strategies import load_all
-from planner.validation import issues_from_validation_error
+from api.work import ParsedPlan
 
 PLANNER_VERSION = planner.__version__
 log = logging.getLogger("mosos.api")
-_plot_lock = threading.Lock()  # pyplot is not thread-safe
-
-
-@dataclass
-class ParsedPlan:
-    request: PlanRequest
-    request_hash: str
-    options: dict[str, Any]
-    wait_s: float
-
-
-def read_json_body(raw: bytes, what: str) -> dict:
-    """Decode a JSON object with the CLI's wording for broken JSON."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise invalid([Issue("", f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}")]) from None
-    except ValueError as error:  # not UTF-8
-        raise invalid([Issue("", f"not valid JSON: {error}")]) from None
-    except RecursionError:
-        raise invalid([Issue("", "not valid JSON here: nested too deeply")]) from None
-    if not isinstance(data, dict):
-        raise invalid([Issue("", f"a {what} is a JSON object, not {type(data).__name__}")])
-    return data
-
-
-def validate(model: type[BaseModel], data: dict) -> Any:
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise invalid(issues_from_validation_error(error)) from None
 
 
 class Service:
-    def __init__(self, settings: Settings, store: Store, queue: JobQueue, metrics: Metrics):
+    def __init__(self, settings: Settings, store: Store, queue: JobQueue, metrics: Metrics, pool: RequestPool):
         self.settings = settings
         self.store = store
         self.queue = queue
         self.metrics = metrics
-
-    # Limits ----------------------------------------------------------------
-
-    def _check_node_count(self, data: dict) -> None:
-        """Before full validation: a huge profile is refused without being read."""
-        profile = data.get("profile")
-        nodes = profile.get("nodes") if isinstance(profile, dict) else None
-        if isinstance(nodes, list) and len(nodes) > self.settings.max_nodes:
-            raise over_limit(
-                413,
-                "profile.nodes",
-                f"the profile has {len(nodes)} nodes, above this server's limit max_nodes = {self.settings.max_nodes}",
-                "max_nodes",
-                self.settings.max_nodes,
-            )
+        self.pool = pool
 
     # Plans -----------------------------------------------------------------
 
-    def parse_plan(self, raw: bytes) -> ParsedPlan:
-        data = read_json_body(raw, "plan request")
-        self._check_node_count(data)
-        request: PlanRequest = validate(PlanRequest, data)
-        settings = self.settings
-        time_limit_s = request.time_limit_s if request.time_limit_s is not None else settings.effective_default_time_limit_s()
-        if time_limit_s > settings.max_time_limit_s:
-            raise over_limit(
-                422, "time_limit_s", f"{time_limit_s:g} s is above this server's limit max_time_limit_s = "
-                f"{settings.max_time_limit_s:g} s", "max_time_limit_s", settings.max_time_limit_s,
-            )
-        workers = request.workers if request.workers is not None else settings.max_solver_workers
-        if workers > settings.max_solver_workers:
-            raise over_limit(
-                422, "workers", f"{workers} solver threads is above this server's limit max_solver_workers = "
-                f"{settings.max_solver_workers}", "max_solver_workers", settings.max_solver_workers,
-            )
-        wait_s = request.wait_s if request.wait_s is not None else settings.effective_default_wait_s()
-        if wait_s > settings.max_wait_s:
-            raise over_limit(
-                422, "wait_s", f"{wait_s:g} s is above this server's limit max_wait_s = {settings.max_wait_s:g} s",
-                "max_wait_s", settings.max_wait_s,
-            )
-        strategies = load_all()
-        info = strategies.get(request.strategy)
-        if info is None:
-            raise invalid([Issue("strategy", f"unknown strategy {request.strategy!r}; known: {', '.join(sorted(strategies))}")])
-        if info.uses_budget and request.budget_bytes is None and request.memory_ratio is None:
-            raise invalid([Issue("budget_bytes", f"strategy {request.strategy!r} needs a budget: give budget_bytes or memory_ratio")])
-        options = {
-            "budget_bytes": request.budget_bytes,
-            "memory_ratio": request.memory_ratio,
-            "strategy": request.strategy,
-            "time_limit_s": float(time_limit_s),
-            "workers": int(workers),
-            "seed": request.seed,
-        }
-        canonical = json.dumps(
-            {"planner_version": PLANNER_VERSION, "profile_digest": request.profile.digest(), **options},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
-        return ParsedPlan(request, hashlib.sha256(canonical.encode()).hexdigest(), options, wait_s)
+    async def parse_plan(self, raw: bytes) -> ParsedPlan:
+        """Validated and hashed in a request process (see `api.work.parse_plan`)."""
+        return await self.pool.run(work.parse_plan, raw)
 
     def find_or_queue(self, parsed: ParsedPlan) -> tuple[PlanRow | None, Job | None]:
         """The stored answer (cache hit), the same request already in flight, or a new job."""
-        profile: GraphProfile = parsed.request.profile
         with self.queue.lock:
             hit = self.store.find_done(parsed.request_hash)
             if hit is not None:
@@ -141,17 +49,15 @@ class Service:
             active = self.queue.find_active(parsed.request_hash)
             if active is not None:
                 return None, active
-            profile_json = profile.to_json(indent=None)
-            digest = profile.digest()
 
             def insert() -> PlanRow:
                 return self.store.insert(
                     plan_id=uuid.uuid4().hex,
                     request_hash=parsed.request_hash,
-                    profile_digest=digest,
-                    profile_name=profile.name,
-                    profile_json=profile_json,
-                    node_count=len(profile.nodes),
+                    profile_digest=parsed.profile_digest,
+                    profile_name=parsed.profile_name,
+                    profile_json=parsed.profile_json,
+                    node_count=parsed.node_count,
                     strategy=parsed.options["strategy"],
                     options={**parsed.options, "planner_version": PLANNER_VERSION},
                 )
@@ -161,7 +67,7 @@ class Service:
                 request_hash=parsed.request_hash,
                 strategy=parsed.options["strategy"],
                 time_limit_s=parsed.options["time_limit_s"],
-                task={**parsed.options, "profile_json": profile_json},
+                task={**parsed.options, "profile_json": parsed.profile_json},
             )
             return None, job
 
@@ -227,41 +133,22 @@ class Service:
 
     # Simulation, traces and pictures ----------------------------------------------
 
-    def simulate(self, raw: bytes) -> dict:
-        data = read_json_body(raw, "simulation request")
-        self._check_node_count(data)
-        request: SimulateRequest = validate(SimulateRequest, data)
-        try:
-            result = simulate(request.profile, request.schedule, request.budget_bytes, keep_timeline=False)
-        except ScheduleRejected as rejection:
-            return {"valid": False, "figures": None, "violation": rejection.as_dict()}
-        except Exception as error:  # a simulator bug on odd input: say so, never a 500
-            log.exception("the simulator failed on a schedule")
-            raise ApiError(
-                422, "simulation_error", f"the simulator could not replay this schedule ({type(error).__name__}: {error})"
-            ) from None
-        return {"valid": True, "figures": result.figures(), "violation": None}
+    async def simulate(self, raw: bytes) -> dict:
+        """Figures or the first violation, computed in a request process."""
+        return await self.pool.run(work.simulate_request, raw)
 
-    def _replay(self, plan_id: str):
+    def replay_inputs(self, plan_id: str) -> tuple[PlanRow, str | None]:
+        """A done plan's row and stored profile (store reads only), or 404 / 409."""
         row = self.get_row(plan_id)
         if row.status != "done" or not row.schedule_json:
             state = "infeasible" if row.status == "done" else row.status
             raise ApiError(409, "conflict", f"plan {plan_id} has no schedule to replay (it is {state})")
-        profile = parse_profile(json.loads(self.store.profile_json(row.profile_digest) or "null"))
-        schedule = parse_schedule(json.loads(row.schedule_json))
-        return row, simulate(profile, schedule)
+        return row, self.store.profile_json(row.profile_digest)
 
-    def trace(self, plan_id: str) -> dict:
-        from planner.trace import chrome_trace
+    async def trace_json(self, row: PlanRow, profile_json: str | None) -> bytes:
+        title = f"{row.profile_name} ({row.strategy})"
+        return await self.pool.run(work.trace_json, profile_json, row.schedule_json, title)
 
-        row, result = self._replay(plan_id)
-        return chrome_trace(result, title=f"{row.profile_name} ({row.strategy})")
-
-    def memory_png(self, plan_id: str) -> bytes:
-        from planner.plot import plot_memory
-
-        row, result = self._replay(plan_id)
-        buffer = io.BytesIO()
-        with _plot_lock:
-            plot_memory(result, buffer, title=f"{row.profile_name}: device memory ({row.strategy})")
-        return buffer.getvalue()
+    async def memory_png(self, row: PlanRow, profile_json: str | None) -> bytes:
+        title = f"{row.profile_name}: device memory ({row.strategy})"
+        return await self.pool.run(work.memory_png, profile_json, row.schedule_json, title)

@@ -31,6 +31,13 @@ class Settings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     db_path: Path = Field(default_factory=default_db_path)
     solve_processes: int = Field(default=2, ge=1, le=64, description="Worker processes that run solves.")
+    request_processes: int = Field(
+        default=2, ge=1, le=64, description="Processes that read, validate and simulate request bodies, so that the "
+        "server's event loop (and status calls) never wait behind that work."
+    )
+    request_nice: int = Field(
+        default=5, ge=0, le=19, description="Niceness of request processes: below the server, above the solves."
+    )
     queue_size: int = Field(default=16, ge=0, description="Plans that may wait for a worker; beyond it, 429.")
     max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="Largest request body accepted.")
     max_nodes: int = Field(default=5000, ge=1, description="Most nodes a profile may have.")

@@ -50,7 +50,8 @@ def _json_safe(event: dict) -> dict[str, Any]:
     return safe
 
 
-def _watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int) -> None:
+    """Exit as soon as the parent is gone (a kill -9 of the server leaves no orphans)."""
     while True:
         if os.getppid() != parent_pid:
             os._exit(0)
@@ -117,7 +118,7 @@ def solve_task(task: dict, send, should_stop) -> dict:
 
 def worker_main(connection, cancel_seq, plugins: list[str], parent_pid: int, nice: int = 0) -> None:
     """Entry point of a solve process; `nice` lowers its priority so that the HTTP server stays responsive."""
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     if nice > 0:
         try:
             os.nice(nice)
