@@ -1,16 +1,21 @@
-"""A quick recompute-only plan to start the search from: evict on demand, recompute on demand.
+"""A quick recompute-only plan to start the search from, and to fall back on: evict on demand, recompute on demand.
 
-Walk the nodes in order. Before a computation, any missing input is
-recomputed first (recursively); when memory would overflow, the resident
-tensor with the best ratio of recompute cost (missing ancestors included) to
-size times distance to its next reader is freed (the rule of Dynamic Tensor
-Rematerialization, Kirisame et al. 2021). The plan is checked by the simulator like any other; it is a
-hint for CP-SAT and a fallback, never a claim of optimality.
+Walk the stages in order. Before stage t computes node t, the set of missing
+tensors it needs is closed over (a missing input of a recomputation is
+missing too) and recomputed in a topological order; every tensor some
+pending computation of the stage still reads is pinned. When memory would
+overflow, an unpinned resident tensor is freed: one nobody reads again if
+any, else the one with the best ratio of recompute cost (missing inputs
+included) to size times distance to its next reader (the rule of Dynamic
+Tensor Rematerialization, Kirisame et al. 2021). A few variants of the rule
+and of the recompute order are tried and the fastest plan the simulator
+accepts is kept. It is a hint for CP-SAT and a fallback, never a claim of
+optimality.
 """
 
 from __future__ import annotations
 
-import sys
+from dataclasses import dataclass
 
 from planner.builder import ScheduleBuilder
 from planner.errors import ScheduleRejected
@@ -23,101 +28,199 @@ class _Stuck(Exception):
     pass
 
 
-def greedy_recompute_schedule(
-    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None
-) -> Schedule | None:
-    """The plan, or None if the rule gets stuck or needs more than `max_evictions` frees.
+@dataclass
+class _Graph:
+    ids: list[str]
+    inputs: list[list[int]]
+    users: list[list[int]]
+    size: list[int]
+    workspace: list[int]
+    cost: list[float]
+    recomputable: list[bool]
 
-    The limit is a count, not a clock, so that the answer does not depend on the machine's load.
-    """
-    evictions_left = max_evictions if max_evictions is not None else 20 * len(profile.nodes)
+
+def _graph(profile: GraphProfile) -> _Graph:
     ids = list(profile.order)
     index = {node_id: i for i, node_id in enumerate(ids)}
     nodes = [profile.node_by_id[node_id] for node_id in ids]
     inputs = [sorted({index[s] for s in node.inputs}) for node in nodes]
-    users = [[] for _ in ids]
+    users: list[list[int]] = [[] for _ in ids]
     for k, sources in enumerate(inputs):
         for j in sources:
             users[j].append(k)
-    size = [node.size_bytes for node in nodes]
-    workspace = [node.fastest.workspace_bytes for node in nodes]
-    cost = [node.fastest.time_ms for node in nodes]
-    capacity = budget_bytes - profile.fixed_bytes
-    builder = ScheduleBuilder(profile)
+    return _Graph(
+        ids=ids,
+        inputs=inputs,
+        users=users,
+        size=[node.size_bytes for node in nodes],
+        workspace=[node.fastest.workspace_bytes for node in nodes],
+        cost=[node.fastest.time_ms for node in nodes],
+        # the simulator lets any node run again (backward ones too) while its inputs are resident
+        recomputable=[bool(users[k]) for k in range(len(nodes))],
+    )
+
+
+# (eviction rule, recompute order): the variants tried, cheapest plan wins.
+VARIANTS = (
+    ("dtr", "depth-first"), ("dtr", "heavy-first"), ("dtr", "index"), ("cost", "depth-first"), ("cost", "heavy-first"),
+    ("distance", "heavy-first"), ("pressure", "heavy-first"), ("pressure", "depth-first"),
+)
+
+
+def _run(graph: _Graph, capacity: int, rule: str, order: str, evictions_left: int) -> list[list[tuple[str, int]]]:
+    """Per stage, the operations ("compute" k / "free" j); raises _Stuck if the rule cannot make room."""
+    n = len(graph.ids)
+    inputs, users, size, cost = graph.inputs, graph.users, graph.size, graph.cost
     resident: set[int] = set()
     used = 0
-    stage = 0
+    stages: list[list[tuple[str, int]]] = []
+    next_user = [0] * n  # index into users[j] of the first user >= the current stage
 
-    def next_use(j: int) -> int:
-        later = [u for u in users[j] if u >= stage]
-        return min(later) if later else len(ids) + 1
+    def next_use(j: int, t: int) -> int:
+        i = next_user[j]
+        while i < len(users[j]) and users[j][i] <= t:
+            i += 1
+        next_user[j] = i
+        return users[j][i] if i < len(users[j]) else n + 1
 
-    def free(j: int) -> None:
-        nonlocal used
-        resident.discard(j)
-        used -= size[j]
-        builder.free(ids[j])
+    def score(j: int, t: int) -> float:
+        distance = next_use(j, t) - t
+        if rule == "distance":
+            return 1.0 / (max(size[j], 1) * distance)
+        bring_back = cost[j] + sum(cost[i] for i in inputs[j] if i not in resident)
+        if rule == "cost":
+            return bring_back / max(size[j], 1)
+        if rule == "pressure":  # bringing a tensor back where its reader already needs most of memory is hard
+            reader = next_use(j, t)
+            crowd = sum(size[i] for i in inputs[reader]) / max(capacity, 1) if reader < n else 0.0
+            return (bring_back + 1.0) * (1.0 + 100.0 * crowd ** 4) / (max(size[j], 1) * distance)
+        return bring_back / (max(size[j], 1) * distance)
 
-    def make_room(needed: int, pinned: set[int], soft: set[int]) -> None:
-        nonlocal evictions_left
-        while used + needed > capacity:
-            evictions_left -= 1
-            if evictions_left < 0:
-                raise _Stuck
-            candidates = [j for j in resident if j not in pinned]
-            if not candidates:
-                raise _Stuck
-            free(min(candidates, key=lambda j: (j in soft, _score(j), -j)))
+    for t in range(n):
+        ops: list[tuple[str, int]] = []
 
-    def missing_cost(j: int, seen: set[int]) -> float:
-        """What recomputing j would cost now, its missing ancestors included."""
-        total = cost[j]
-        for i in inputs[j]:
-            if i not in resident and i not in seen:
-                seen.add(i)
-                total += missing_cost(i, seen)
-        return total
+        def missing_closure(targets: list[int]) -> list[int]:
+            """The missing tensors `targets` need, inputs before readers, in the variant's order."""
+            weight: dict[int, int] = {}
+            planned: set[int] = set()
+            found: list[int] = []
 
-    def _score(j: int) -> float:
-        """DTR's rule: cheap to bring back, big, and not needed soon goes first."""
-        if next_use(j) > len(ids):
-            return -1.0
-        return missing_cost(j, {j}) / (max(size[j], 1) * (next_use(j) - stage + 1))
+            def closure_bytes(j: int) -> int:
+                """Bytes of j's missing closure (shared parts counted twice): how much room recomputing j takes."""
+                if j in resident:
+                    return 0
+                if j not in weight:
+                    weight[j] = size[j] + sum(closure_bytes(i) for i in inputs[j])
+                return weight[j]
 
-    def compute(k: int, soft: set[int], depth: int = 0) -> None:
-        """Compute k; its own inputs may not be evicted meanwhile, the callers' inputs only if nothing else fits."""
-        nonlocal used
-        if depth > len(ids):
-            raise _Stuck
-        pinned = set(inputs[k])
-        for _ in range(4 * len(inputs[k]) + 1):
-            missing = [j for j in inputs[k] if j not in resident]
-            if not missing:
-                break
-            compute(missing[0], soft | pinned, depth + 1)
-        else:
-            raise _Stuck
-        make_room(size[k] + workspace[k], pinned, soft)
-        builder.compute(ids[k])
-        resident.add(k)
-        used += size[k]
+            def ordered(nodes: list[int]) -> list[int]:
+                # Sethi-Ullman: the input needing most room first, while least is pinned
+                return sorted(nodes, key=lambda i: -closure_bytes(i)) if order == "heavy-first" else nodes
 
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, 10 * len(ids) + 100))
-    try:
-        for stage in range(len(ids)):
-            builder.stage(ids[stage])
-            compute(stage, set())
-            for j in sorted(resident):
-                if all(u <= stage for u in users[j]):  # nobody computed later reads it
-                    free(j)
-    except _Stuck:
-        return None
-    finally:
-        sys.setrecursionlimit(limit)
-    schedule = builder.build(budget_bytes)
-    try:
-        simulate(profile, schedule, keep_timeline=False)
-    except ScheduleRejected:
-        return None
-    return schedule
+            def visit(j: int) -> None:
+                if j in resident or j in planned:
+                    return
+                if not graph.recomputable[j]:
+                    raise _Stuck
+                planned.add(j)
+                for i in ordered(inputs[j]):
+                    visit(i)
+                found.append(j)
+
+            for j in ordered(targets):
+                visit(j)
+            return sorted(found) if order == "index" else found
+
+        queue = missing_closure(inputs[t]) + [t]
+        pending: dict[int, int] = {}  # tensor -> reads still to come in this stage
+        for x in queue:
+            for j in inputs[x]:
+                pending[j] = pending.get(j, 0) + 1
+        position = 0
+        while position < len(queue):
+            x = queue[position]
+            absent = [j for j in inputs[x] if j not in resident]
+            if absent:  # an input was given up to make room: bring it back first
+                again = missing_closure(absent)
+                for y in again:
+                    for j in inputs[y]:
+                        pending[j] = pending.get(j, 0) + 1
+                queue[position:position] = again
+                continue
+            needed = size[x] + graph.workspace[x]
+            while used + needed > capacity:
+                evictions_left -= 1
+                if evictions_left < 0:
+                    raise _Stuck
+                candidates = [j for j in resident if not pending.get(j)]
+                dead = [j for j in candidates if next_use(j, t) > n]
+                live = [j for j in candidates if graph.recomputable[j]]
+                if dead:
+                    victim = min(dead)
+                elif live:
+                    victim = min(live, key=lambda j: (score(j, t), -j))
+                else:
+                    # last resort: a tensor a later computation of this stage reads, not x's own inputs
+                    soft = [j for j in resident if j not in inputs[x] and graph.recomputable[j]]
+                    if not soft:
+                        raise _Stuck
+                    victim = min(soft, key=lambda j: (score(j, t), -j))
+                resident.discard(victim)
+                used -= size[victim]
+                ops.append(("free", victim))
+            ops.append(("compute", x))
+            resident.add(x)
+            used += size[x]
+            for j in inputs[x]:
+                pending[j] -= 1
+            position += 1
+        for j in sorted(resident):
+            if next_use(j, t) > n:  # nobody computed later reads it
+                resident.discard(j)
+                used -= size[j]
+                ops.append(("free", j))
+        stages.append(ops)
+    return stages
+
+
+def _build(profile: GraphProfile, graph: _Graph, stages, budget_bytes: int) -> Schedule:
+    builder = ScheduleBuilder(profile)
+    for t, ops in enumerate(stages):
+        builder.stage(graph.ids[t])
+        for kind, j in ops:
+            if kind == "compute":
+                builder.compute(graph.ids[j])
+            else:
+                builder.free(graph.ids[j])
+    return builder.build(budget_bytes)
+
+
+def greedy_recompute_schedule(
+    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None
+) -> Schedule | None:
+    """The fastest plan of the variants, or None if every variant gets stuck or needs more than `max_evictions` frees.
+
+    The limit is a count, not a clock, so that the answer does not depend on the machine's load.
+    """
+    graph = _graph(profile)
+    limit = max_evictions if max_evictions is not None else 8 * len(graph.ids)
+    capacity = budget_bytes - profile.fixed_bytes
+    best: tuple[float, Schedule] | None = None
+    seen: set[tuple] = set()
+    for rule, order in VARIANTS:
+        try:
+            stages = _run(graph, capacity, rule, order, limit)
+        except _Stuck:
+            continue
+        key = tuple(tuple(ops) for ops in stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        schedule = _build(profile, graph, stages, budget_bytes)
+        try:
+            step = simulate(profile, schedule, budget_bytes, keep_timeline=False).step_time_ms
+        except ScheduleRejected:
+            continue
+        if best is None or step < best[0] - 1e-9:
+            best = (step, schedule)
+    return None if best is None else best[1]
