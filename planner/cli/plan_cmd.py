@@ -61,8 +61,8 @@ def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: flo
     for row in rows:
         summary = row.schedule.summary if row.schedule is not None else None
         if summary is None:
-            minimum = f" (needs >= {format_bytes(row.minimum_budget_bytes)})" if row.minimum_budget_bytes else ""
-            table.add_row(row.strategy, "infeasible" + minimum, "", "", "no", "", "", "", "")
+            minimum = f"no: needs {format_bytes(row.minimum_budget_bytes)}" if row.minimum_budget_bytes else "no"
+            table.add_row(row.strategy, "infeasible", "", "", minimum, "", "", "", "")
             continue
         fits = "yes" if budget is None or summary.peak_memory_bytes <= budget else "no"
         solver = ""
