@@ -132,3 +132,57 @@ def test_checkmate_vgg16_at_0_8_is_below_every_plan_and_at_0_9_solves_to_optimal
     schedule = plan(profile, int(0.9 * peak), strategy="recompute-only", time_limit_s=10.0, workers=1)
     assert schedule.summary.solver.status == "OPTIMAL"
     assert schedule.summary.peak_memory_bytes <= int(0.9 * peak)
+
+
+def test_mosos_runs_only_the_projects_own_baselines():
+    """A strategy registered by a plugin (here one that crashes) is neither run nor able to break mosos."""
+    from planner.strategies import STRATEGIES, strategy
+    from planner.strategies.mosos import BASELINE_STRATEGIES, SOLVED_INSIDE
+
+    calls = []
+
+    @strategy("test-crashing-plugin", "registered by a test; crashes when called")
+    def crashing(profile, budget_bytes, options):
+        calls.append(profile.name)
+        raise RuntimeError("a plugin strategy must not be run by mosos")
+
+    try:
+        profile = small_cnn()
+        schedule = plan(profile, budget_from_ratio(profile, 0.8), strategy="mosos", **FAST)
+    finally:
+        STRATEGIES.pop("test-crashing-plugin", None)
+    assert calls == []
+    assert schedule.summary.strategy == "mosos"
+    own = {name for name, info in STRATEGIES.items() if info.function.__module__.startswith("planner.strategies.")}
+    assert set(BASELINE_STRATEGIES) | set(SOLVED_INSIDE) | {"mosos"} == own  # a new project strategy joins the list
+
+
+def test_mosos_progress_names_mosos_with_the_inner_phase():
+    profile = small_cnn()
+    events = []
+    plan(profile, budget_from_ratio(profile, 0.7), strategy="mosos", progress=events.append, **FAST)
+    assert events
+    assert {e["strategy"] for e in events} == {"mosos"}
+    phases = {e["phase"] for e in events}
+    assert phases <= {"recompute-only", "checkmate-auto", "str-auto", "joint model"}
+    assert "joint model" in phases
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_mosos_time_limit_is_the_total_wall_clock_budget(workers):
+    """A model that CP-SAT does not finish in the limit: baselines + inner solves + joint model stay near it."""
+    import time
+    from pathlib import Path
+
+    from planner.profile import load_profile
+
+    path = Path(__file__).resolve().parents[1] / "models" / "profiles" / "resnet50-small-cpu.json"
+    if not path.exists():
+        pytest.skip("resnet50-small-cpu profile absent")
+    profile = load_profile(path)
+    budget = budget_from_ratio(profile, 0.6)
+    started = time.monotonic()
+    schedule = plan(profile, budget, strategy="mosos", time_limit_s=2.0, workers=workers, seed=0)
+    elapsed = time.monotonic() - started
+    assert simulate(profile, schedule, budget, keep_timeline=False).peak_memory_bytes <= budget
+    assert elapsed < 2.0 + 6.0, f"time_limit_s=2 took {elapsed:.1f} s"  # generous: a loaded 2-core machine

@@ -13,6 +13,7 @@ where transfers start and prefetch buffers are allocated.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from functools import reduce
@@ -136,10 +137,7 @@ def _memory_unit(values: list[int]) -> int:
 def _done_stage(stage_start: list[int], start: int, duration: int) -> int:
     """sf: the first stage b >= start whose start time is at least start's time + duration (n: the end)."""
     target = stage_start[start] + duration
-    for b in range(start, len(stage_start)):
-        if stage_start[b] >= target:
-            return b
-    return len(stage_start)  # never within the step
+    return bisect.bisect_left(stage_start, target, lo=start)  # len(stage_start): never within the step
 
 
 def build_data(profile: GraphProfile, budget_bytes: int | None, features: Features) -> ModelData:

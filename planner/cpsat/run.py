@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.solve import solve_model
@@ -34,13 +36,14 @@ def best_plan(profile: GraphProfile, budget_bytes: int | None, candidates: list[
 
 
 def infeasible(
-    profile: GraphProfile, budget_bytes: int, features: Features, options: SolveOptions, strategy: str, status: str
+    profile: GraphProfile, budget_bytes: int, features: Features, options: SolveOptions, strategy: str, status: str,
+    time_limit_s: float | None = None,
 ):
     """Search the smallest budget the strategy can meet; return a plan if that search found one within the budget."""
     from planner.minimum import smallest_budget
     from planner.planning import InfeasibleBudget
 
-    minimum = smallest_budget(profile, features, options, strategy)
+    minimum = smallest_budget(profile, features, options, strategy, time_limit_s=time_limit_s)
     if minimum.schedule is not None and fits(profile, minimum.schedule, budget_bytes) is not None:
         return minimum.schedule.model_copy(update={"budget_bytes": budget_bytes})
     reason = "proven infeasible" if status == "INFEASIBLE" else f"no plan found ({status}) within the time limit"
@@ -62,15 +65,18 @@ def plan_with_model(
     time_limit_s: float | None = None,
     explain_infeasible: bool = True,
     fallbacks: list[tuple[str, Schedule | None]] = (),
+    deadline: float | None = None,
 ) -> tuple[Schedule | None, SolverInfo, str | None]:
     """Solve the model; return (uncertified best plan, solver info, which plan won).
 
     `others` compete with the CP-SAT plan; `fallbacks` are used only when
     neither it nor `others` gives a plan. With nothing that fits: search the smallest feasible budget and raise
-    InfeasibleBudget, or return (None, info, None) if `explain_infeasible` is off.
+    InfeasibleBudget, or return (None, info, None) if `explain_infeasible` is off. `deadline`
+    (time.monotonic()) caps the solve's wall clock; the minimum-budget search then gets what is left, 1 s at least.
     """
     outcome = solve_model(
-        profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s
+        profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s,
+        deadline=deadline,
     )
     best = best_plan(profile, budget_bytes, [("cp-sat", outcome.schedule)] + list(others))
     if best is None:
@@ -79,7 +85,8 @@ def plan_with_model(
     if best is None:
         if not explain_infeasible:
             return None, info, None
-        schedule = infeasible(profile, budget_bytes, features, options, strategy, info.status)
+        search_s = None if deadline is None else max(1.0, deadline - time.monotonic())
+        schedule = infeasible(profile, budget_bytes, features, options, strategy, info.status, search_s)
         note = f"{info.encoding}; plan from the memory-minimizing search"
         return schedule, info.model_copy(update={"encoding": note}), "cp-sat (memory-minimizing)"
     name, schedule, _ = best

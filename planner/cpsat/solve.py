@@ -30,8 +30,12 @@ class SolveOutcome:
     objective_value: float | None = None  # model units: ms, or bytes when minimizing memory
 
 
-def solver_parameters(options: SolveOptions, time_limit_s: float) -> cp_model.CpSolver:
-    """One worker + a seed gives the same answer every time: a deterministic time limit then governs."""
+def solver_parameters(options: SolveOptions, time_limit_s: float, wall_limit_s: float | None = None) -> cp_model.CpSolver:
+    """One worker + a seed gives the same answer every time: a deterministic time limit then governs.
+
+    `wall_limit_s` caps the wall-clock time whatever the worker count (a caller's total budget, such as
+    mosos's); with one worker a run cut by it is no longer guaranteed to repeat exactly.
+    """
     solver = cp_model.CpSolver()
     workers = options.workers or 2
     parameters = solver.parameters
@@ -47,6 +51,8 @@ def solver_parameters(options: SolveOptions, time_limit_s: float) -> cp_model.Cp
         parameters.max_time_in_seconds = 3 * time_limit_s + 5  # a safety net on a loaded machine
     else:
         parameters.max_time_in_seconds = time_limit_s
+    if wall_limit_s is not None:
+        parameters.max_time_in_seconds = max(0.01, min(parameters.max_time_in_seconds, wall_limit_s))
     return solver
 
 
@@ -62,7 +68,9 @@ def solve_model(
     strategy: str,
     hints: list[Schedule] = (),
     time_limit_s: float | None = None,
+    deadline: float | None = None,
 ) -> SolveOutcome:
+    """`deadline` (time.monotonic()) caps the wall clock of the whole call, model building included."""
     started = time.monotonic()
     data = build_data(profile, budget_bytes, features)
     model = cp_model.CpModel()
@@ -72,7 +80,8 @@ def solve_model(
     set_objective(model, data, variables)
     limit = time_limit_s or options.time_limit_s
     _warm_start(model, data, variables, hints, limit, options.seed)
-    solver = solver_parameters(options, limit)
+    wall_limit = None if deadline is None else deadline - time.monotonic()
+    solver = solver_parameters(options, limit, wall_limit)
     if features.minimize_memory:
         scale = lambda units: units * data.memory_unit_bytes + profile.fixed_bytes  # noqa: E731
     else:

@@ -30,13 +30,15 @@ def with_auto(profile: GraphProfile, budget_bytes: int, base: Schedule) -> tuple
 
 def checkmate_auto_plan(
     profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
-    explain_infeasible: bool = True,
+    explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
 ) -> Schedule | None:
-    greedy = greedy_recompute_schedule(profile, budget_bytes)
+    """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
+    if greedy is False:
+        greedy = greedy_recompute_schedule(profile, budget_bytes)
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, "checkmate-auto", CHECKMATE,
         hints=[s for s in (greedy,) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
-        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
     )
     if base is None:
         return None

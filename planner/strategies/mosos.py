@@ -1,10 +1,12 @@
 """mosos: the joint MO-SOS model (keep / offload+prefetch / recompute, and algorithm choice) on CP-SAT.
 
-It contains every other strategy, so it must never lose to one: the
-baselines' plans at this budget start the search (the fastest one that fits
-is the hint), and the plan returned is the fastest, in simulation, among the
-CP-SAT solution and every baseline plan that fits. The solver info says
-which one won.
+It contains the project's other strategies, so it must never lose to one:
+their plans at this budget (an explicit list, `BASELINE_STRATEGIES` and
+`SOLVED_INSIDE`; never plugin strategies) start the search (the fastest one
+that fits is the hint), and the plan returned is the fastest, in simulation,
+among the CP-SAT solution and every baseline plan that fits. The solver info
+says which one won. `time_limit_s` is the wall-clock budget of the whole
+call; progress events name `mosos`, with the inner solve in `phase`.
 """
 
 from __future__ import annotations
@@ -19,37 +21,77 @@ from planner.cpsat.run import plan_with_model
 from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import STRATEGIES, SolveOptions, load_all, strategy
+from planner.strategies import SolveOptions, strategy
 
 MOSOS = Features(recompute=True, transfers=True, implementations="all", max_recomputes=2, max_prefetches=1)
+
+# The project's own heuristic baselines that start (and compete with) the joint model, cheapest first.
+# An explicit list, not the registry: a strategy a plugin registers must not slow down or break mosos.
+BASELINE_STRATEGIES = ("keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "swap-recompute-heuristic", "auto")
 
 # The CP-SAT strategies solved inside mosos, with their share of its time limit.
 SOLVED_INSIDE = {"recompute-only": 0.1, "checkmate-auto": 0.1, "str-auto": 0.15}
 
+JOINT_PHASE = "joint model"
 
-def baseline_plans(profile: GraphProfile, budget_bytes: int, options: SolveOptions) -> list[tuple[str, Schedule]]:
-    """Every other registered strategy's plan at this budget; strategies that fail or are absent are skipped."""
+
+def _baseline_functions() -> dict:
+    """Imported directly, so that a plugin registering one of these names cannot replace it here."""
+    from planner.strategies.auto import plan_auto
+    from planner.strategies.chen_sqrt import plan_chen_sqrt
+    from planner.strategies.keep_all import plan_keep_all
+    from planner.strategies.swap_recompute import plan_swap_recompute
+    from planner.strategies.vdnn import plan_vdnn_all, plan_vdnn_conv, plan_vdnn_dyn
+
+    functions = {
+        "keep-all": plan_keep_all, "vdnn-all": plan_vdnn_all, "vdnn-conv": plan_vdnn_conv, "vdnn-dyn": plan_vdnn_dyn,
+        "chen-sqrt": plan_chen_sqrt, "swap-recompute-heuristic": plan_swap_recompute, "auto": plan_auto,
+    }
+    return {name: functions[name] for name in BASELINE_STRATEGIES}
+
+
+def _reporting_as_mosos(options: SolveOptions, phase: str) -> SolveOptions:
+    """Progress events of an inner solve, reported as mosos's with the inner phase beside."""
+    if options.progress is None:
+        return options
+    report = options.progress
+    return replace(options, progress=lambda event: report({**event, "strategy": "mosos", "phase": phase}))
+
+
+def baseline_plans(
+    profile: GraphProfile, budget_bytes: int, options: SolveOptions, deadline: float | None = None,
+    greedy: Schedule | None | bool = False,
+) -> list[tuple[str, Schedule]]:
+    """The baselines' plans at this budget; baselines that fail are skipped, and so are those left at the deadline.
+
+    `deadline` (time.monotonic()) is mosos's total budget: the heuristics stop being started once it has
+    passed, the inner CP-SAT solves get their share of the limit and never run past it.
+    """
     from planner.strategies.checkmate_auto import checkmate_auto_plan
     from planner.strategies.recompute_only import recompute_only_plan
     from planner.strategies.str_auto import str_auto_plan
 
-    load_all()
+    def out_of_time() -> bool:
+        stopped = options.should_stop is not None and options.should_stop()
+        return stopped or (deadline is not None and time.monotonic() >= deadline)
+
     quiet = replace(options, progress=None)
     plans: list[tuple[str, Schedule]] = []
-    for name in sorted(STRATEGIES):
-        if name == "mosos" or name in SOLVED_INSIDE:
-            continue
+    for name, function in _baseline_functions().items():
+        if out_of_time():
+            break
         try:
-            plans.append((name, STRATEGIES[name].function(profile, budget_bytes, quiet)))
+            plans.append((name, function(profile, budget_bytes, quiet)))
         except MososError:
             continue
     solved = {"recompute-only": recompute_only_plan, "checkmate-auto": checkmate_auto_plan, "str-auto": str_auto_plan}
     for name, share in SOLVED_INSIDE.items():
-        if options.should_stop is not None and options.should_stop():
+        if out_of_time():
             break
         try:
             schedule = solved[name](
-                profile, budget_bytes, options, time_limit_s=share * options.time_limit_s, explain_infeasible=False
+                profile, budget_bytes, _reporting_as_mosos(options, name), time_limit_s=share * options.time_limit_s,
+                explain_infeasible=False, deadline=deadline, greedy=greedy,
             )
         except MososError:
             continue
@@ -59,18 +101,23 @@ def baseline_plans(profile: GraphProfile, budget_bytes: int, options: SolveOptio
 
 
 def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, baselines: bool = True) -> Schedule:
+    """`options.time_limit_s` is the budget of the whole call (baselines, inner solves, joint model), wall clock."""
     started = time.monotonic()
-    others = baseline_plans(profile, budget_bytes, options) if baselines else []
+    limit = options.time_limit_s
+    # The joint model keeps at least this share of the budget; the baselines and inner solves use the rest.
+    reserve = (1 - sum(SOLVED_INSIDE.values())) * limit if baselines else limit
     greedy = greedy_recompute_schedule(profile, budget_bytes)
+    inner_deadline = started + limit - 0.5 * reserve
+    others = baseline_plans(profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy) if baselines else []
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
-    remaining = options.time_limit_s * (1 - sum(SOLVED_INSIDE.values())) if baselines else options.time_limit_s
+    remaining = reserve
     if options.workers != 1:
         # wall-clock budgeting; with one worker the shares stay fixed so that a seeded run repeats exactly
-        remaining = max(0.2 * options.time_limit_s, options.time_limit_s - (time.monotonic() - started))
+        remaining = max(0.05 * limit, limit - (time.monotonic() - started))
     schedule, info, _ = plan_with_model(
-        profile, budget_bytes, options, "mosos", MOSOS,
-        hints=[s for _, s in others], others=others, time_limit_s=remaining,
+        profile, budget_bytes, _reporting_as_mosos(options, JOINT_PHASE), "mosos", MOSOS,
+        hints=[s for _, s in others], others=others, time_limit_s=remaining, deadline=started + limit,
     )
     # the wall time covers the whole strategy: baselines, inner solves and the joint model
     return certify(profile, schedule, "mosos", info.model_copy(update={"wall_time_s": time.monotonic() - started}))

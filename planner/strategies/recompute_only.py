@@ -21,13 +21,15 @@ RECOMPUTE_ONLY = Features(recompute=True, transfers=False, implementations="fast
 
 def recompute_only_plan(
     profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
-    explain_infeasible: bool = True,
+    explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
 ) -> Schedule | None:
-    greedy = greedy_recompute_schedule(profile, budget_bytes)
+    """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
+    if greedy is False:
+        greedy = greedy_recompute_schedule(profile, budget_bytes)
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
         hints=[s for s in (greedy,) if s is not None], others=[("greedy evict-and-recompute", greedy)],
-        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
     )
     return None if schedule is None else certify(profile, schedule, "recompute-only", info)
 

@@ -21,13 +21,16 @@ STR = Features(recompute=True, transfers=True, implementations="framework", max_
 
 def str_auto_plan(
     profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
-    explain_infeasible: bool = True, hints: list[Schedule] = (),
+    explain_infeasible: bool = True, hints: list[Schedule] = (), deadline: float | None = None,
+    greedy: Schedule | None | bool = False,
 ) -> Schedule | None:
-    greedy = greedy_recompute_schedule(profile, budget_bytes)
+    """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
+    if greedy is False:
+        greedy = greedy_recompute_schedule(profile, budget_bytes)
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, "str-auto", STR,
         hints=[s for s in (greedy, *hints) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
-        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
     )
     if base is None:
         return None
