@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -154,6 +155,33 @@ def _status_server_mean_s(before: str, after: str) -> float:
     return total / count if count else float("nan")
 
 
+def _probe(base: str, plan_id: str, ready, stop, results) -> None:
+    """A separate client (own process, own connection) polling a plan's status one call at a time until `stop`.
+
+    It shares no CPU or event loop with the client that fires the burst, so its latencies are what a training
+    job polling its plan would see while the burst is in flight. Sends back (start, end) pairs, monotonic clock.
+    """
+    calls = []
+    with httpx.Client(base_url=base, timeout=60.0) as client:
+        client.get(f"/v1/plans/{plan_id}")
+        ready.set()
+        while not stop.is_set():
+            started = time.monotonic()
+            response = client.get(f"/v1/plans/{plan_id}")
+            calls.append((started, time.monotonic(), response.status_code))
+            time.sleep(0.002)
+    results.put(calls)
+
+
+def _process_cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of one process (its children not included), from /proc; nan where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, TypeError):
+        return float("nan")
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
@@ -170,8 +198,12 @@ async def _timed(client: httpx.AsyncClient, kind: str, method: str, url: str, **
 
 
 async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: int = 10, solve_seconds: float = 3.0,
-                  strategy: str = "bench-busy", budget_ratio: float | None = None) -> dict:
-    """Fire `requests` at once (plans, status, simulate), then time status calls while the solves run."""
+                  strategy: str = "bench-busy", budget_ratio: float | None = None, server_pid: int | None = None) -> dict:
+    """Fire `requests` at once (plans, status, simulate), then time status calls while the solves run.
+
+    During the burst a probe in its own process polls a status one call at a time (see `_probe`); with
+    `server_pid`, the server process's own CPU time over the burst is measured too.
+    """
     profile = chain_profile()
     async with httpx.AsyncClient(base_url=base, timeout=60.0, limits=httpx.Limits(max_connections=requests + 10)) as client:
         seed_plan = await client.post("/v1/plans", json={"profile": profile, "strategy": "keep-all", "wait_s": 20, "workers": 1})
@@ -194,9 +226,25 @@ async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: 
                 calls.append(("status", "GET", f"/v1/plans/{known['id']}", {}))
         while len(calls) < requests:
             calls.append(("status", "GET", f"/v1/plans/{known['id']}", {}))
+        context = multiprocessing.get_context("spawn")
+        ready, stop, probe_results = context.Event(), context.Event(), context.Queue()
+        probe = context.Process(target=_probe, args=(base, known["id"], ready, stop, probe_results), daemon=True)
+        probe.start()
+        if not ready.wait(60):
+            probe.kill()
+            raise RuntimeError("the status probe did not start")
+        await asyncio.sleep(0.05)
+        server_cpu_before = _process_cpu_s(server_pid)
         started = time.perf_counter()
+        burst_started = time.monotonic()
         burst = await asyncio.gather(*(_timed(client, kind, method, url, **kw) for kind, method, url, kw in calls))
+        burst_ended = time.monotonic()
         burst_seconds = time.perf_counter() - started
+        server_cpu_burst_s = _process_cpu_s(server_pid) - server_cpu_before
+        stop.set()
+        probe_calls = probe_results.get(timeout=60)
+        probe.join(timeout=10)
+        probe_during = [(end - start, code) for start, end, code in probe_calls if start >= burst_started and end <= burst_ended]
         plan_ids = [r["body"]["id"] for r in burst if r["kind"] == "plan" and r["status"] in (200, 202)]
         # Status calls while every solve process is busy.
         health = (await client.get("/healthz")).json()
@@ -238,6 +286,11 @@ async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: 
         "finals": finals,
         "busy_during": min(busy_during, health_after["solves_running"]),
         "status_p50_burst_ms": 1000 * percentile(burst_status, 0.5),
+        "probe_calls_burst": len(probe_during),
+        "probe_p50_burst_ms": 1000 * percentile([seconds for seconds, _ in probe_during], 0.5),
+        "probe_p95_burst_ms": 1000 * percentile([seconds for seconds, _ in probe_during], 0.95),
+        "probe_errors": [code for _, code in probe_during if code != 200],
+        "server_cpu_burst_ms": 1000 * server_cpu_burst_s,
         "status_p95_burst_ms": 1000 * percentile(burst_status, 0.95),
         "status_p50_during_ms": 1000 * percentile(during_status, 0.5),
         "status_p95_during_ms": 1000 * percentile(during_status, 0.95),
@@ -264,28 +317,33 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), workers=2, busy_plugin=args.strategy == "bench-busy") as (_, base, _log):
+    with tempfile.TemporaryDirectory() as tmp, serve(Path(tmp), workers=2, busy_plugin=args.strategy == "bench-busy") as (server, base, _log):
         for repeat in range(args.repeats):
             stats = asyncio.run(run_mix(base, requests=args.requests, plans=args.plans, simulates=args.simulates,
                                         solve_seconds=args.solve_seconds, strategy=args.strategy,
-                                        budget_ratio=args.memory_ratio))
+                                        budget_ratio=args.memory_ratio, server_pid=server.pid))
             stats["repeat"] = repeat + 1
             rows.append(stats)
             lost = stats["plans"] - len(stats["finals"])
             print(f"run {repeat + 1}: {stats['answered']}/{stats['requests']} answered, {len(stats['wrong'])} wrong, "
                   f"{lost} lost, busy {stats['busy_during']}/2, status p50 {stats['status_p50_sequential_ms']:.1f} ms one at a time, "
-                  f"{stats['status_p50_during_ms']:.1f} ms 10 at a time while solving, burst p50 {stats['status_p50_burst_ms']:.1f} ms")
+                  f"{stats['status_p50_during_ms']:.1f} ms 10 at a time while solving, burst p50 {stats['status_p50_burst_ms']:.1f} ms, "
+                  f"probe p50 in the burst {stats['probe_p50_burst_ms']:.1f} ms ({stats['probe_calls_burst']} calls, "
+                  f"{len(stats['probe_errors'])} errors), server CPU in the burst {stats['server_cpu_burst_ms']:.0f} ms")
     header = ("| run | in flight | answered | wrong | plans done / lost | solves busy | status p50 / p95 while solving, one at a time (ms) "
               "| status p50 / p95 while solving, 10 at a time (ms) | server time per status call, mean (ms) | status p50 / p95 in the 50-request burst (ms) "
+              "| probe status p50 / p95 during the burst, separate client (ms) | server process CPU in the burst (ms) "
               "| simulate p50 (ms) | plan POST p50 (ms) |")
-    lines = [header, "|" + "---|" * 12]
+    lines = [header, "|" + "---|" * 14]
     for s in rows:
         lines.append(
             f"| {s['repeat']} | {s['requests']} | {s['answered']} | {len(s['wrong'])} "
             f"| {sum(1 for v in s['finals'].values() if v == 'done')} / {s['plans'] - len(s['finals'])} "
             f"| {s['busy_during']}/2 | {s['status_p50_sequential_ms']:.1f} / {s['status_p95_sequential_ms']:.1f} "
             f"| {s['status_p50_during_ms']:.1f} / {s['status_p95_during_ms']:.1f} | {s['status_server_mean_ms']:.1f} "
-            f"| {s['status_p50_burst_ms']:.1f} / {s['status_p95_burst_ms']:.1f} | {s['simulate_p50_ms']:.1f} "
+            f"| {s['status_p50_burst_ms']:.1f} / {s['status_p95_burst_ms']:.1f} "
+            f"| {s['probe_p50_burst_ms']:.1f} / {s['probe_p95_burst_ms']:.1f} ({s['probe_calls_burst']} calls) "
+            f"| {s['server_cpu_burst_ms']:.0f} | {s['simulate_p50_ms']:.1f} "
             f"| {s['plan_post_p50_ms']:.1f} |"
         )
     table = "\n".join(lines)

@@ -115,3 +115,41 @@ def test_fifty_requests_in_flight_against_two_solve_processes(tmp_path):
     # Generous bounds for a loaded 2-core CI machine; benchmarks/results/service.md has the real figures.
     assert stats["status_p50_sequential_ms"] < 250, stats
     assert stats["status_p50_during_ms"] < 1000, stats
+
+
+async def _status_while_simulating(base: str, plan_id: str, body: dict, simulations: int) -> tuple[list[float], list[float]]:
+    """Status calls one at a time while `simulations` heavy simulate requests are in flight: (status s, simulate s)."""
+
+    async def timed(request) -> float:
+        started = time.perf_counter()
+        response = await request
+        assert response.status_code == 200, response.text
+        return time.perf_counter() - started
+
+    async with httpx.AsyncClient(base_url=base, timeout=120.0) as client:
+        pending = [asyncio.ensure_future(timed(client.post("/v1/simulate", json=body))) for _ in range(simulations)]
+        await asyncio.sleep(0.05)  # let the bodies go out first
+        status = []
+        while not all(task.done() for task in pending):
+            seconds = await timed(client.get(f"/v1/plans/{plan_id}"))
+            if not all(task.done() for task in pending):  # count only calls that ended while simulations ran
+                status.append(seconds)
+        return status, list(await asyncio.gather(*pending))
+
+
+def test_status_calls_stay_fast_while_heavy_simulations_are_in_flight(tmp_path):
+    """Simulations are read and replayed in request processes: status calls do not queue behind them."""
+    profile = bench.chain_profile(200)  # 401 nodes: each simulate request is tens of ms of CPU
+    with bench.serve(tmp_path) as (_, base, _log):
+        plan = httpx.post(f"{base}/v1/plans", json={"profile": profile, "strategy": "keep-all", "wait_s": 30}, timeout=60)
+        assert plan.status_code == 200, plan.text
+        body = {"profile": profile, "schedule": plan.json()["schedule"]}
+        status, simulate = asyncio.run(_status_while_simulating(base, plan.json()["id"], body, simulations=10))
+    assert status, f"no status call ended while the simulations ran: each waited for them ({simulate})"
+    status_p50, simulate_p50 = (sorted(x)[len(x) // 2] for x in (status, simulate))
+    # Generous for a loaded 2-core CI machine: a status call is a store read, a simulation is CPU work queued on
+    # two request processes. Had the status calls waited for that work (the server's GIL, as when the server
+    # validated and simulated in its own threads), they would take about as long as the simulations.
+    assert status_p50 < 0.2 * simulate_p50, (status, simulate)
+    assert status_p50 < 0.3, (status, simulate)
+    assert len(status) >= 3, (status, simulate)
