@@ -3,9 +3,16 @@
 One reference pass runs every node on its own (as the executor will) and
 finds, through saved-tensor hooks, what each backward really reads. Then each
 node is timed: warm-up runs, then the median of repeated runs (CUDA events on
-a GPU, perf_counter_ns on the CPU), forward and backward separately, and every
-convolution once per algorithm the executor can run. The model's parameters,
-buffers, gradients and the RNG are left as they were.
+a GPU; on the CPU the calling thread's CPU time when torch runs one thread, else
+perf_counter_ns), forward and backward separately, and every convolution once
+per algorithm the executor can run. The model's parameters, buffers, gradients
+and the RNG are left as they were.
+
+What a node's time should add up to is a plain PyTorch step, so timing copies
+one as closely as it can: whole passes node after node, each node reading what
+the previous one has just computed; the native implementations in a clean pass,
+the other algorithms after it; and the fixed cost of the timing harness itself
+(measured on an identity node through the same path, in every pass) subtracted.
 """
 
 from __future__ import annotations
@@ -183,16 +190,30 @@ def measure_bandwidth_gb_per_s(device: torch.device, size_bytes: int = 64 << 20,
     return results[0], results[1]
 
 
+def cpu_clock(device: torch.device) -> tuple[Callable[[], int], str]:
+    """The CPU clock to time with: with one torch thread, that thread's CPU time, which leaves out the time
+    spent waiting for a core on a busy machine (all the work runs on the calling thread, autograd's
+    backward included); with more threads, wall time (their work is on other threads)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time_ns, "thread_time_ns"
+    return time.perf_counter_ns, "perf_counter_ns"
+
+
 class Timer:
-    """Median of repeats after warm-up; CUDA events on a GPU, perf_counter_ns on the CPU."""
+    """Median of repeats after warm-up; CUDA events on a GPU, `cpu_clock` on the CPU."""
 
     def __init__(self, device: torch.device, repeats: int, warmup: int):
         self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.clock, self.clock_name = cpu_clock(device)
         self.spreads: list[float] = []
         self.samples: dict[Any, list[float]] = {}
 
     def once(self, run: Callable[[Any], Any], state: Any) -> float:
         """Milliseconds `run(state)` takes on the device."""
+        return self.once_keeping(run, state)[0]
+
+    def once_keeping(self, run: Callable[[Any], Any], state: Any) -> tuple[float, Any]:
+        """Milliseconds `run(state)` takes on the device, and what it returned."""
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(self.device)
@@ -200,13 +221,10 @@ class Timer:
             result = run(state)
             end.record()
             end.synchronize()
-            del result
-            return start.elapsed_time(end)
-        begin = time.perf_counter_ns()
+            return start.elapsed_time(end), result
+        begin = self.clock()
         result = run(state)
-        elapsed_ms = (time.perf_counter_ns() - begin) / 1e6
-        del result
-        return elapsed_ms
+        return (self.clock() - begin) / 1e6, result
 
     def record(self, key, pass_index: int, elapsed_ms: float) -> None:
         if pass_index >= self.warmup:
@@ -306,7 +324,7 @@ def profile_model(
         measured_d2h, measured_h2d = measure_bandwidth_gb_per_s(device)
         d2h_gb_per_s = d2h_gb_per_s or measured_d2h
         h2d_gb_per_s = h2d_gb_per_s or measured_h2d
-    nodes_doc, spread = nodes
+    nodes_doc, spread, overheads = nodes
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
@@ -345,9 +363,14 @@ def profile_model(
             "notes": "; ".join(
                 [
                     f"warmup={warmup}",
-                    "timer=" + ("cuda events" if device.type == "cuda" else "perf_counter_ns"),
+                    "timer=" + ("cuda events" if device.type == "cuda" else cpu_clock(device)[1]),
                     f"torch_threads={torch.get_num_threads()}",
                     "times are of each operation alone, timed node after node in whole passes",
+                    "each time is the median of its repeats less the median cost of the timing harness itself "
+                    "(an identity node timed the same way in every pass, clamped at 0): "
+                    f"forward {overheads['forward_ms'] * 1000:.1f} us, backward {overheads['backward_ms'] * 1000:.1f} us "
+                    "(one torch.autograd.grad call per backward node, which a plain step makes once, at the loss; "
+                    "node-by-node replay pays it per backward node on top of these times)",
                     "spread_percent is the median over nodes of (max-min)/median of the repeats",
                     "workspace=" + ("allocator peak" if device.type == "cuda" else "algorithm formula"),
                 ]
@@ -412,32 +435,58 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
             a for a in algorithms if geometry is not None and conv_algorithms.applicable(a, geometry)
         ] or [None]
     timer = Timer(device, repeats, warmup)
+    harness = _Harness(device)
     # Whole passes, node after node as in a real step (caches as cold or warm as they would be),
     # rather than one node many times in a row.
     for pass_index in range(warmup + repeats):
+        harness.calibrate(timer, pass_index)  # in every pass, so under the same load as the nodes
         say(f"timing pass {pass_index + 1}/{warmup + repeats}: forward")
+        # each node reads what the node before it has just computed in this pass, as in a real step
+        # (inputs as warm in the caches as they would be), not the reference pass's long-cold tensors
+        live = _LiveStore(store)
+        # The first implementation of every node (native for convolutions: what plain PyTorch runs) is
+        # timed in a clean pass of its own; the other convolution algorithms afterwards, so that their
+        # large temporary buffers do not disturb the caches and the allocator of the plain pass.
         for node in graph.nodes:
-            for algorithm in algorithms_of[node.id]:
-                elapsed = timer.once(lambda state, node=node, a=algorithm: _call(node, state, a), _operands(ctx, node, store))
-                timer.record((node.id, "forward", algorithm), pass_index, elapsed)
-        elapsed = timer.once(lambda state: _loss_and_gradient(ctx, state), _operands(ctx, None, store))
+            algorithm = algorithms_of[node.id][0]
+            elapsed, result = timer.once_keeping(
+                lambda state, node=node, a=algorithm: _call(node, state, a), _operands(ctx, node, live))
+            timer.record((node.id, "forward", algorithm), pass_index, elapsed)
+            live.keep(node.id, result)
+            del result
+        elapsed = timer.once(lambda state: _loss_and_gradient(ctx, state), _operands(ctx, None, live))
         timer.record((LOSS_ID,), pass_index, elapsed)
+        del live
         say(f"timing pass {pass_index + 1}/{warmup + repeats}: backward")
         graphs = {
-            node.id: _plain_graph(ctx, node, store, "native" if node.is_conv2d else None, grad_outputs_of[node.id])
+            node.id: _plain_graph(ctx, node, store, algorithms_of[node.id][0], grad_outputs_of[node.id])
             for node in graph.nodes if node.id in backward_inputs
         }
+        alternatives = []
         for node in reversed(graph.nodes):
             if node.id not in graphs:
                 continue
             outputs, targets, gradients = graphs.pop(node.id)
-            for algorithm in algorithms_of[node.id]:
-                def backward(_, a=algorithm, outputs=outputs, targets=targets, gradients=gradients):
-                    with conv_algorithms.backward_algorithm(a):
-                        return torch.autograd.grad(outputs, targets, gradients, retain_graph=True, allow_unused=True)
-
-                timer.record((node.id, "backward", algorithm), pass_index, timer.once(backward, None))
+            timer.record((node.id, "backward", algorithms_of[node.id][0]), pass_index,
+                         timer.once(_timed_backward(algorithms_of[node.id][0], outputs, targets, gradients), None))
+            if len(algorithms_of[node.id]) > 1:
+                alternatives.append((node, outputs, targets, gradients))
             del outputs, targets, gradients
+        say(f"timing pass {pass_index + 1}/{warmup + repeats}: other convolution algorithms")
+        for node, outputs, targets, gradients in alternatives:
+            for algorithm in algorithms_of[node.id][1:]:
+                timer.record((node.id, "backward", algorithm), pass_index,
+                             timer.once(_timed_backward(algorithm, outputs, targets, gradients), None))
+        del alternatives
+        for node in graph.nodes:
+            for algorithm in algorithms_of[node.id][1:]:
+                elapsed = timer.once(lambda state, node=node, a=algorithm: _call(node, state, a), _operands(ctx, node, store))
+                timer.record((node.id, "forward", algorithm), pass_index, elapsed)
+
+    forward_overhead_ms, backward_overhead_ms = harness.overheads_ms(timer)
+
+    def corrected(key, overhead_ms: float) -> float:
+        return max(0.0, timer.median(key) - overhead_ms)
 
     docs: list[dict] = []
     bwd_docs: list[dict] = []
@@ -449,7 +498,7 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         names = algorithms_of[node.id]
         implementations = []
         for algorithm in names:
-            time_ms = timer.median((node.id, "forward", algorithm))
+            time_ms = corrected((node.id, "forward", algorithm), forward_overhead_ms)
             workspace = 0
             if algorithm is not None:
                 workspace = _workspace_bytes(
@@ -477,7 +526,7 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         bwd_entry = grad_entries[backward_id(node.id)]
         bwd_implementations = []
         for algorithm in names:
-            time_ms = timer.median((node.id, "backward", algorithm))
+            time_ms = corrected((node.id, "backward", algorithm), backward_overhead_ms)
             workspace = 0
             if algorithm is not None:
                 def backward_once(state, a=algorithm):
@@ -506,7 +555,8 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
             }
         )
     loss_entry = store.entries[LOSS_ID]
-    loss_time = timer.median((LOSS_ID,))
+    # the loss node keeps its autograd call: a plain step makes exactly one, and this is it
+    loss_time = corrected((LOSS_ID,), forward_overhead_ms)
     loss_doc = {
         "id": LOSS_ID,
         "name": "loss",
@@ -516,7 +566,78 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         "inputs": graph.output_ids(),
         "implementations": [{"name": "default", "time_ms": loss_time, "workspace_bytes": 0}],
     }
-    return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads
+    overheads = {"forward_ms": forward_overhead_ms, "backward_ms": backward_overhead_ms}
+    return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads, overheads
+
+
+class _LiveStore:
+    """The values of the pass being timed, falling back on the reference pass's for nodes not yet run."""
+
+    def __init__(self, reference: DictStore):
+        self.reference, self.entries = reference, {}
+
+    def keep(self, node_id: str, value) -> None:
+        leaves, spec = tree_flatten(value)
+        reference = self.reference.entry(node_id)
+        self.entries[node_id] = Entry(
+            leaves=[t.detach() if isinstance(t, torch.Tensor) else t for t in leaves],
+            spec=spec, requires_grad=reference.requires_grad,
+        )
+
+    def entry(self, node_id: str) -> Entry:
+        return self.entries.get(node_id) or self.reference.entry(node_id)
+
+
+def _timed_backward(algorithm: str | None, outputs, targets, gradients) -> Callable[[Any], Any]:
+    """One node's backward as timed: the graph is kept, so it can be timed again (another algorithm)."""
+
+    def backward(_):
+        with conv_algorithms.backward_algorithm(algorithm):
+            return torch.autograd.grad(outputs, targets, gradients, retain_graph=True, allow_unused=True)
+
+    return backward
+
+
+def _identity(tensor):
+    return tensor
+
+
+def _alias(tensor):
+    return tensor.view_as(tensor)
+
+
+class _Harness:
+    """What timing one node costs beyond its work: an identity node timed through the same path.
+
+    Forward: a node that returns its input, called as `_call` calls every node. Backward: a one-element
+    view (its backward is a reshape) differentiated by the same `torch.autograd.grad` call every
+    backward node is timed with; that call's fixed cost (building and running a graph task) is paid
+    once per step by plain PyTorch, but once per node when nodes are timed one at a time.
+    """
+
+    CALLS_PER_PASS = 5
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.forward_node = CapturedNode("<identity>", "call_function", _identity, "identity", None, (None,), {}, [])
+        self.backward_node = CapturedNode("<alias>", "call_function", _alias, "alias", None, (None,), {}, [])
+        self.leaf = torch.ones(1, device=device, requires_grad=True)
+        self.gradient = torch.ones(1, device=device)
+
+    def calibrate(self, timer: Timer, pass_index: int) -> None:
+        for _ in range(self.CALLS_PER_PASS):
+            operands = ((self.leaf.detach().requires_grad_(),), {}, [])
+            elapsed = timer.once(lambda state: _call(self.forward_node, state, None), operands)
+            timer.record(("<harness>", "forward"), pass_index, elapsed)
+            leaf = self.leaf.detach().requires_grad_()
+            outputs = [_call(self.backward_node, ((leaf,), {}, [leaf]), None)]
+
+            backward = _timed_backward(None, outputs, [leaf], [self.gradient])
+            timer.record(("<harness>", "backward"), pass_index, timer.once(backward, None))
+
+    def overheads_ms(self, timer: Timer) -> tuple[float, float]:
+        """Median forward and backward harness cost (not counted in the spread, which is the nodes')."""
+        return tuple(statistics.median(timer.samples[("<harness>", phase)]) for phase in ("forward", "backward"))
 
 
 # Timing measures the operation itself (as plain PyTorch runs it), not the executor's bookkeeping:
@@ -597,12 +718,3 @@ def plain_equivalent_time_ms(profile: GraphProfile) -> float:
         names = {impl.name: impl for impl in node.implementations}
         total += (names.get("native") or names.get("default") or node.fastest).time_ms
     return total
-
-
-def backward_call_overhead_ms(device: torch.device | str = "cpu", repeats: int = 50) -> float:
-    """Median cost of one torch.autograd.grad call on a one-element graph: what every backward node pays
-    on top of its work when nodes run one at a time (plain PyTorch pays it once per step)."""
-    device = torch.device(device)
-    x = torch.ones(1, device=device, requires_grad=True)
-    timer = Timer(device, repeats, 5)
-    return timer.measure(lambda: x * 2, lambda y: torch.autograd.grad(y, x, torch.ones_like(y)))

@@ -94,7 +94,10 @@ def test_sizes_times_and_fixed_memory(small_profile):
     assert nodes["drop"].extra_saved_bytes in (2 * 4 * 4 * 4, 2 * 4 * 4 * 4 * 8)
     assert {i.name for i in nodes["conv"].implementations} == {"native", "im2col", "im2col-chunked", "winograd"}
     assert nodes["conv"].implementation("im2col").workspace_bytes == 2 * 27 * 64 * 8
-    assert all(i.time_ms > 0 for n in profile.nodes for i in n.implementations)
+    # times are net of the timing harness's own cost, clamped at 0: tiny nodes may come out at 0
+    assert all(i.time_ms >= 0 for n in profile.nodes for i in n.implementations)
+    assert sum(n.fastest.time_ms for n in profile.nodes) > 0
+    assert "less the median cost of the timing harness" in profile.provenance.notes
     params = sum(p.numel() * 8 for p in model.parameters())
     fixed = profile.fixed_memory
     assert fixed.parameters_bytes == params and fixed.gradients_bytes == params
