@@ -164,7 +164,11 @@ def _run(graph: _Graph, capacity: int, rule: str, order: str, evictions_left: in
                     soft = [j for j in resident if j not in inputs[x] and graph.recomputable[j]]
                     if not soft:
                         raise _Stuck
-                    victim = min(soft, key=lambda j: (score(j, t), -j))
+
+                    def read_again(j: int) -> int:  # Belady inside the stage: the one read last goes
+                        return next((p for p in range(position, len(queue)) if j in inputs[queue[p]]), len(queue))
+
+                    victim = max(soft, key=lambda j: (all(i in resident for i in inputs[j]), read_again(j), -j))
                 resident.discard(victim)
                 used -= size[victim]
                 ops.append(("free", victim))
