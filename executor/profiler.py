@@ -27,10 +27,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from executor import conv_algorithms
-from executor.capture import CapturedGraph, CapturedNode, capture, tensor_signature
+from executor.capture import CapturedGraph, CapturedNode, Ref, capture, tensor_signature
 from executor.errors import CaptureError
 from executor.local import Entry, ForwardRun, Resolver, distinct_bytes, own_storage, resolve_args, run_backward, run_forward, storage_ptr
 from planner.profile import GraphProfile, parse_profile
@@ -365,12 +366,22 @@ def profile_model(
                     f"warmup={warmup}",
                     "timer=" + ("cuda events" if device.type == "cuda" else cpu_clock(device)[1]),
                     f"torch_threads={torch.get_num_threads()}",
-                    "times are of each operation alone, timed node after node in whole passes",
-                    "each time is the median of its repeats less the median cost of the timing harness itself "
-                    "(an identity node timed the same way in every pass, clamped at 0): "
-                    f"forward {overheads['forward_ms'] * 1000:.1f} us, backward {overheads['backward_ms'] * 1000:.1f} us "
-                    "(one torch.autograd.grad call per backward node, which a plain step makes once, at the loss; "
-                    "node-by-node replay pays it per backward node on top of these times)",
+                    "native times (the first implementation of every node, as the model itself runs it: torch's "
+                    "own convolution) are each node's share of a real training step, timed in every pass: forward, "
+                    "each call on the values the step has just computed; backward, one torch.autograd.grad call over "
+                    "the whole step as plain PyTorch makes it, a hook after each autograd node stamping the clock "
+                    "and the time since the previous stamp going to the node whose call created that autograd node "
+                    "(the engine's start to the loss)",
+                    "less the timing's own cost, measured in every pass and clamped at 0: "
+                    f"{overheads['forward_ms'] * 1000:.1f} us per forward call (an identity node timed the same way), "
+                    f"{overheads['hook_ms'] * 1000:.2f} us per hooked autograd node (a chain of one-element views "
+                    "with and without hooks)",
+                    "other convolution algorithms are timed alone (node after node in whole passes, after the "
+                    "native pass), and their time is their median alone less what native showed alone beyond "
+                    "its share of the step (the cost of timing one node alone, e.g. one autograd call per "
+                    f"backward node, {overheads['backward_ms'] * 1000:.1f} us)",
+                    "node-by-node replay adds its own per-node costs (one autograd call per backward node, the "
+                    "executor's convolution wrapper) on top of these times",
                     "spread_percent is the median over nodes of (max-min)/median of the repeats",
                     "workspace=" + ("allocator peak" if device.type == "cuda" else "algorithm formula"),
                 ]
@@ -440,6 +451,8 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
     # rather than one node many times in a row.
     for pass_index in range(warmup + repeats):
         harness.calibrate(timer, pass_index)  # in every pass, so under the same load as the nodes
+        say(f"timing pass {pass_index + 1}/{warmup + repeats}: a whole step, node by node")
+        _time_in_step(ctx, timer, pass_index)
         say(f"timing pass {pass_index + 1}/{warmup + repeats}: forward")
         # each node reads what the node before it has just computed in this pass, as in a real step
         # (inputs as warm in the caches as they would be), not the reference pass's long-cold tensors
@@ -484,9 +497,27 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
                 timer.record((node.id, "forward", algorithm), pass_index, elapsed)
 
     forward_overhead_ms, backward_overhead_ms = harness.overheads_ms(timer)
+    hook_overhead_ms = harness.hook_overhead_ms(timer)
+    captured = graph.node_by_id
+
+    def in_step_ms(node_id: str, phase: str) -> float:
+        if phase == "forward":
+            return max(0.0, timer.median(("step", node_id, phase)) - forward_overhead_ms)
+        hooks = statistics.median(timer.samples[("step-hooks", node_id)])
+        return max(0.0, timer.median(("step", node_id, phase)) - hooks * hook_overhead_ms)
 
     def corrected(key, overhead_ms: float) -> float:
-        return max(0.0, timer.median(key) - overhead_ms)
+        """The first implementation (native): its time in the whole step. Another one: its time alone,
+        less the cost of being alone (what the first implementation shows alone beyond its time in the step)."""
+        node_id, phase, algorithm = key
+        plain = "native" if captured[node_id].is_conv2d else None  # what the step ran
+        alone = timer.median(key) - overhead_ms  # its spread counts, whichever time is kept
+        if algorithm == plain:
+            return in_step_ms(node_id, phase)
+        if plain in algorithms_of[node_id]:
+            native_alone = timer.median((node_id, phase, plain)) - overhead_ms
+            return max(0.0, alone - (native_alone - in_step_ms(node_id, phase)))
+        return max(0.0, alone)
 
     docs: list[dict] = []
     bwd_docs: list[dict] = []
@@ -555,8 +586,9 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
             }
         )
     loss_entry = store.entries[LOSS_ID]
-    # the loss node keeps its autograd call: a plain step makes exactly one, and this is it
-    loss_time = corrected((LOSS_ID,), forward_overhead_ms)
+    # the loss node keeps the engine's start: a plain step starts it once, and this is where
+    timer.median((LOSS_ID,))
+    loss_time = in_step_ms(LOSS_ID, "forward") + in_step_ms(LOSS_ID, "backward")
     loss_doc = {
         "id": LOSS_ID,
         "name": "loss",
@@ -566,7 +598,7 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         "inputs": graph.output_ids(),
         "implementations": [{"name": "default", "time_ms": loss_time, "workspace_bytes": 0}],
     }
-    overheads = {"forward_ms": forward_overhead_ms, "backward_ms": backward_overhead_ms}
+    overheads = {"forward_ms": forward_overhead_ms, "backward_ms": backward_overhead_ms, "hook_ms": hook_overhead_ms}
     return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads, overheads
 
 
@@ -586,6 +618,83 @@ class _LiveStore:
 
     def entry(self, node_id: str) -> Entry:
         return self.entries.get(node_id) or self.reference.entry(node_id)
+
+
+def _discard(_) -> None:
+    """What a timing hook returns: nothing (the gradients stay as they are)."""
+
+
+def _new_grad_fns(values, owned: dict) -> list:
+    """The autograd nodes a call has just created: reachable from its outputs, not owned by an earlier call."""
+    found, stack = [], [t.grad_fn for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in owned or type(fn).__name__ == "AccumulateGrad":
+            continue
+        owned[fn] = None
+        found.append(fn)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
+
+
+def _plain_call(node: CapturedNode, state):
+    """A node as the model itself runs it (a convolution by its module: torch's own, i.e. native)."""
+    args, kwargs, _ = state
+    with torch.enable_grad():
+        return node.call(args, kwargs)
+
+
+def _time_in_step(ctx: StepContext, timer: Timer, pass_index: int) -> None:
+    """One real training step (forward, loss, one backward call), each node's share timed where it runs.
+
+    Forward: each node's call, on the values the step has just computed. Backward: autograd runs the
+    whole step's graph as plain PyTorch does, and a hook after each autograd node it executes stamps
+    the clock: the time since the previous stamp belongs to the node whose call created that autograd
+    node (the engine's own work between nodes included, as a plain step pays it).
+    """
+    values = dict(ctx.fixed_values)
+    owner: dict = {}
+    hooks: dict[str, int] = {}
+
+    def resolve(item):
+        return values[item.name] if isinstance(item, Ref) else item
+
+    for node in ctx.graph.nodes:
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), resolve)
+        elapsed, values[node.id] = timer.once_keeping(
+            lambda state, node=node: _plain_call(node, state), (args, kwargs, []))
+        timer.record(("step", node.id, "forward"), pass_index, elapsed)
+        created = _new_grad_fns(values[node.id], owner)
+        owner.update({fn: node.id for fn in created})
+        hooks[node.id] = len(created)
+    output = fx.node.map_aggregate(ctx.graph.output, resolve)
+    elapsed, loss = timer.once_keeping(lambda _: call_loss(ctx.loss_fn, output, ctx.targets), None)
+    timer.record(("step", LOSS_ID, "forward"), pass_index, elapsed)
+    created = _new_grad_fns(loss, owner)
+    owner.update({fn: LOSS_ID for fn in created})
+    hooks[LOSS_ID] = len(created)
+    parameters = [p for p in ctx.graph.model.parameters() if p.requires_grad]
+    spent = {node_id: 0 for node_id in hooks}
+    clock = [0]
+
+    def stamp(node_id) -> None:
+        now = timer.clock()
+        spent[node_id] += now - clock[0]
+        clock[0] = now
+
+    handles = [fn.register_hook(lambda grad_inputs, grad_outputs, node_id=node_id: stamp(node_id))
+               for fn, node_id in owner.items()]
+    if loss.requires_grad and parameters:
+        with conv_algorithms.backward_algorithm(None):
+            clock[0] = timer.clock()
+            grads = torch.autograd.grad(loss, parameters, allow_unused=True)
+        del grads
+    for handle in handles:
+        handle.remove()
+    for node_id, elapsed_ns in spent.items():
+        timer.record(("step", node_id, "backward"), pass_index, elapsed_ns / 1e6)
+        timer.record(("step-hooks", node_id), pass_index, hooks[node_id])
+    del values, loss, output, owner
 
 
 def _timed_backward(algorithm: str | None, outputs, targets, gradients) -> Callable[[Any], Any]:
@@ -634,6 +743,28 @@ class _Harness:
 
             backward = _timed_backward(None, outputs, [leaf], [self.gradient])
             timer.record(("<harness>", "backward"), pass_index, timer.once(backward, None))
+        self.calibrate_hooks(timer, pass_index)
+
+    HOOK_CHAIN = 32
+
+    def calibrate_hooks(self, timer: Timer, pass_index: int) -> None:
+        """A chain of one-element views differentiated with and without a hook on each: the hooks' cost."""
+        for hooked in (False, True):
+            leaf = self.leaf.detach().requires_grad_()
+            value, fns = leaf, []
+            for _ in range(self.HOOK_CHAIN):
+                value = value.view_as(value)
+                fns.append(value.grad_fn)
+            handles = [fn.register_hook(lambda gi, go: _discard(timer.clock())) for fn in fns] if hooked else []
+            backward = _timed_backward(None, [value], [leaf], [self.gradient])
+            timer.record(("<harness>", "chain", hooked), pass_index, timer.once(backward, None))
+            for handle in handles:
+                handle.remove()
+
+    def hook_overhead_ms(self, timer: Timer) -> float:
+        """What one timing hook adds to a backward node in the whole step."""
+        hooked, bare = (statistics.median(timer.samples[("<harness>", "chain", flag)]) for flag in (True, False))
+        return max(0.0, (hooked - bare) / self.HOOK_CHAIN)
 
     def overheads_ms(self, timer: Timer) -> tuple[float, float]:
         """Median forward and backward harness cost (not counted in the spread, which is the nodes')."""

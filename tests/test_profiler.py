@@ -97,7 +97,8 @@ def test_sizes_times_and_fixed_memory(small_profile):
     # times are net of the timing harness's own cost, clamped at 0: tiny nodes may come out at 0
     assert all(i.time_ms >= 0 for n in profile.nodes for i in n.implementations)
     assert sum(n.fastest.time_ms for n in profile.nodes) > 0
-    assert "less the median cost of the timing harness" in profile.provenance.notes
+    assert "share of a real training step" in profile.provenance.notes
+    assert "less the timing's own cost" in profile.provenance.notes
     params = sum(p.numel() * 8 for p in model.parameters())
     fixed = profile.fixed_memory
     assert fixed.parameters_bytes == params and fixed.gradients_bytes == params
@@ -110,6 +111,26 @@ def test_sizes_times_and_fixed_memory(small_profile):
     assert provenance.model_structure_sha256 == capture(model).structure_sha256()
     assert provenance.input_signature == "float64[2,3,8,8]" and provenance.target_signature == "int64[2]"
     parse_profile(json.loads(profile.to_json()))  # round-trips through the contract
+
+
+def test_a_whole_step_is_shared_out_among_its_nodes():
+    """Every autograd node of a real step belongs to exactly one profile node, and every backward node
+    of the profile gets a share of the step's backward."""
+    from executor.profiler import LOSS_ID, Timer, _time_in_step, step_context
+
+    torch.manual_seed(0)
+    model = Small()
+    x, y = torch.randn(2, 3, 8, 8), torch.tensor([0, 1])
+    graph = capture(model)
+    ctx = step_context(graph, (x,), y, _loss)
+    timer = Timer(torch.device("cpu"), repeats=1, warmup=0)
+    _time_in_step(ctx, timer, 0)
+    ids = [node.id for node in graph.nodes] + [LOSS_ID]
+    hooks = {node_id: timer.samples[("step-hooks", node_id)][0] for node_id in ids}
+    assert all(hooks[node_id] >= 1 for node_id in ids)  # each call created its own autograd nodes
+    assert all(timer.samples[("step", node_id, phase)][0] >= 0 for node_id in ids for phase in ("forward", "backward"))
+    assert timer.samples[("step", "conv", "backward")][0] > 0 and timer.samples[("step", LOSS_ID, "backward")][0] > 0
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_profiling_leaves_the_model_as_it_was():
