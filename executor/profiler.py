@@ -366,22 +366,7 @@ def profile_model(
                     f"warmup={warmup}",
                     "timer=" + ("cuda events" if device.type == "cuda" else cpu_clock(device)[1]),
                     f"torch_threads={torch.get_num_threads()}",
-                    "native times (the first implementation of every node, as the model itself runs it: torch's "
-                    "own convolution) are each node's share of a real training step, timed in every pass: forward, "
-                    "each call on the values the step has just computed; backward, one torch.autograd.grad call over "
-                    "the whole step as plain PyTorch makes it, a hook after each autograd node stamping the clock "
-                    "and the time since the previous stamp going to the node whose call created that autograd node "
-                    "(the engine's start to the loss)",
-                    "less the timing's own cost, measured in every pass and clamped at 0: "
-                    f"{overheads['forward_ms'] * 1000:.1f} us per forward call (an identity node timed the same way), "
-                    f"{overheads['hook_ms'] * 1000:.2f} us per hooked autograd node (a chain of one-element views "
-                    "with and without hooks)",
-                    "other convolution algorithms are timed alone (node after node in whole passes, after the "
-                    "native pass), and their time is their median alone less what native showed alone beyond "
-                    "its share of the step (the cost of timing one node alone, e.g. one autograd call per "
-                    f"backward node, {overheads['backward_ms'] * 1000:.1f} us)",
-                    "node-by-node replay adds its own per-node costs (one autograd call per backward node, the "
-                    "executor's convolution wrapper) on top of these times",
+                    *(_in_step_notes(overheads) if overheads["in_step"] else _alone_notes(overheads)),
                     "spread_percent is the median over nodes of (max-min)/median of the repeats",
                     "workspace=" + ("allocator peak" if device.type == "cuda" else "algorithm formula"),
                 ]
@@ -389,6 +374,39 @@ def profile_model(
         },
     }
     return parse_profile(document, "measured profile")
+
+
+def _in_step_notes(overheads: dict) -> list[str]:
+    """How the times of a CPU profile were taken (each node's share of a real step)."""
+    return [
+        "native times (the first implementation of every node, as the model itself runs it: torch's "
+        "own convolution) are each node's share of a real training step, timed in every pass: forward, "
+        "each call on the values the step has just computed; backward, one torch.autograd.grad call over "
+        "the whole step as plain PyTorch makes it, a hook after each autograd node stamping the clock "
+        "and the time since the previous stamp going to the node whose call created that autograd node "
+        "(the engine's start to the loss)",
+        "less the timing's own cost, measured in every pass and clamped at 0: "
+        f"{overheads['forward_ms'] * 1000:.1f} us per forward call (an identity node timed the same way), "
+        f"{overheads['hook_ms'] * 1000:.2f} us per hooked autograd node (a chain of one-element views "
+        "with and without hooks)",
+        "other convolution algorithms are timed alone (node after node in whole passes, after the "
+        "native pass), and their time is their median alone less what native showed alone beyond "
+        "its share of the step (the cost of timing one node alone, e.g. one autograd call per "
+        f"backward node, {overheads['backward_ms'] * 1000:.1f} us)",
+        "node-by-node replay adds its own per-node costs (one autograd call per backward node, the "
+        "executor's convolution wrapper) on top of these times",
+    ]
+
+
+def _alone_notes(overheads: dict) -> list[str]:
+    """How the times of a GPU profile were taken (each node alone, CUDA events)."""
+    return [
+        "times are of each operation alone, timed node after node in whole passes (native in a clean pass, "
+        "the other convolution algorithms after it), each on the values the node before it has just computed",
+        "less the median cost of the timing harness itself (an identity node timed the same way in every pass, "
+        f"clamped at 0): forward {overheads['forward_ms'] * 1000:.1f} us, backward {overheads['backward_ms'] * 1000:.1f} us "
+        "(one torch.autograd.grad call per backward node, which a plain step makes once; the loss node keeps it)",
+    ]
 
 
 def _workspace_bytes(device, algorithm, geometry, element_size, phase, measure: Callable[[Any], Any],
@@ -447,12 +465,16 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         ] or [None]
     timer = Timer(device, repeats, warmup)
     harness = _Harness(device)
+    # a node's share of a whole step is read off a host clock, which only a CPU step keeps in time with
+    # its work (CUDA kernels run asynchronously): on a GPU every node is timed alone with CUDA events
+    in_step = device.type != "cuda"
     # Whole passes, node after node as in a real step (caches as cold or warm as they would be),
     # rather than one node many times in a row.
     for pass_index in range(warmup + repeats):
         harness.calibrate(timer, pass_index)  # in every pass, so under the same load as the nodes
         say(f"timing pass {pass_index + 1}/{warmup + repeats}: a whole step, node by node")
-        _time_in_step(ctx, timer, pass_index)
+        if in_step:
+            _time_in_step(ctx, timer, pass_index)
         say(f"timing pass {pass_index + 1}/{warmup + repeats}: forward")
         # each node reads what the node before it has just computed in this pass, as in a real step
         # (inputs as warm in the caches as they would be), not the reference pass's long-cold tensors
@@ -512,6 +534,8 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         node_id, phase, algorithm = key
         plain = "native" if captured[node_id].is_conv2d else None  # what the step ran
         alone = timer.median(key) - overhead_ms  # its spread counts, whichever time is kept
+        if not in_step:
+            return max(0.0, alone)
         if algorithm == plain:
             return in_step_ms(node_id, phase)
         if plain in algorithms_of[node_id]:
@@ -588,7 +612,8 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
     loss_entry = store.entries[LOSS_ID]
     # the loss node keeps the engine's start: a plain step starts it once, and this is where
     timer.median((LOSS_ID,))
-    loss_time = in_step_ms(LOSS_ID, "forward") + in_step_ms(LOSS_ID, "backward")
+    loss_time = (in_step_ms(LOSS_ID, "forward") + in_step_ms(LOSS_ID, "backward") if in_step
+                 else max(0.0, timer.median((LOSS_ID,)) - forward_overhead_ms))
     loss_doc = {
         "id": LOSS_ID,
         "name": "loss",
@@ -598,7 +623,8 @@ def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tupl
         "inputs": graph.output_ids(),
         "implementations": [{"name": "default", "time_ms": loss_time, "workspace_bytes": 0}],
     }
-    overheads = {"forward_ms": forward_overhead_ms, "backward_ms": backward_overhead_ms, "hook_ms": hook_overhead_ms}
+    overheads = {"forward_ms": forward_overhead_ms, "backward_ms": backward_overhead_ms, "hook_ms": hook_overhead_ms,
+                 "in_step": in_step}
     return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads, overheads
 
 
