@@ -42,7 +42,10 @@ class _Progress:
     def __call__(self, event: dict) -> None:
         if self.live is None:
             return
-        parts = [f"[bold]{event.get('strategy', '')}[/]", f"{time.monotonic() - self.started:6.1f} s"]
+        name = event.get("strategy", "")
+        if event.get("phase"):
+            name += f" ({event['phase']})"
+        parts = [f"[bold]{name}[/]", f"{time.monotonic() - self.started:6.1f} s"]
         if event.get("objective") is not None:
             parts.append(f"best {event['objective']:.4g}")
         if event.get("bound") is not None:
