@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import os
 import signal
 import socket
@@ -155,22 +154,52 @@ def _status_server_mean_s(before: str, after: str) -> float:
     return total / count if count else float("nan")
 
 
-def _probe(base: str, plan_id: str, ready, stop, results) -> None:
-    """A separate client (own process, own connection) polling a plan's status one call at a time until `stop`.
-
-    It shares no CPU or event loop with the client that fires the burst, so its latencies are what a training
-    job polling its plan would see while the burst is in flight. Sends back (start, end) pairs, monotonic clock.
+PROBE = textwrap.dedent(
     """
+    import json, sys, threading, time
+
+    import httpx
+
+    base, plan_id = sys.argv[1], sys.argv[2]
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     calls = []
     with httpx.Client(base_url=base, timeout=60.0) as client:
         client.get(f"/v1/plans/{plan_id}")
-        ready.set()
+        print("ready", flush=True)
         while not stop.is_set():
             started = time.monotonic()
-            response = client.get(f"/v1/plans/{plan_id}")
-            calls.append((started, time.monotonic(), response.status_code))
+            code = client.get(f"/v1/plans/{plan_id}").status_code
+            calls.append((started, time.monotonic(), code))
             time.sleep(0.002)
-    results.put(calls)
+    print(json.dumps(calls), flush=True)
+    """
+)
+
+
+def start_probe(base: str, plan_id: str) -> subprocess.Popen:
+    """A separate client (own process, own connection) polling a plan's status one call at a time.
+
+    It shares no CPU or event loop with the client that fires the burst, so its latencies are what a training
+    job polling its plan would see while the burst is in flight. `stop_probe` ends it.
+    """
+    probe = subprocess.Popen([sys.executable, "-c", PROBE, base, plan_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    if probe.stdout.readline().strip() != "ready":
+        probe.kill()
+        raise RuntimeError("the status probe did not start")
+    return probe
+
+
+def stop_probe(probe: subprocess.Popen) -> list[tuple[float, float, int]]:
+    """(start, end, status code) of every probe call, on the monotonic clock (shared by processes on Linux)."""
+    out, _ = probe.communicate("stop\n", timeout=60)
+    return [tuple(call) for call in json.loads(out.strip().splitlines()[-1])]
+
+
+def _json_content(body: dict) -> dict:
+    """Request arguments with the body encoded now, so that the burst does not time the client's JSON encoding."""
+    return {"content": json.dumps(body).encode(), "headers": {"content-type": "application/json"}}
 
 
 def _process_cpu_s(pid: int | None) -> float:
@@ -198,41 +227,35 @@ async def _timed(client: httpx.AsyncClient, kind: str, method: str, url: str, **
 
 
 async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: int = 10, solve_seconds: float = 3.0,
-                  strategy: str = "bench-busy", budget_ratio: float | None = None, server_pid: int | None = None) -> dict:
+                  strategy: str = "bench-busy", budget_ratio: float | None = None, server_pid: int | None = None, layers: int = 20) -> dict:
     """Fire `requests` at once (plans, status, simulate), then time status calls while the solves run.
 
-    During the burst a probe in its own process polls a status one call at a time (see `_probe`); with
+    During the burst a probe in its own process polls a status one call at a time (see `start_probe`); with
     `server_pid`, the server process's own CPU time over the burst is measured too.
     """
-    profile = chain_profile()
+    profile = chain_profile(layers)
     async with httpx.AsyncClient(base_url=base, timeout=60.0, limits=httpx.Limits(max_connections=requests + 10)) as client:
         seed_plan = await client.post("/v1/plans", json={"profile": profile, "strategy": "keep-all", "wait_s": 20, "workers": 1})
         seed_plan.raise_for_status()
         known = seed_plan.json()
         schedule = known["schedule"]
         run_tag = int(time.time() * 1000) % 1_000_000  # fresh seeds: every plan of this run is a real solve
+        simulate_body = _json_content({"profile": profile, "schedule": schedule})
         calls = []
-        statuses = requests - plans - simulates
         for i in range(requests):
             if i % 5 == 0 and len([c for c in calls if c[0] == "plan"]) < plans:
                 body = {"profile": profile, "strategy": strategy, "time_limit_s": solve_seconds, "workers": 1,
                         "seed": run_tag * 100 + i, "wait_s": 0}
                 if budget_ratio is not None:
                     body["memory_ratio"] = budget_ratio
-                calls.append(("plan", "POST", "/v1/plans", {"json": body}))
+                calls.append(("plan", "POST", "/v1/plans", _json_content(body)))
             elif i % 5 == 1 and len([c for c in calls if c[0] == "simulate"]) < simulates:
-                calls.append(("simulate", "POST", "/v1/simulate", {"json": {"profile": profile, "schedule": schedule}}))
+                calls.append(("simulate", "POST", "/v1/simulate", simulate_body))
             else:
                 calls.append(("status", "GET", f"/v1/plans/{known['id']}", {}))
         while len(calls) < requests:
             calls.append(("status", "GET", f"/v1/plans/{known['id']}", {}))
-        context = multiprocessing.get_context("spawn")
-        ready, stop, probe_results = context.Event(), context.Event(), context.Queue()
-        probe = context.Process(target=_probe, args=(base, known["id"], ready, stop, probe_results), daemon=True)
-        probe.start()
-        if not ready.wait(60):
-            probe.kill()
-            raise RuntimeError("the status probe did not start")
+        probe = start_probe(base, known["id"])
         await asyncio.sleep(0.05)
         server_cpu_before = _process_cpu_s(server_pid)
         started = time.perf_counter()
@@ -241,9 +264,7 @@ async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: 
         burst_ended = time.monotonic()
         burst_seconds = time.perf_counter() - started
         server_cpu_burst_s = _process_cpu_s(server_pid) - server_cpu_before
-        stop.set()
-        probe_calls = probe_results.get(timeout=60)
-        probe.join(timeout=10)
+        probe_calls = stop_probe(probe)
         probe_during = [(end - start, code) for start, end, code in probe_calls if start >= burst_started and end <= burst_ended]
         plan_ids = [r["body"]["id"] for r in burst if r["kind"] == "plan" and r["status"] in (200, 202)]
         # Status calls while every solve process is busy.
@@ -314,6 +335,8 @@ def main() -> None:
     parser.add_argument("--strategy", default="bench-busy", help="bench-busy, or mosos once it is registered")
     parser.add_argument("--memory-ratio", type=float, default=None, help="budget for strategies that need one")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=20,
+                        help="convolutions in the chain profile (2 * layers + 1 nodes): more makes every body heavier")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -321,7 +344,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             stats = asyncio.run(run_mix(base, requests=args.requests, plans=args.plans, simulates=args.simulates,
                                         solve_seconds=args.solve_seconds, strategy=args.strategy,
-                                        budget_ratio=args.memory_ratio, server_pid=server.pid))
+                                        budget_ratio=args.memory_ratio, server_pid=server.pid, layers=args.layers))
             stats["repeat"] = repeat + 1
             rows.append(stats)
             lost = stats["plans"] - len(stats["finals"])
@@ -352,11 +375,13 @@ def main() -> None:
         return
     cpu = os.cpu_count()
     load = os.getloadavg()
+    nodes = len(chain_profile(args.layers)["nodes"])
     section = (
-        f"## strategy `{args.strategy}`\n\n"
+        f"## strategy `{args.strategy}`" + (f", {nodes}-node profile" if args.layers != 20 else "") + "\n\n"
         f"Command: `python3 benchmarks/service_concurrency.py --requests {args.requests} --plans {args.plans} "
         f"--simulates {args.simulates} --solve-seconds {args.solve_seconds:g} --strategy {args.strategy}"
         + (f" --memory-ratio {args.memory_ratio:g}" if args.memory_ratio is not None else "")
+        + (f" --layers {args.layers}" if args.layers != 20 else "")
         + f" --repeats {args.repeats}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
         f"Machine: {cpu} cores; load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}.\n\n"
         f"{table}\n"
@@ -364,12 +389,18 @@ def main() -> None:
     intro = (
         "# Planning service under concurrent load\n\n"
         "A real `mosos serve` on 127.0.0.1 with 2 solve processes. Each run fires 50 requests at once: 10 plans "
-        f"of a {len(chain_profile()['nodes'])}-node profile (fresh seeds, so every one is a real solve), 10 "
+        f"of a {len(chain_profile()['nodes'])}-node profile unless the section says otherwise (fresh seeds, so every one is a real solve), 10 "
         "simulations and 30 status calls. Then, while both solve processes are busy, it times status calls of "
         "the new plans: 40 one at a time (as a training job polling its plan does), then 3 waves of 10 at once. "
         "Finally it polls every plan until it ends. Latencies are measured by the client (httpx, same machine), "
         "so they include its own overhead and, 10 at a time, the queueing of 10 calls on one event loop; "
-        "the server's own time per status call (from its `mosos_http_request_seconds` histogram) is given too. `bench-busy` is a plugin strategy that spins one core for the time "
+        "the server's own time per status call (from its `mosos_http_request_seconds` histogram) is given too. "
+        "During the burst a probe in a process of its own (own connection, no share of the burst client's CPU) "
+        "polls a status one call at a time: its latencies are what a training job polling its plan sees while the "
+        "50 requests are in flight, whereas the burst's own status latencies also hold the burst client's work on "
+        "the other 49 (httpx spends 1.5-2 ms of CPU per status call, more than the server). The server process's "
+        "own CPU time over the burst (from /proc, request and solve processes not included) says how much work "
+        "was left on its event loop and GIL. `bench-busy` is a plugin strategy that spins one core for the time "
         "limit (a CPU-bound stand-in with a known duration); `mosos` is the real CP-SAT planner. Other engineers' "
         "jobs were running on the same 2 cores: the timings were taken under load.\n\n"
         "wrong: answers other than 200/202 for plans and 200 for status and simulate. plans done / lost: plans that "

@@ -115,6 +115,10 @@ def test_fifty_requests_in_flight_against_two_solve_processes(tmp_path):
     # Generous bounds for a loaded 2-core CI machine; benchmarks/results/service.md has the real figures.
     assert stats["status_p50_sequential_ms"] < 250, stats
     assert stats["status_p50_during_ms"] < 1000, stats
+    # A separate client polling during the burst (the way a training job polls) is not held up by it.
+    assert stats["probe_errors"] == [], stats
+    if stats["probe_calls_burst"]:
+        assert stats["probe_p50_burst_ms"] < 250, stats
 
 
 async def _status_while_simulating(base: str, plan_id: str, body: dict, simulations: int) -> tuple[list[float], list[float]]:
