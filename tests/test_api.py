@@ -408,6 +408,27 @@ def test_simulate_returns_figures_or_the_first_violation(client):
     }
 
 
+def test_a_lost_request_process_is_a_503_then_a_fresh_pool_answers(client):
+    """Request bodies are read in request processes; if one dies the server answers 503 once, never 500."""
+    body = client.post("/v1/plans", json=plan_request(seed=75)).json()
+    request = {"profile": shipped_profile(), "schedule": body["schedule"]}
+    pool = client.app.state.service.pool
+    victim = next(iter(pool._executor._processes.values()))
+    victim.kill()
+    victim.join(timeout=10)
+    codes = []
+    for _ in range(20):
+        answer = client.post("/v1/simulate", json=request)
+        codes.append(answer.status_code)
+        if answer.status_code == 503:
+            assert answer.json()["error"] == "request_process_lost" and "retry" in answer.json()["message"]
+        if answer.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert set(codes) <= {200, 503} and codes[-1] == 200, codes
+    assert client.post("/v1/simulate", json=request).json()["valid"] is True
+
+
 def test_trace_and_memory_picture_of_a_done_plan(client):
     body = client.post("/v1/plans", json=plan_request(seed=80)).json()
     trace = client.get(f"/v1/plans/{body['id']}/trace")
