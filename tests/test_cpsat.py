@@ -116,3 +116,56 @@ def test_greedy_recompute_plan_on_a_random_layered_graph_at_0_8():
     result = simulate(profile, schedule, budget, keep_timeline=False)
     assert result.peak_memory_bytes <= budget
     assert result.recompute_time_ms > 0
+
+
+def _two_branches_join():
+    """Two chains big -> small joined at the end, listed so that both big tensors are live at once."""
+    return make_profile([
+        node("a1", output_bytes=1000), node("b1", output_bytes=1000),
+        node("a2", inputs=["a1"], output_bytes=10), node("b2", inputs=["b1"], output_bytes=10),
+        node("j", inputs=["a2", "b2"], output_bytes=10),
+    ])
+
+
+def test_a_memory_aware_order_lowers_the_keep_all_peak_of_a_join():
+    from planner.cpsat.reorder import keep_all_in_order, memory_aware_order, reordered_schedule
+    from planner.strategies.keep_all import keep_all_peak_bytes
+
+    profile = _two_branches_join()
+    assert profile.order == ["a1", "b1", "a2", "b2", "j"]
+    assert keep_all_peak_bytes(profile) == 2010
+    order, peak_bytes = memory_aware_order(profile)
+    assert peak_bytes == 1020
+    assert order.index("a2") < order.index("b1") or order.index("b2") < order.index("a1")
+    assert simulate(profile, keep_all_in_order(profile, order, None)).peak_memory_bytes == 1020
+    schedule = reordered_schedule(profile, 1500)
+    result = simulate(profile, schedule, 1500)
+    assert result.peak_memory_bytes == 1020 and result.recompute_time_ms == 0
+    assert schedule.compute_order == order
+    assert reordered_schedule(profile, 1000) is None  # a1 alone with a2 needs 1010
+
+
+def test_recompute_only_keeps_the_reordered_plan_when_it_is_fastest():
+    from planner.planning import plan
+
+    profile = _two_branches_join()
+    schedule = plan(profile, 1500, strategy="recompute-only", time_limit_s=2, workers=1, seed=0)
+    result = simulate(profile, schedule, 1500)
+    assert result.peak_memory_bytes <= 1500 and result.recompute_time_ms == 0
+
+
+def test_random_layered_n250_fits_0_8_in_a_memory_aware_order():
+    """The given order keeps the 44 inputs of the wide join alive for long; another order fits without recomputing."""
+    from planner.builder import certify
+    from planner.cpsat.reorder import reordered_schedule
+    from planner.importer import import_graph
+    from planner.strategies.keep_all import keep_all_peak_bytes
+    from tests.conftest import CHECKMATE_GRAPHS, requires_shared
+
+    profile = import_graph(requires_shared(CHECKMATE_GRAPHS / "random_layered_n250.json"))
+    budget = int(0.8 * keep_all_peak_bytes(profile))
+    schedule = reordered_schedule(profile, budget)
+    assert schedule is not None
+    result = simulate(profile, schedule, budget, keep_timeline=False)
+    assert result.peak_memory_bytes <= budget
+    assert certify(profile, schedule, "recompute-only").summary.peak_memory_bytes == result.peak_memory_bytes

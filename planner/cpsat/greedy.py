@@ -39,8 +39,9 @@ class _Graph:
     recomputable: list[bool]
 
 
-def _graph(profile: GraphProfile) -> _Graph:
-    ids = list(profile.order)
+def _graph(profile: GraphProfile, order: list[str] | None = None) -> _Graph:
+    """Stage t computes ids[t]: the profile's order, or another topological order (`planner.cpsat.reorder`)."""
+    ids = list(profile.order if order is None else order)
     index = {node_id: i for i, node_id in enumerate(ids)}
     nodes = [profile.node_by_id[node_id] for node_id in ids]
     inputs = [sorted({index[s] for s in node.inputs}) for node in nodes]
@@ -206,13 +207,13 @@ def _build(profile: GraphProfile, graph: _Graph, stages, budget_bytes: int) -> S
 
 
 def greedy_recompute_schedule(
-    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None
+    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None, order: list[str] | None = None
 ) -> Schedule | None:
     """The fastest plan of the variants, or None if every variant gets stuck or needs more than `max_evictions` frees.
 
     The limit is a count, not a clock, so that the answer does not depend on the machine's load.
     """
-    graph = _graph(profile)
+    graph = _graph(profile, order)
     limit = max_evictions if max_evictions is not None else 3 * len(graph.ids)
     capacity = budget_bytes - profile.fixed_bytes
     best: tuple[float, Schedule] | None = None

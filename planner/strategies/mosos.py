@@ -17,6 +17,7 @@ from dataclasses import replace
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.greedy import greedy_recompute_schedule
+from planner.cpsat.reorder import in_profile_order, reordered_schedule
 from planner.cpsat.run import plan_with_model
 from planner.errors import MososError
 from planner.profile import GraphProfile
@@ -111,13 +112,18 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     others = baseline_plans(profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy) if baselines else []
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
+    reordered = reordered_schedule(profile, budget_bytes)
+    if reordered is not None:
+        others.append(("memory-aware order", reordered))
     remaining = reserve
     if options.workers != 1:
         # wall-clock budgeting; with one worker the shares stay fixed so that a seeded run repeats exactly
         remaining = max(0.05 * limit, limit - (time.monotonic() - started))
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, _reporting_as_mosos(options, JOINT_PHASE), "mosos", MOSOS,
-        hints=[s for _, s in others], others=others, time_limit_s=remaining, deadline=started + limit,
+        # a plan in another compute order cannot warm-start the model, whose stages follow the profile's order
+        hints=[s for _, s in others if in_profile_order(profile, s)], others=others, time_limit_s=remaining,
+        deadline=started + limit,
     )
     # the wall time covers the whole strategy: baselines, inner solves and the joint model
     return certify(profile, schedule, "mosos", info.model_copy(update={"wall_time_s": time.monotonic() - started}))

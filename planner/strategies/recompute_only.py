@@ -3,7 +3,9 @@
 The problem Checkmate (MLSys 2020) and Moccasin (ICML 2023) solve, and the
 natural strategy for imported Checkmate graphs. CP-SAT on the interval model
 (`planner.cpsat`) with transfers and algorithm choice switched off, started
-from a greedy evict-and-recompute plan.
+from a greedy evict-and-recompute plan. A plan in a memory-aware compute order
+(`planner.cpsat.reorder`) competes with the model's: the model keeps the
+profile's order, and another order may need far less memory.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.greedy import greedy_recompute_schedule
+from planner.cpsat.reorder import reordered_schedule
 from planner.cpsat.run import plan_with_model
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
@@ -26,9 +29,11 @@ def recompute_only_plan(
     """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
     if greedy is False:
         greedy = greedy_recompute_schedule(profile, budget_bytes)
+    reordered = reordered_schedule(profile, budget_bytes)
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
-        hints=[s for s in (greedy,) if s is not None], others=[("greedy evict-and-recompute", greedy)],
+        hints=[s for s in (greedy,) if s is not None],
+        others=[("greedy evict-and-recompute", greedy), ("memory-aware order", reordered)],
         time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
     )
     return None if schedule is None else certify(profile, schedule, "recompute-only", info)
