@@ -94,8 +94,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         queue = JobQueue(store, settings, metrics)
         pool = RequestPool(settings)
         try:
-            # Both kinds of process import the planner; start them side by side.
-            await asyncio.gather(run_in_threadpool(queue.start), run_in_threadpool(pool.start))
+            # Both kinds of process import the planner: start them side by side, and let both finish before
+            # cleaning up after either one's failure.
+            started = await asyncio.gather(run_in_threadpool(queue.start), run_in_threadpool(pool.start),
+                                           return_exceptions=True)
+            for outcome in started:
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except Exception:
             pool.stop()
             queue.stop()
