@@ -21,6 +21,7 @@ def serve_command(
     port: int = typer.Option(8000, help="TCP port"),
     db: Path = typer.Option(None, help="SQLite file for plans (default: in the user's data directory)"),
     workers: int = typer.Option(2, help="solve processes (solves running at once)"),
+    request_processes: int = typer.Option(2, help="processes that validate bodies, simulate and render, off the server's loop"),
     queue_size: int = typer.Option(16, help="plans that may wait for a solve process; beyond it, 429"),
     token_file: Path = typer.Option(None, help="file holding the bearer token (else $MOSOS_API_TOKEN)"),
     insecure: bool = typer.Option(False, help="allow binding a non-loopback address without a token"),
@@ -50,7 +51,7 @@ def serve_command(
             "or pass --insecure if the network is trusted"
         )
     values = dict(
-        host=host, port=port, solve_processes=workers, queue_size=queue_size, token=token, insecure=insecure,
+        host=host, port=port, solve_processes=workers, request_processes=request_processes, queue_size=queue_size, token=token, insecure=insecure,
         max_body_bytes=max_body_bytes, max_nodes=max_nodes, max_time_limit_s=max_time_limit,
         default_time_limit_s=default_time_limit, max_wait_s=max_wait, plugins=list(plugin),
     )
