@@ -64,7 +64,8 @@ class Accountant:
 
     def peak_bytes(self) -> int:
         used = peak = self.fixed_bytes
-        for _, delta, _, _ in sorted(self.events, key=lambda e: (e[0], e[1] >= 0, e[2])):
+        # Equal times keep program order, as in the simulator: a zero-time node's output still counts.
+        for _, delta, _, _ in sorted(self.events, key=lambda e: (e[0], e[2])):
             used += delta
             peak = max(peak, used)
         return peak
