@@ -90,10 +90,14 @@ def plan_with_model(
         note = f"{info.encoding}; plan from the memory-minimizing search"
         return schedule, info.model_copy(update={"encoding": note}), "cp-sat (memory-minimizing)"
     name, schedule, _ = best
-    encoding = info.encoding if name == "cp-sat" else f"{info.encoding}; best plan: {name}"
-    if outcome.schedule is None:
-        # the model found nothing (it may allow fewer recomputations than the plan that won), yet a plan exists
-        encoding = f"{encoding}; the model alone: {info.status}"
+    encoding = info.encoding
+    if name != "cp-sat":
+        # The plan that won lies outside what the model proved (another compute order, more recomputations,
+        # deliberate stalls): its status, objective and bound describe the model, not this plan.
+        alone = info.status
+        if info.objective is not None:
+            alone += f", objective {info.objective:.6g}, bound {info.bound:.6g}"
+        encoding = f"{info.encoding}; best plan: {name}; the model alone: {alone}"
         info = info.model_copy(update={"status": "FEASIBLE", "objective": None, "bound": None, "gap": None})
     schedule = schedule.model_copy(update={"budget_bytes": budget_bytes})
     return schedule, info.model_copy(update={"encoding": encoding}), name
