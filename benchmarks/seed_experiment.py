@@ -47,7 +47,7 @@ def run_case(profile, budget, strategies, time_limit_s, workers):
         fits = result.peak_memory_bytes <= budget
         winner = None
         if schedule.summary.solver is not None and "best plan:" in (schedule.summary.solver.encoding or ""):
-            winner = schedule.summary.solver.encoding.split("best plan:")[1].strip()
+            winner = schedule.summary.solver.encoding.split("best plan:")[1].split(";")[0].strip()
         cells[name] = (result.step_time_ms if fits else None, None if fits else result.peak_memory_bytes, time.time() - started, winner)
     return cells
 
