@@ -6,6 +6,7 @@ planner stays importable without them.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import typer
@@ -16,14 +17,11 @@ from planner.units import format_bytes
 
 
 def _load():
-    try:
-        import torch
-    except ImportError:
-        raise MososError("mosos profile needs torch to run the model: pip install torch") from None
-    from executor import profiler
-    from models import get_model
+    if importlib.util.find_spec("torch") is None:
+        raise MososError("mosos profile needs torch to run the model: pip install torch")
+    from executor.reference import profile_reference_network
 
-    return torch, profiler, get_model
+    return profile_reference_network
 
 
 @app.command("profile")
@@ -53,44 +51,16 @@ def profile_command(
     for flag, value in (("--d2h-gb-per-s", d2h_gb_per_s), ("--h2d-gb-per-s", h2d_gb_per_s)):
         if value is not None and not value > 0:
             raise MososError(f"{flag} must be positive, got {value}")
-    torch, profiler, get_model = _load()
-    if device not in ("cpu", "cuda"):
-        raise MososError(f"--device must be cpu or cuda, not {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MososError("--device cuda: no CUDA device is available here (this torch build or machine has none)")
-    dtypes = {"float32": torch.float32, "float64": torch.float64}
-    if dtype not in dtypes:
-        raise MososError(f"--dtype must be float32 or float64, not {dtype!r}")
-    try:
-        spec = get_model(model, small=small, image_size=image_size, tokens=tokens)
-    except (KeyError, ValueError) as error:
-        raise MososError(str(error).strip("'\"")) from None
-    if threads is not None:
-        if threads < 1:
-            raise MososError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    network = spec.build().to(device=device, dtype=dtypes[dtype])
-    inputs, targets = spec.example_inputs(batch, device=device, dtype=dtypes[dtype])
-    label = f"{spec.name}{' (small)' if small else ''} batch {batch} {dtype} on {device}"
-    with console.status(f"profiling {label}") as status:
-        profile = profiler.profile_model(
-            network, inputs, spec.loss, targets,
-            name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
-            d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
-            progress=lambda message: status.update(f"profiling {label}: {message}"),
+    profile_reference_network = _load()
+    with console.status(f"profiling {model}") as status:
+        measured = profile_reference_network(
+            model, batch, device=device, small=small, image_size=image_size, tokens=tokens, dtype=dtype,
+            optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
+            h2d_gb_per_s=h2d_gb_per_s, seed=seed, threads=threads, progress=status.update,
         )
-        status.update(f"timing plain PyTorch steps of {label}")
-        # a whole step is short and noisy on a busy machine: at least 10 repeats for its median
-        plain_ms = profiler.plain_step_time_ms(network, inputs, spec.loss, targets,
-                                               repeats=max(repeats, 10), warmup=max(warmup, 2))
-    nodes_ms = profiler.plain_equivalent_time_ms(profile)
-    ratio = nodes_ms / plain_ms
-    notes = (profile.provenance.notes + "; " if profile.provenance.notes else "") + (
-        f"check: node times with native algorithms add up to {nodes_ms:.3f} ms, a plain PyTorch step "
-        f"(median of {max(repeats, 10)}) took {plain_ms:.3f} ms, ratio {ratio:.2f}"
+    profile, label, nodes_ms, plain_ms, ratio = (
+        measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio
     )
-    profile = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": notes})})
     output.write_text(profile.to_json())
     total_ms = sum(node.fastest.time_ms for node in profile.nodes)
     activations = sum(node.size_bytes for node in profile.nodes if node.kind != "backward")
