@@ -39,7 +39,7 @@ class _Graph:
     recomputable: list[bool]
 
 
-def _graph(profile: GraphProfile, order: list[str] | None = None) -> _Graph:
+def stage_graph(profile: GraphProfile, order: list[str] | None = None) -> _Graph:
     """Stage t computes ids[t]: the profile's order, or another topological order (`planner.cpsat.reorder`)."""
     ids = list(profile.order if order is None else order)
     index = {node_id: i for i, node_id in enumerate(ids)}
@@ -213,7 +213,7 @@ def greedy_recompute_schedule(
 
     The limit is a count, not a clock, so that the answer does not depend on the machine's load.
     """
-    graph = _graph(profile, order)
+    graph = stage_graph(profile, order)
     limit = max_evictions if max_evictions is not None else 3 * len(graph.ids)
     capacity = budget_bytes - profile.fixed_bytes
     best: tuple[float, Schedule] | None = None

@@ -20,22 +20,9 @@ from __future__ import annotations
 import random
 
 from planner.builder import ScheduleBuilder
+from planner.cpsat.greedy import stage_graph
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-
-
-def _structure(profile: GraphProfile):
-    ids = list(profile.order)
-    index = {node_id: i for i, node_id in enumerate(ids)}
-    nodes = [profile.node_by_id[node_id] for node_id in ids]
-    inputs = [sorted({index[s] for s in node.inputs}) for node in nodes]
-    users: list[list[int]] = [[] for _ in ids]
-    for k, sources in enumerate(inputs):
-        for j in sources:
-            users[j].append(k)
-    size = [node.size_bytes for node in nodes]
-    workspace = [node.fastest.workspace_bytes for node in nodes]
-    return ids, inputs, users, size, workspace
 
 
 def keep_all_peak_in_order(inputs, users, size, workspace, order: list[int]) -> int:
@@ -100,7 +87,8 @@ def _backward(inputs, users, size, rng: random.Random | None, noise: float) -> l
 
 def memory_aware_order(profile: GraphProfile, tries: int = 64) -> tuple[list[str], int]:
     """(node ids in the order of lowest keep-all peak found, that peak with fixed memory); the given order competes."""
-    ids, inputs, users, size, workspace = _structure(profile)
+    graph = stage_graph(profile)
+    ids, inputs, users, size, workspace = graph.ids, graph.inputs, graph.users, graph.size, graph.workspace
     noise = sum(size) / max(len(size), 1) / 2  # tie-breaking noise: half a mean tensor
     candidates = [list(range(len(ids)))]
     candidates += [_forward(inputs, users, size, None, 0.0), _backward(inputs, users, size, None, 0.0)]
