@@ -116,14 +116,19 @@ def solve_task(task: dict, send, should_stop) -> dict:
         }
 
 
-def worker_main(connection, cancel_seq, plugins: list[str], parent_pid: int, nice: int = 0) -> None:
-    """Entry point of a solve process; `nice` lowers its priority so that the HTTP server stays responsive."""
+def become_child(parent_pid: int, nice: int) -> None:
+    """A helper process dies with the server and yields the CPU to it."""
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     if nice > 0:
         try:
             os.nice(nice)
         except OSError:
             pass
+
+
+def worker_main(connection, cancel_seq, plugins: list[str], parent_pid: int, nice: int = 0) -> None:
+    """Entry point of a solve process; `nice` lowers its priority so that the HTTP server stays responsive."""
+    become_child(parent_pid, nice)
     try:
         load_plugins(plugins)
         from planner.strategies import load_all

@@ -14,7 +14,6 @@ import io
 import json
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,15 +53,10 @@ class ParsedPlan:
 
 def init_process(settings: Settings, parent_pid: int, nice: int) -> None:
     """Initializer of a request process: same strategies as the server, lower priority, dies with its parent."""
-    from api.solver import load_plugins, watch_parent
+    from api.solver import become_child, load_plugins
 
     global _settings
-    threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
-    if nice > 0:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
+    become_child(parent_pid, nice)
     load_plugins(settings.plugins)
     load_all()
     _settings = settings
