@@ -28,22 +28,36 @@ def with_auto(profile: GraphProfile, budget_bytes: int, base: Schedule) -> tuple
     return schedule, name
 
 
-def checkmate_auto_plan(
-    profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
-    explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
+def plan_then_auto(
+    profile: GraphProfile, budget_bytes: int, options: SolveOptions, strategy_name: str, features: Features,
+    time_limit_s: float | None = None, explain_infeasible: bool = True, hints: list[Schedule] = (),
+    deadline: float | None = None, greedy: Schedule | None | bool = False,
 ) -> Schedule | None:
-    """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
+    """The paper's two-phase baselines: solve without algorithm choice, then let Auto pick the algorithms.
+
+    `deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already.
+    """
     if greedy is False:
         greedy = greedy_recompute_schedule(profile, budget_bytes)
     base, info, _ = plan_with_model(
-        profile, budget_bytes, options, "checkmate-auto", CHECKMATE,
-        hints=[s for s in (greedy,) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
+        profile, budget_bytes, options, strategy_name, features,
+        hints=[s for s in (greedy, *hints) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
         time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
     )
     if base is None:
         return None
     schedule, _ = with_auto(profile, budget_bytes, base)
-    return certify(profile, schedule, "checkmate-auto", info)
+    return certify(profile, schedule, strategy_name, info)
+
+
+def checkmate_auto_plan(
+    profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
+    explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
+) -> Schedule | None:
+    return plan_then_auto(
+        profile, budget_bytes, options, "checkmate-auto", CHECKMATE, time_limit_s=time_limit_s,
+        explain_infeasible=explain_infeasible, deadline=deadline, greedy=greedy,
+    )
 
 
 @strategy("checkmate-auto", "optimal recompute-only plan (CP-SAT), then Auto algorithm choice in the memory left")
