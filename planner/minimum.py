@@ -63,22 +63,14 @@ def smallest_budget(
     return MinimumBudget(budget, proven, schedule, outcome.info.wall_time_s)
 
 
-def _greedy_minimum(profile: GraphProfile, above_bytes: int, max_steps: int = 64):
-    """Bisect the smallest budget below `above_bytes` at which the greedy recompute plan fits, if any."""
+def _greedy_minimum(profile: GraphProfile, above_bytes: int):
+    """The smallest budget below `above_bytes` at which the greedy recompute plan fits (bisection), if any."""
+    from planner.budget_search import smallest_budget as bisect_budget
     from planner.cpsat.greedy import greedy_recompute_schedule
 
-    low = minimum_budget_bytes(profile) - 1  # fails: below what any plan needs
-    found = greedy_recompute_schedule(profile, above_bytes - 1)
-    if found is None:
+    if greedy_recompute_schedule(profile, above_bytes - 1) is None:
         return None
-    high = above_bytes - 1
-    for _ in range(max_steps):
-        if high - low <= 1:
-            break
-        middle = (low + high) // 2
-        schedule = greedy_recompute_schedule(profile, middle)
-        if schedule is None:
-            low = middle
-        else:
-            high, found = middle, schedule
-    return high, found.model_copy(update={"budget_bytes": high})
+    low = minimum_budget_bytes(profile) - 1  # fails: below what any plan needs
+    budget = bisect_budget(lambda bytes_: greedy_recompute_schedule(profile, bytes_), low, above_bytes - 1)
+    schedule = greedy_recompute_schedule(profile, budget)
+    return budget, schedule.model_copy(update={"budget_bytes": budget})
