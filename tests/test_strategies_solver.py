@@ -186,3 +186,14 @@ def test_mosos_time_limit_is_the_total_wall_clock_budget(workers):
     elapsed = time.monotonic() - started
     assert simulate(profile, schedule, budget, keep_timeline=False).peak_memory_bytes <= budget
     assert elapsed < 2.0 + 6.0, f"time_limit_s=2 took {elapsed:.1f} s"  # generous: a loaded 2-core machine
+
+
+@pytest.mark.parametrize("strategy", ["mosos", "recompute-only"])
+def test_a_plan_at_the_lower_bound_is_returned_as_optimal_without_a_solve(strategy):
+    profile = small_cnn()
+    keep_all_peak = simulate(profile, plan(profile, strategy="keep-all")).peak_memory_bytes
+    schedule = plan(profile, keep_all_peak, strategy=strategy, time_limit_s=30, workers=1)
+    lower_bound_ms = sum(node.fastest.time_ms for node in profile.nodes)
+    assert schedule.summary.predicted_step_time_ms == pytest.approx(lower_bound_ms)
+    assert schedule.summary.solver.status == "OPTIMAL" and schedule.summary.solver.gap == 0.0
+    assert schedule.summary.solver.wall_time_s < 5.0  # nothing to search: far below the 30 s limit

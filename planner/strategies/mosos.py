@@ -23,6 +23,7 @@ from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions, strategy
+from planner.strategies.recompute_only import at_lower_bound, certify_lower_bound
 
 MOSOS = Features(recompute=True, transfers=True, implementations="all", max_recomputes=2, max_prefetches=1)
 
@@ -104,6 +105,9 @@ def baseline_plans(
 def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, baselines: bool = True) -> Schedule:
     """`options.time_limit_s` is the budget of the whole call (baselines, inner solves, joint model), wall clock."""
     started = time.monotonic()
+    reordered = reordered_schedule(profile, budget_bytes)
+    if at_lower_bound(profile, reordered):
+        return certify_lower_bound(profile, reordered, "mosos", options, started)
     limit = options.time_limit_s
     # The joint model keeps at least this share of the budget; the baselines and inner solves use the rest.
     reserve = (1 - sum(SOLVED_INSIDE.values())) * limit if baselines else limit
@@ -112,7 +116,6 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     others = baseline_plans(profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy) if baselines else []
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
-    reordered = reordered_schedule(profile, budget_bytes)
     if reordered is not None:
         others.append(("memory-aware order", reordered))
     remaining = reserve

@@ -10,16 +10,45 @@ profile's order, and another order may need far less memory.
 
 from __future__ import annotations
 
+import time
+
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.greedy import greedy_recompute_schedule
 from planner.cpsat.reorder import reordered_schedule
 from planner.cpsat.run import plan_with_model
 from planner.profile import GraphProfile
-from planner.schedule import Schedule
+from planner.schedule import Schedule, SolverInfo
 from planner.strategies import SolveOptions, strategy
 
 RECOMPUTE_ONLY = Features(recompute=True, transfers=False, implementations="fastest", max_recomputes=2)
+
+
+def at_lower_bound(profile: GraphProfile, schedule: Schedule | None) -> bool:
+    """A plan computing every node once, with its fastest implementation, and moving nothing: none can be faster."""
+    return (
+        schedule is not None
+        and len(schedule.compute_order) == len(profile.nodes)
+        and all(
+            op.implementation == profile.node_by_id[op.node].fastest.name
+            for stage in schedule.stages for op in stage.operations if op.op == "compute"
+        )
+        and not any(op.op in ("offload", "prefetch", "wait") for stage in schedule.stages for op in stage.operations)
+    )
+
+
+def certify_lower_bound(
+    profile: GraphProfile, schedule: Schedule, strategy_name: str, options: SolveOptions, started: float
+) -> Schedule:
+    """Return a lower-bound plan as proven optimal, without a solve."""
+    lower_bound_ms = sum(node.fastest.time_ms for node in profile.nodes)
+    elapsed = time.monotonic() - started
+    info = SolverInfo(
+        status="OPTIMAL", objective=lower_bound_ms, bound=lower_bound_ms, gap=0.0, wall_time_s=elapsed,
+        time_to_first_solution_s=elapsed, workers=options.workers, seed=options.seed,
+        encoding="memory-aware order: keep-all fits, every node once at its fastest (no solve needed)",
+    )
+    return certify(profile, schedule, strategy_name, info)
 
 
 def recompute_only_plan(
@@ -27,9 +56,12 @@ def recompute_only_plan(
     explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
 ) -> Schedule | None:
     """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
+    started = time.monotonic()
+    reordered = reordered_schedule(profile, budget_bytes)
+    if at_lower_bound(profile, reordered):
+        return certify_lower_bound(profile, reordered, "recompute-only", options, started)
     if greedy is False:
         greedy = greedy_recompute_schedule(profile, budget_bytes)
-    reordered = reordered_schedule(profile, budget_bytes)
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
         hints=[s for s in (greedy,) if s is not None],
