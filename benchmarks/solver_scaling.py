@@ -148,7 +148,7 @@ def _strategy_row(name, ratio, budget, profile, options):
         return f"| {name} | {ratio} | {budget} | recompute-only strategy | no plan | | | | | | | {wall:.1f} |"
     info = schedule.summary.solver
     encoding = info.encoding or ""
-    won = next((plan for plan in ("greedy", "memory-aware order") if f"best plan: {plan}" in encoding), "CP-SAT")
+    won = next((plan for plan in ("greedy", "memory-aware order") if f"best plan: {plan}" in encoding or encoding.startswith(plan)), "CP-SAT")
     return (
         f"| {name} | {ratio} | {budget} | recompute-only strategy ({won} plan) | {info.status} | | | "
         f"{_fmt(info.objective, 3)} | {_fmt(info.bound, 3)} | {'' if info.gap is None else f'{100 * info.gap:.2f}%'} | "
