@@ -62,7 +62,7 @@ def _reporting_as_mosos(options: SolveOptions, phase: str) -> SolveOptions:
 
 def baseline_plans(
     profile: GraphProfile, budget_bytes: int, options: SolveOptions, deadline: float | None = None,
-    greedy: Schedule | None | bool = False,
+    greedy: Schedule | None | bool = False, reordered: Schedule | None | bool = False,
 ) -> list[tuple[str, Schedule]]:
     """The baselines' plans at this budget; baselines that fail are skipped, and so are those left at the deadline.
 
@@ -90,10 +90,11 @@ def baseline_plans(
     for name, share in SOLVED_INSIDE.items():
         if out_of_time():
             break
+        computed = {"reordered": reordered} if name == "recompute-only" else {}  # not worked out twice
         try:
             schedule = solved[name](
                 profile, budget_bytes, _reporting_as_mosos(options, name), time_limit_s=share * options.time_limit_s,
-                explain_infeasible=False, deadline=deadline, greedy=greedy,
+                explain_infeasible=False, deadline=deadline, greedy=greedy, **computed,
             )
         except MososError:
             continue
@@ -113,7 +114,9 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     reserve = (1 - sum(SOLVED_INSIDE.values())) * limit if baselines else limit
     greedy = greedy_recompute_schedule(profile, budget_bytes)
     inner_deadline = started + limit - 0.5 * reserve
-    others = baseline_plans(profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy) if baselines else []
+    others = baseline_plans(
+        profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy, reordered=reordered
+    ) if baselines else []
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
     if reordered is not None:

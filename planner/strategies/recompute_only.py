@@ -54,10 +54,12 @@ def certify_lower_bound(
 def recompute_only_plan(
     profile: GraphProfile, budget_bytes: int, options: SolveOptions, time_limit_s: float | None = None,
     explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
+    reordered: Schedule | None | bool = False,
 ) -> Schedule | None:
-    """`deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already."""
+    """`deadline` (time.monotonic()) caps the wall clock; `greedy`, `reordered`: those plans if the caller has them."""
     started = time.monotonic()
-    reordered = reordered_schedule(profile, budget_bytes)
+    if reordered is False:
+        reordered = reordered_schedule(profile, budget_bytes)
     if at_lower_bound(profile, reordered):
         return certify_lower_bound(profile, reordered, "recompute-only", options, started)
     if greedy is False:
