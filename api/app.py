@@ -191,22 +191,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            headers={"Retry-After": str(full.retry_after_s)}) from None
         except ServiceStopping as stopping:
             raise ApiError(503, "stopping", str(stopping)) from None
+        # Only find_or_queue (queue lock, a durable write) needs a thread; reads and rendering are as cheap as
+        # a status call and stay on the event loop.
         if hit is not None:
-            return Response(await run_in_threadpool(svc.render_json, hit, cached=True), media_type="application/json")
+            return Response(svc.render_json(hit, cached=True), media_type="application/json")
         deadline = time.monotonic() + parsed.wait_s
         while not job.finished.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
-        row = await run_in_threadpool(svc.get_row, job.id)
+        row = svc.get_row(job.id)
         if row.status in ("queued", "solving"):
             return Response(
-                await run_in_threadpool(svc.render_json, row), status_code=202, media_type="application/json",
+                svc.render_json(row), status_code=202, media_type="application/json",
                 headers={"Location": f"/v1/plans/{row.id}"},
             )
-        return Response(await run_in_threadpool(svc.render_json, row), media_type="application/json")
+        return Response(svc.render_json(row), media_type="application/json")
 
     @app.get("/v1/plans", summary="Recent plans, newest first", response_model=PlanList,
              responses=_error_responses(401, 422))
-    def list_plans(
+    async def list_plans(
         request: Request,
         limit: int = Query(20, ge=1, le=100, description="Plans per page."),
         cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$", description="next_cursor of the previous page."),
@@ -215,7 +217,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/plans/{plan_id}", summary="A plan's status, and its schedule when done", response_model=PlanStatus,
              responses=_error_responses(401, 404))
-    def get_plan(request: Request, plan_id: str):
+    async def get_plan(request: Request, plan_id: str):
+        # On the event loop, not the thread pool: one WAL read by primary key (readers never wait for the
+        # writer) costs less than the hop to a thread, and status calls are the ones that must stay fast.
         svc = service(request)
         return Response(svc.render_json(svc.get_row(plan_id)), media_type="application/json")
 
@@ -259,7 +263,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Operations ------------------------------------------------------------------
 
     @app.get("/healthz", summary="Liveness, and what this server offers", response_model=Health)
-    def healthz(request: Request):
+    async def healthz(request: Request):
         svc = service(request)
         return {
             "status": "ok",
@@ -274,7 +278,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."},
                         **_error_responses(401)})
-    def prometheus_metrics():
+    async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def openapi() -> dict:

@@ -216,19 +216,79 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))] if ordered else float("nan")
 
 
-async def _timed(client: httpx.AsyncClient, kind: str, method: str, url: str, **kwargs) -> dict:
+class _RawResponse:
+    def __init__(self, status_code: int, headers: dict[str, str], content: bytes):
+        self.status_code = status_code
+        self.headers = headers
+        self.content = content
+
+    def json(self):
+        return json.loads(self.content)
+
+
+class RawClient:
+    """A minimal HTTP/1.1 client on asyncio streams: one new connection per request, as separate clients would.
+
+    httpx spends 1.5-2 ms of CPU per call in the client, more than the server spends answering a status call;
+    fired 50 at once from one process, that client work is what the burst's latencies would measure. This
+    client spends ~0.1 ms, so the burst's latencies are the server's (plus connecting, which real clients pay).
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 60.0):
+        host_port = base_url.split("://", 1)[1].rstrip("/")
+        self.host, port = host_port.rsplit(":", 1)
+        self.port = int(port)
+        self.timeout_s = timeout_s
+
+    async def request(self, method: str, url: str, content: bytes = b"", headers: dict[str, str] | None = None) -> _RawResponse:
+        return await asyncio.wait_for(self._request(method, url, content, headers or {}), self.timeout_s)
+
+    async def _request(self, method: str, url: str, content: bytes, headers: dict[str, str]) -> _RawResponse:
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            lines = [f"{method} {url} HTTP/1.1", f"host: {self.host}:{self.port}", f"content-length: {len(content)}",
+                     "connection: close", *(f"{key}: {value}" for key, value in headers.items())]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + content)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            status = int(head[0].split(" ", 2)[1])
+            response_headers = {}
+            for line in head[1:]:
+                if ":" in line:
+                    key, value = line.split(":", 1)
+                    response_headers[key.strip().lower()] = value.strip()
+            if "content-length" in response_headers:
+                body = await reader.readexactly(int(response_headers["content-length"]))
+            elif response_headers.get("transfer-encoding", "").lower() == "chunked":
+                chunks = []
+                while (size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)) > 0:
+                    chunks.append(await reader.readexactly(size))
+                    await reader.readexactly(2)
+                body = b"".join(chunks)
+            else:
+                body = await reader.read()
+            return _RawResponse(status, response_headers, body)
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError) as error:
+            raise httpx.TransportError(f"{method} {url}: {error!r}") from error
+        finally:
+            writer.close()
+
+
+async def _timed(client: httpx.AsyncClient | RawClient, kind: str, method: str, url: str, **kwargs) -> dict:
     started = time.perf_counter()
     try:
         response = await client.request(method, url, **kwargs)
         return {"kind": kind, "status": response.status_code, "seconds": time.perf_counter() - started,
                 "body": response.json() if response.headers.get("content-type", "").startswith("application/json") else None}
-    except httpx.HTTPError as error:
+    except (httpx.HTTPError, asyncio.TimeoutError) as error:
         return {"kind": kind, "status": None, "seconds": time.perf_counter() - started, "error": repr(error)}
 
 
 async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: int = 10, solve_seconds: float = 3.0,
-                  strategy: str = "bench-busy", budget_ratio: float | None = None, server_pid: int | None = None, layers: int = 20) -> dict:
+                  strategy: str = "bench-busy", budget_ratio: float | None = None, server_pid: int | None = None, layers: int = 20,
+                  client_kind: str = "raw") -> dict:
     """Fire `requests` at once (plans, status, simulate), then time status calls while the solves run.
+
+    The timed calls go through `RawClient` (client_kind "raw") or one shared httpx.AsyncClient ("httpx").
 
     During the burst a probe in its own process polls a status one call at a time (see `start_probe`); with
     `server_pid`, the server process's own CPU time over the burst is measured too.
@@ -237,6 +297,7 @@ async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: 
     async with httpx.AsyncClient(base_url=base, timeout=60.0, limits=httpx.Limits(max_connections=requests + 10)) as client:
         seed_plan = await client.post("/v1/plans", json={"profile": profile, "strategy": "keep-all", "wait_s": 20, "workers": 1})
         seed_plan.raise_for_status()
+        timed_client = RawClient(base) if client_kind == "raw" else client
         known = seed_plan.json()
         schedule = known["schedule"]
         run_tag = int(time.time() * 1000) % 1_000_000  # fresh seeds: every plan of this run is a real solve
@@ -260,7 +321,7 @@ async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: 
         server_cpu_before = _process_cpu_s(server_pid)
         started = time.perf_counter()
         burst_started = time.monotonic()
-        burst = await asyncio.gather(*(_timed(client, kind, method, url, **kw) for kind, method, url, kw in calls))
+        burst = await asyncio.gather(*(_timed(timed_client, kind, method, url, **kw) for kind, method, url, kw in calls))
         burst_ended = time.monotonic()
         burst_seconds = time.perf_counter() - started
         server_cpu_burst_s = _process_cpu_s(server_pid) - server_cpu_before
@@ -273,10 +334,10 @@ async def run_mix(base: str, *, requests: int = 50, plans: int = 10, simulates: 
         before = (await client.get("/metrics")).text
         sequential = []
         for i in range(40):  # one at a time, as a training job polling its plan would
-            sequential.append(await _timed(client, "status", "GET", f"/v1/plans/{plan_ids[i % len(plan_ids)]}"))
+            sequential.append(await _timed(timed_client, "status", "GET", f"/v1/plans/{plan_ids[i % len(plan_ids)]}"))
         during = []
         for _ in range(3):
-            wave = await asyncio.gather(*(_timed(client, "status", "GET", f"/v1/plans/{pid}") for pid in plan_ids))
+            wave = await asyncio.gather(*(_timed(timed_client, "status", "GET", f"/v1/plans/{pid}") for pid in plan_ids))
             during.extend(wave)
             await asyncio.sleep(0.05)
         after = (await client.get("/metrics")).text
@@ -337,6 +398,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=20,
                         help="convolutions in the chain profile (2 * layers + 1 nodes): more makes every body heavier")
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                        help="client of the timed calls: a minimal HTTP/1.1 client (raw), or httpx (its own CPU shows)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -344,7 +407,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             stats = asyncio.run(run_mix(base, requests=args.requests, plans=args.plans, simulates=args.simulates,
                                         solve_seconds=args.solve_seconds, strategy=args.strategy,
-                                        budget_ratio=args.memory_ratio, server_pid=server.pid, layers=args.layers))
+                                        budget_ratio=args.memory_ratio, server_pid=server.pid, layers=args.layers,
+                                        client_kind=args.client))
             stats["repeat"] = repeat + 1
             rows.append(stats)
             lost = stats["plans"] - len(stats["finals"])
@@ -377,11 +441,13 @@ def main() -> None:
     load = os.getloadavg()
     nodes = len(chain_profile(args.layers)["nodes"])
     section = (
-        f"## strategy `{args.strategy}`" + (f", {nodes}-node profile" if args.layers != 20 else "") + "\n\n"
+        f"## strategy `{args.strategy}`" + (f", {nodes}-node profile" if args.layers != 20 else "")
+        + (f", {args.client} client" if args.client != "raw" else "") + "\n\n"
         f"Command: `python3 benchmarks/service_concurrency.py --requests {args.requests} --plans {args.plans} "
         f"--simulates {args.simulates} --solve-seconds {args.solve_seconds:g} --strategy {args.strategy}"
         + (f" --memory-ratio {args.memory_ratio:g}" if args.memory_ratio is not None else "")
         + (f" --layers {args.layers}" if args.layers != 20 else "")
+        + (f" --client {args.client}" if args.client != "raw" else "")
         + f" --repeats {args.repeats}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
         f"Machine: {cpu} cores; load average at the end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}.\n\n"
         f"{table}\n"
@@ -392,17 +458,19 @@ def main() -> None:
         f"of a {len(chain_profile()['nodes'])}-node profile unless the section says otherwise (fresh seeds, so every one is a real solve), 10 "
         "simulations and 30 status calls. Then, while both solve processes are busy, it times status calls of "
         "the new plans: 40 one at a time (as a training job polling its plan does), then 3 waves of 10 at once. "
-        "Finally it polls every plan until it ends. Latencies are measured by the client (httpx, same machine), "
-        "so they include its own overhead and, 10 at a time, the queueing of 10 calls on one event loop; "
-        "the server's own time per status call (from its `mosos_http_request_seconds` histogram) is given too. "
-        "During the burst a probe in a process of its own (own connection, no share of the burst client's CPU) "
-        "polls a status one call at a time: its latencies are what a training job polling its plan sees while the "
-        "50 requests are in flight, whereas the burst's own status latencies also hold the burst client's work on "
-        "the other 49 (httpx spends 1.5-2 ms of CPU per status call, more than the server). The server process's "
-        "own CPU time over the burst (from /proc, request and solve processes not included) says how much work "
+        "Finally it polls every plan until it ends. Latencies are measured by the client on the same machine: "
+        "unless a section says otherwise, a minimal HTTP/1.1 client on asyncio streams (`RawClient`, one new "
+        "connection per request, as 50 separate clients would open), because httpx spends 1.5-2 ms of CPU per call "
+        "in the client, more than the server spends answering a status call, and fired 50 at once from one process "
+        "that client work is what the burst would measure (`--client httpx` shows it). 10 at a time includes the "
+        "queueing of 10 calls on one event loop; the server's own time per status call (from its "
+        "`mosos_http_request_seconds` histogram) is given too. During the burst a probe in a process of its own "
+        "(own httpx connection) polls a status one call at a time, as a training job polling its plan does. The "
+        "server process's own CPU time over the burst (from /proc, request and solve processes not included) says "
+        "how much work "
         "was left on its event loop and GIL. `bench-busy` is a plugin strategy that spins one core for the time "
-        "limit (a CPU-bound stand-in with a known duration); `mosos` is the real CP-SAT planner. Other engineers' "
-        "jobs were running on the same 2 cores: the timings were taken under load.\n\n"
+        "limit (a CPU-bound stand-in with a known duration); `mosos` is the real CP-SAT planner. The machine's 2 "
+        "cores are shared with other engineers' jobs: each section gives the load average at its end.\n\n"
         "wrong: answers other than 200/202 for plans and 200 for status and simulate. plans done / lost: plans that "
         "ended done (of 10), and plans that never reached done, failed or cancelled. solves busy: solve processes running when the status calls "
         "were timed.\n"

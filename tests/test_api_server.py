@@ -112,9 +112,12 @@ def test_fifty_requests_in_flight_against_two_solve_processes(tmp_path):
     assert stats["plans"] == 10
     assert sorted(stats["finals"].values()) == ["done"] * 10  # none lost, none stuck
     assert stats["busy_during"] >= 1 and stats["status_errors_during"] == []
-    # Generous bounds for a loaded 2-core CI machine; benchmarks/results/service.md has the real figures.
+    # Generous bounds for a loaded 2-core CI machine (the 50 ms is measured, with the load average, in
+    # benchmarks/results/service.md: 17-37 ms in the burst). Status calls that waited for a solve, for a body
+    # being validated or for the thread pool behind plan writes would take far longer than these.
     assert stats["status_p50_sequential_ms"] < 250, stats
     assert stats["status_p50_during_ms"] < 1000, stats
+    assert stats["status_p50_burst_ms"] < 500, stats
     # A separate client polling during the burst (the way a training job polls) is not held up by it.
     assert stats["probe_errors"] == [], stats
     if stats["probe_calls_burst"]:
