@@ -23,6 +23,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -64,7 +65,7 @@ class StepContext:
     targets: Any
     loss_fn: Callable
 
-    @property
+    @cached_property
     def compute_ids(self) -> set[str]:
         return {node.id for node in self.graph.nodes}
 
