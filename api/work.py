@@ -24,7 +24,7 @@ from api.errors import ApiError, invalid, over_limit
 from api.models import PlanRequest, SimulateRequest
 from api.settings import Settings
 from planner.errors import Issue, ScheduleRejected
-from planner.profile import parse_profile
+from planner.profile import json_problem, parse_profile
 from planner.schedule import parse_schedule
 from planner.simulator import simulate
 from planner.strategies import load_all
@@ -78,14 +78,9 @@ def _current_settings() -> Settings:
 
 def read_json_body(raw: bytes, what: str) -> dict:
     """Decode a JSON object with the CLI's wording for broken JSON."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as error:
-        raise invalid([Issue("", f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}")]) from None
-    except ValueError as error:  # not UTF-8
-        raise invalid([Issue("", f"not valid JSON: {error}")]) from None
-    except RecursionError:
-        raise invalid([Issue("", "not valid JSON here: nested too deeply")]) from None
+    data, problem = json_problem(raw)
+    if problem is not None:
+        raise invalid([Issue("", problem)])
     if not isinstance(data, dict):
         raise invalid([Issue("", f"a {what} is a JSON object, not {type(data).__name__}")])
     return data

@@ -25,6 +25,13 @@ SUPPORTED_PROFILE_VERSIONS = ("1.0",)
 
 NodeKind = Literal["forward", "loss", "backward"]
 
+# Bounds far beyond any real device, so that sums over a whole step stay finite floats and fit the solver's
+# int64 arithmetic: a profile outside them is refused with its path rather than overflowing somewhere later.
+MAX_BYTES = 2**50  # 1 PiB for one tensor, workspace or memory figure
+MAX_TIME_MS = 1e7  # about 2.8 hours for one operation or transfer latency
+MIN_BANDWIDTH_GB_PER_S = 1e-3  # 1 MB/s
+MAX_BANDWIDTH_GB_PER_S = 1e6
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=False)
 
@@ -33,14 +40,16 @@ class Hardware(_Strict):
     """The device the step runs on and its link to host memory."""
 
     name: str = Field(min_length=1, description="Device name, e.g. 'Tesla P40'.")
-    memory_capacity_bytes: int = Field(gt=0, description="Device memory in bytes.")
+    memory_capacity_bytes: int = Field(gt=0, le=MAX_BYTES, description="Device memory in bytes.")
     d2h_bandwidth_gb_per_s: float | None = Field(
-        default=None, gt=0, description="Device-to-host copy bandwidth, 1e9 bytes per second. None: no offloading."
+        default=None, ge=MIN_BANDWIDTH_GB_PER_S, le=MAX_BANDWIDTH_GB_PER_S,
+        description="Device-to-host copy bandwidth, 1e9 bytes per second. None: no offloading.",
     )
     h2d_bandwidth_gb_per_s: float | None = Field(
-        default=None, gt=0, description="Host-to-device copy bandwidth, 1e9 bytes per second. None: no prefetching."
+        default=None, ge=MIN_BANDWIDTH_GB_PER_S, le=MAX_BANDWIDTH_GB_PER_S,
+        description="Host-to-device copy bandwidth, 1e9 bytes per second. None: no prefetching.",
     )
-    transfer_latency_ms: float = Field(default=0.0, ge=0, description="Fixed cost added to every transfer.")
+    transfer_latency_ms: float = Field(default=0.0, ge=0, le=MAX_TIME_MS, description="Fixed cost added to every transfer.")
 
     @property
     def can_transfer(self) -> bool:
@@ -58,11 +67,11 @@ class Hardware(_Strict):
 class FixedMemory(_Strict):
     """Memory resident for the whole step, whatever the plan."""
 
-    inputs_bytes: int = Field(default=0, ge=0)
-    parameters_bytes: int = Field(default=0, ge=0)
-    gradients_bytes: int = Field(default=0, ge=0)
-    optimizer_state_bytes: int = Field(default=0, ge=0)
-    other_bytes: int = Field(default=0, ge=0, description="Framework context, buffers, anything else resident.")
+    inputs_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
+    parameters_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
+    gradients_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
+    optimizer_state_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
+    other_bytes: int = Field(default=0, ge=0, le=MAX_BYTES, description="Framework context, buffers, anything else resident.")
 
     @property
     def total_bytes(self) -> int:
@@ -79,8 +88,8 @@ class Implementation(_Strict):
     """One way to compute a node, e.g. one cuDNN convolution algorithm."""
 
     name: str = Field(min_length=1)
-    time_ms: float = Field(ge=0)
-    workspace_bytes: int = Field(default=0, ge=0)
+    time_ms: float = Field(ge=0, le=MAX_TIME_MS)
+    workspace_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
 
 
 class Node(_Strict):
@@ -90,10 +99,11 @@ class Node(_Strict):
     name: str = Field(default="", description="Readable name; defaults to the id.")
     kind: NodeKind
     op_type: str = Field(default="op")
-    output_bytes: int = Field(ge=0, description="Size of the tensor this node produces.")
+    output_bytes: int = Field(ge=0, le=MAX_BYTES, description="Size of the tensor this node produces.")
     extra_saved_bytes: int = Field(
         default=0,
         ge=0,
+        le=MAX_BYTES,
         description="Bytes saved for backward beyond the output (pooling indices, masks, statistics); "
         "they live and move with the output.",
     )
@@ -332,16 +342,32 @@ def load_profile(path: str | Path) -> GraphProfile:
     return parse_profile(read_json(path, ProfileError), str(path))
 
 
+def json_problem(raw: bytes | str) -> tuple[Any, str | None]:
+    """Decode JSON text (UTF-8, or UTF-16/32 with its BOM): (value, None), or (None, a sentence on what is wrong)."""
+    try:
+        return json.loads(raw), None
+    except json.JSONDecodeError as error:
+        return None, f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+    except UnicodeDecodeError as error:
+        return None, f"not UTF-8 text: byte {error.object[error.start:error.start + 1]!r} at offset {error.start}"
+    except RecursionError:
+        return None, "not valid JSON here: nested too deeply"
+    except ValueError as error:
+        if "digits" in str(error):  # Python's limit on integer literals
+            return None, "a number has more digits than any size or time can (more than 4300)"
+        return None, f"not valid JSON: {error}"
+
+
 def read_json(path: Path, error_type: type) -> Any:
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise error_type([Issue("", "file not found")], str(path)) from None
+    except IsADirectoryError:
+        raise error_type([Issue("", "is a directory, not a JSON file")], str(path)) from None
     except OSError as error:
         raise error_type([Issue("", f"cannot read the file: {error.strerror}")], str(path)) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise error_type(
-            [Issue("", f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}")], str(path)
-        ) from None
+    value, problem = json_problem(raw)
+    if problem is not None:
+        raise error_type([Issue("", problem)], str(path))
+    return value

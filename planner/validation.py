@@ -37,5 +37,27 @@ def issues_from_validation_error(error: ValidationError) -> list[Issue]:
             message = "required field is missing"
         elif detail["type"] == "finite_number":
             message = "must be a finite number (not NaN or infinity)"
+        elif detail["type"] in _BOUNDS:
+            message = _bound_message(detail)
         issues.append(Issue(format_location(detail["loc"]), message))
     return issues
+
+
+_BOUNDS = {"less_than_equal": "at most", "less_than": "below", "greater_than_equal": "at least", "greater_than": "above"}
+
+
+def _bound_message(detail: dict) -> str:
+    """'must be at most 1125899906842624 (1 PiB), not 1152921504606846976': the bound with its unit, and the value."""
+    context = detail.get("ctx") or {}
+    bound = next(iter(context.values()), None)
+    field = str(detail["loc"][-1]) if detail.get("loc") else ""
+    text = f"must be {_BOUNDS[detail['type']]} {bound}"
+    if isinstance(bound, int) and bound >= 2**20 and field.endswith("bytes"):
+        from planner.units import format_bytes
+
+        text += f" ({format_bytes(bound)})"
+    elif field.endswith("_ms"):
+        text += " ms"
+    elif field.endswith("_gb_per_s"):
+        text += " GB/s"
+    return f"{text}, not {detail.get('input')!r}"

@@ -343,6 +343,13 @@ def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
     broken = client.post("/v1/plans", content=b'{"profile": ', headers={"content-type": "application/json"})
     assert broken.status_code == 422 and broken.json()["issues"][0]["message"].startswith("not valid JSON")
     assert client.post("/v1/plans", json=[1, 2]).json()["issues"][0]["message"] == "a plan request is a JSON object, not list"
+    # Numbers so large that a step's sums would overflow are refused at their path, never answered with a 500.
+    huge = json.loads(json.dumps(shipped_profile()))
+    huge["nodes"][0]["implementations"][0]["time_ms"] = 1e308
+    for endpoint, body in (("/v1/plans", plan_request(profile=huge)), ("/v1/simulate", {"profile": huge, "schedule": {}})):
+        answer = client.post(endpoint, json=body)
+        assert answer.status_code == 422, answer.text
+        assert "profile.nodes[0].implementations[0].time_ms" in [issue["path"] for issue in answer.json()["issues"]]
     deep = client.post("/v1/plans", content=b"[" * 100_000, headers={"content-type": "application/json"})
     assert deep.status_code == 422 and "nested too deeply" in deep.json()["issues"][0]["message"]
     assert plan_count(client) == before
