@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.errors import BudgetError
+from planner.errors import BudgetError, MososError
 from planner.planning import plan
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
@@ -39,4 +39,6 @@ def compare(profile: GraphProfile, budget_bytes: int | None, strategies: list[st
             rows.append(ComparisonRow(name, plan(profile, budget_bytes, strategy=name, **options)))
         except BudgetError as error:
             rows.append(ComparisonRow(name, None, str(error), error.minimum_budget_bytes))
+        except MososError as error:  # a strategy that cannot run on this profile (no bandwidth, ...): its row says why
+            rows.append(ComparisonRow(name, None, str(error)))
     return rows

@@ -8,6 +8,7 @@ per node and no transfer bandwidth unless one is given.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,10 @@ class GraphImportError(ProfileError):
 
 def _dialect(data: dict) -> str:
     nodes = data.get("nodes") or []
+    strays = [Issue(f"nodes[{i}]", f"a node is a JSON object, not {type(node).__name__}")
+              for i, node in enumerate(nodes) if not isinstance(node, dict)]
+    if strays:
+        raise GraphImportError(strays)
     if nodes and all("cost_ram" in node for node in nodes):
         return "checkmate"
     if nodes and all("out_cost" in node for node in nodes):
@@ -44,8 +49,11 @@ def _number(node: dict, field: str, index: int, issues: list[Issue], default=Non
     if value is None:
         issues.append(Issue(f"nodes[{index}].{field}", "required field is missing"))
         return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        issues.append(Issue(f"nodes[{index}].{field}", f"must be a number, got {value!r}"))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        issues.append(Issue(f"nodes[{index}].{field}", f"must be a finite number, got {value!r}"))
+        return 0
+    if value < 0:
+        issues.append(Issue(f"nodes[{index}].{field}", f"must not be negative, got {value!r}"))
         return 0
     return value
 
@@ -63,10 +71,21 @@ def graph_to_profile_data(
     """Translate a node-link document into a profile document (not yet validated)."""
     if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("links"), list):
         raise GraphImportError([Issue("", "expected a networkx node-link object with 'nodes' and 'links' lists")], source)
-    dialect = _dialect(data)
+    if data.get("graph") is not None and not isinstance(data["graph"], dict):
+        raise GraphImportError([Issue("graph", f"'graph' is a JSON object, not {type(data['graph']).__name__}")], source)
+    try:
+        dialect = _dialect(data)
+    except GraphImportError as error:
+        raise GraphImportError(error.issues, source) from None
     issues: list[Issue] = []
     size_field, time_field = ("cost_ram", "cost_cpu") if dialect == "checkmate" else ("out_cost", "duration")
     keys: list[str | None] = [_node_key(node, i, issues) for i, node in enumerate(data["nodes"])]
+    first_index: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        if key is not None and key in first_index:
+            issues.append(Issue(f"nodes[{i}]", f"duplicate node id {key!r} (also nodes[{first_index[key]}])"))
+        elif key is not None:
+            first_index[key] = i
     inputs: dict[str, list[str]] = {key: [] for key in keys if key is not None}
     source_key, target_key = ("source", "target") if dialect == "checkmate" else ("0", "1")
     for i, link in enumerate(data["links"]):
@@ -130,4 +149,4 @@ def import_graph(path: str | Path, **options) -> GraphProfile:
     path = Path(path)
     data = read_json(path, GraphImportError)
     profile_data = graph_to_profile_data(data, source=str(path), **options)
-    return parse_profile(profile_data, str(path))
+    return parse_profile(profile_data, f"the profile converted from {path}")

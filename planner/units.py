@@ -18,6 +18,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+MAX_SIZE_BYTES = 2**60  # 1 EiB: a bound that keeps budgets finite and inside int64
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -25,6 +26,8 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int):
         if text < 0:
             raise BudgetError(f"a size in bytes cannot be negative: {text}")
+        if text > MAX_SIZE_BYTES:
+            raise BudgetError(f"{text} bytes is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")
         return text
     match = _PATTERN.match(str(text))
     if not match:
@@ -33,7 +36,10 @@ def parse_bytes(text: str | int) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-    return int(round(float(number) * factor))
+    value = float(number) * factor
+    if not value <= MAX_SIZE_BYTES:
+        raise BudgetError(f"{text!r} is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")
+    return int(round(value))
 
 
 def format_bytes(size_bytes: int | float | None) -> str:

@@ -85,3 +85,74 @@ def test_import_graph_command(tmp_path):
     assert "45 nodes" in result.output
     result = invoke("plan", out, "--strategy", "keep-all", "--json")
     assert json.loads(result.output)["strategies"][0]["peak_memory_bytes"] == 15_825_108_992
+
+
+def test_output_mistakes_are_refused_before_any_work(tmp_path, offload_profile, monkeypatch):
+    good = tmp_path / "good.json"
+    good.write_text(offload_profile.to_json())
+    import planner.cli.plan_cmd as plan_cmd
+
+    def must_not_plan(*args, **kwargs):
+        raise AssertionError("planned although the output path was bad")
+
+    monkeypatch.setattr(plan_cmd, "plan", must_not_plan)
+    result = invoke("plan", good, "--budget", "1GiB", "-o", tmp_path)
+    assert result.exit_code == 2 and "is a directory" in result.output
+    result = invoke("plan", good, "--budget", "1GiB", "-o", tmp_path / "missing" / "s.json")
+    assert result.exit_code == 2 and "does not exist" in result.output
+    schedule = tmp_path / "s.json"
+    schedule.write_text(keep_all_schedule(offload_profile).to_json())
+    result = invoke("simulate", good, schedule, "--plot", tmp_path / "memory.txt")
+    assert result.exit_code == 2 and "must end in .png or .svg or .pdf" in result.output
+    result = invoke("simulate", good, schedule, "--trace", tmp_path / "nowhere" / "t.json")
+    assert result.exit_code == 2 and "does not exist" in result.output
+    result = invoke("import-graph", good, "-o", tmp_path / "nowhere" / "p.json")
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        (["--budget", "1" + "0" * 400], "larger than any memory"),
+        (["--budget", "1GiB", "--seed", "3000000000"], "--seed must be between 0 and 2147483647"),
+        (["--budget", "1GiB", "--time-limit", "nan"], "--time-limit must be a positive number, not nan"),
+        (["--budget", "1GiB", "--workers", "0"], "--workers must be between 1 and 1024"),
+    ],
+)
+def test_out_of_range_options_are_a_message(tmp_path, offload_profile, options, fragment):
+    good = tmp_path / "good.json"
+    good.write_text(offload_profile.to_json())
+    result = invoke("plan", good, *options)
+    assert result.exit_code == 2 and fragment in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (b'{"name": "\xff"}', "not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"a": ' + b"9" * 5000 + b"}", "more digits than any size or time"),
+    ],
+)
+def test_unreadable_json_files_are_a_message(tmp_path, content, fragment):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    for command in (["plan", bad, "--budget", "1GiB"], ["simulate", bad, bad], ["import-graph", bad, "-o", tmp_path / "o.json"]):
+        result = invoke(*command)
+        assert result.exit_code == 2 and fragment in result.output, (command, result.output)
+
+
+def test_a_strategy_that_cannot_run_gets_a_row_that_says_why(tmp_path, offload_profile):
+    no_links = offload_profile.model_copy(
+        update={"hardware": offload_profile.hardware.model_copy(update={"d2h_bandwidth_gb_per_s": None,
+                                                                        "h2d_bandwidth_gb_per_s": None})}
+    )
+    path = tmp_path / "no-links.json"
+    path.write_text(no_links.to_json())
+    result = invoke("plan", path, "--strategy", "keep-all", "--budget", "1GiB", "--compare", "vdnn-all", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {row["strategy"]: row for row in json.loads(result.output)["strategies"]}
+    assert rows["keep-all"]["feasible"] and not rows["vdnn-all"]["feasible"]
+    assert "no transfer bandwidth" in rows["vdnn-all"]["error"]
+    result = invoke("plan", path, "--strategy", "keep-all", "--compare", "all,typo")
+    assert result.exit_code == 2 and "unknown strategy 'typo'" in result.output

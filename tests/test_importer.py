@@ -52,3 +52,20 @@ def test_bad_graphs_are_explained():
     with pytest.raises(GraphImportError) as caught:
         graph_to_profile_data(bad_number)
     assert caught.value.issues[0].path == "nodes[0].cost_ram"
+
+
+@pytest.mark.parametrize(
+    ("document", "path", "fragment"),
+    [
+        ({"nodes": [1, 2], "links": []}, "nodes[0]", "a node is a JSON object, not int"),
+        ({"graph": [1], "nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": 1}], "links": []}, "graph", "not list"),
+        ({"nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": 1}, {"id": 0, "cost_ram": 1, "cost_cpu": 1}], "links": []},
+         "nodes[1]", "duplicate node id '0' (also nodes[0])"),
+        ({"nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": -2}], "links": []}, "nodes[0].cost_cpu", "must not be negative"),
+        ({"nodes": [{"id": 0, "cost_ram": float("nan"), "cost_cpu": 1}], "links": []}, "nodes[0].cost_ram", "finite"),
+    ],
+)
+def test_odd_graph_shapes_are_explained_at_their_place_in_the_graph(document, path, fragment):
+    with pytest.raises(GraphImportError) as caught:
+        graph_to_profile_data(document)
+    assert caught.value.issues[0].path == path and fragment in caught.value.issues[0].message

@@ -38,6 +38,10 @@ def friendly(command):
             error_console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
             code = getattr(error, "exit_code", EXIT_BAD_INPUT)
             raise typer.Exit(code) from None
+        except OSError as error:  # a file the checks up front could not foresee (disk full, permissions)
+            where = f" ({error.filename})" if error.filename else ""
+            error_console.print(f"[bold red]error:[/] {error.strerror or error}{where}", highlight=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
         except KeyboardInterrupt:
             error_console.print("interrupted")
             raise typer.Exit(130) from None

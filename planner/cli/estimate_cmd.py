@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from planner.cli.app import app, console, friendly
+from planner.cli.checks import whole_number_in, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
 
@@ -64,6 +65,13 @@ def estimate_command(
                if value is None]
     if missing:
         raise MososError(f"mosos estimate needs {', '.join(missing)} (or --list to see models and GPUs)")
+    writable_output(output, "-o")
+    whole_number_in(batch, "--batch", 1, 1 << 24)
+    whole_number_in(image_size, "--image-size", 1, 1 << 16)
+    whole_number_in(tokens, "--tokens", 1, 1 << 24)
+    memory_bytes = parse_bytes(memory) if memory else None
+    if memory_bytes == 0:
+        raise MososError("--memory must be more than 0 bytes")
     if math not in ("fp32", "tf32"):
         raise MososError(f"--math must be fp32 or tf32, not {math!r}")
     profile = estimator.estimate(
@@ -75,9 +83,9 @@ def estimate_command(
         small=small,
         math=math,
         optimizer=optimizer,
-        memory_bytes=parse_bytes(memory) if memory else None,
+        memory_bytes=memory_bytes,
     )
-    output.write_text(profile.to_json(indent=None if compact else 1))
+    write_output(output, profile.to_json(indent=None if compact else 1), "-o")
     fastest_ms = sum(node.fastest.time_ms for node in profile.nodes)
     tensors = sum(node.size_bytes for node in profile.nodes)
     console.print(

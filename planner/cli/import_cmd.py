@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 
 from planner.cli.app import app, console, friendly
+from planner.errors import MososError
+from planner.cli.checks import positive_finite, writable_output, write_output
 from planner.importer import import_graph
 from planner.units import format_bytes, parse_bytes
 
@@ -23,15 +25,22 @@ def import_graph_command(
     h2d_gb_per_s: float = typer.Option(None, "--h2d-gb-per-s", help="host-to-device bandwidth, GB/s"),
 ) -> None:
     """Turn a published training graph into a profile with one implementation per node."""
+    writable_output(output, "-o")
+    positive_finite(time_unit_ms, "--time-unit-ms")
+    positive_finite(d2h_gb_per_s, "--d2h-gb-per-s")
+    positive_finite(h2d_gb_per_s, "--h2d-gb-per-s")
+    capacity_bytes = parse_bytes(memory_capacity) if memory_capacity else None
+    if capacity_bytes == 0:
+        raise MososError("--memory-capacity must be more than 0 bytes")
     profile = import_graph(
         graph,
         name=name,
         time_unit_ms=time_unit_ms,
-        memory_capacity_bytes=parse_bytes(memory_capacity) if memory_capacity else None,
+        memory_capacity_bytes=capacity_bytes,
         d2h_bandwidth_gb_per_s=d2h_gb_per_s,
         h2d_bandwidth_gb_per_s=h2d_gb_per_s,
     )
-    output.write_text(profile.to_json())
+    write_output(output, profile.to_json(), "-o")
     total = sum(node.size_bytes for node in profile.nodes)
     console.print(
         f"wrote {output}: {len(profile.nodes)} nodes, "

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from planner.budget import budget_from_ratio
 from planner.cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
+from planner.cli.checks import positive_finite, whole_number_in, writable_output, write_output
 from planner.comparison import ComparisonRow, compare
 from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
@@ -63,9 +64,12 @@ def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: flo
         table.add_column(header, justify="left" if header in ("strategy", "solver") else "right")
     for row in rows:
         summary = row.schedule.summary if row.schedule is not None else None
-        if summary is None:
-            minimum = f"no: needs {format_bytes(row.minimum_budget_bytes)}" if row.minimum_budget_bytes else "no"
-            table.add_row(row.strategy, "infeasible", "", "", minimum, "", "", "", "")
+        if summary is None and row.minimum_budget_bytes:
+            table.add_row(row.strategy, "infeasible", "", "", f"no: needs {format_bytes(row.minimum_budget_bytes)}",
+                          "", "", "", "")
+            continue
+        if summary is None:  # the strategy cannot run on this profile: the reason goes in the last column
+            table.add_row(row.strategy, "cannot run", "", "", "no", "", "", "", (row.error or "").split("; ")[0])
             continue
         fits = "yes" if budget is None or summary.peak_memory_bytes <= budget else "no"
         solver = ""
@@ -101,11 +105,16 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
 ) -> None:
     """Plan PROFILE within a budget, check it in the simulator, and compare strategies."""
+    writable_output(output, "-o")
+    positive_finite(time_limit, "--time-limit")
+    whole_number_in(seed, "--seed", 0, 2**31 - 1)
+    whole_number_in(workers, "--workers", 1, 1024)
     profile = load_profile(profile_path)
     names = strategy_names()
     budget_bytes = resolve_budget(profile, parse_bytes(budget) if budget else None, memory_ratio)
     if compare_with:
-        wanted = names if compare_with.strip() == "all" else [s.strip() for s in compare_with.split(",") if s.strip()]
+        listed = [s.strip() for s in compare_with.split(",") if s.strip()]
+        wanted = [s for s in listed if s != "all"] + (names if "all" in listed else [])
         unknown = [s for s in wanted if s not in names]
         if unknown:
             raise MososError(f"unknown strategy {unknown[0]!r} in --compare; known: {', '.join(names)}")
@@ -125,7 +134,7 @@ def plan_command(
         rows = [ComparisonRow(strategy, chosen)] + compare(profile, budget_bytes, order[1:], **options)
     lower_bound_ms = simulate(profile, keep_all_schedule(profile), keep_timeline=False).step_time_ms
     if output:
-        output.write_text(chosen.to_json())
+        write_output(output, chosen.to_json(), "-o")
     if as_json:
         typer.echo(
             json.dumps(

@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from planner.cli.app import app, console, error_console, friendly
+from planner.cli.checks import whole_number_in, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes
 
@@ -44,8 +45,11 @@ def profile_command(
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
     """Profile one training step of a reference network, node by node, on this machine."""
+    writable_output(output, "-o")
     if batch < 1:
         raise MososError(f"--batch must be at least 1, got {batch}")
+    whole_number_in(image_size, "--image-size", 1, 1 << 16)
+    whole_number_in(tokens, "--tokens", 1, 1 << 24)
     if repeats < 1 or warmup < 0:
         raise MososError("--repeats must be at least 1 and --warmup at least 0")
     for flag, value in (("--d2h-gb-per-s", d2h_gb_per_s), ("--h2d-gb-per-s", h2d_gb_per_s)):
@@ -61,7 +65,7 @@ def profile_command(
     profile, label, nodes_ms, plain_ms, ratio = (
         measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio
     )
-    output.write_text(profile.to_json())
+    write_output(output, profile.to_json(), "-o")
     total_ms = sum(node.fastest.time_ms for node in profile.nodes)
     activations = sum(node.size_bytes for node in profile.nodes if node.kind != "backward")
     console.print(

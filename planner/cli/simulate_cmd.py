@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from planner.cli.app import app, console, error_console, friendly
+from planner.cli.checks import writable_output
 from planner.errors import ScheduleRejected
 from planner.profile import load_profile
 from planner.schedule import load_schedule
@@ -29,6 +30,8 @@ def simulate_command(
     plot: Path = typer.Option(None, help="draw memory over time with the budget line (PNG)"),
 ) -> None:
     """Replay SCHEDULE on PROFILE: step time, stalls, per-stream busy time and peak memory."""
+    writable_output(trace, "--trace")
+    writable_output(plot, "--plot", (".png", ".svg", ".pdf"))
     profile = load_profile(profile_path)
     schedule = load_schedule(schedule_path)
     try:
