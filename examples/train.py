@@ -1,6 +1,6 @@
 """Train a reference network a few steps under a memory budget, next to plain PyTorch.
 
-    python3 examples/train.py --model vgg19 --small --batch 8 --memory-ratio 0.6 --steps 3
+    python3 examples/train.py --model vgg19 --small --batch 32 --memory-ratio 0.7 --steps 3
     python3 examples/train.py --model resnet50 --batch 64 --budget 6GiB --device cuda
 
 Both runs start from the same weights and see the same batches and random
@@ -33,7 +33,7 @@ def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="vgg19")
     parser.add_argument("--small", action="store_true", help="the small variant (CPU-sized)")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--budget", default=None, help="device memory budget, e.g. 6GiB")
     parser.add_argument("--memory-ratio", type=float, default=None, help="budget as a fraction of the keep-all peak")
     parser.add_argument("--strategy", default="mosos")
@@ -46,7 +46,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
     if args.budget is None and args.memory_ratio is None:
-        args.memory_ratio = 0.6
+        args.memory_ratio = 0.7
     return args
 
 
