@@ -118,6 +118,7 @@ class Violation(BaseModel):
     reason: str
     message: str
     stage: int | None = None
+    path: str | None = Field(default=None, description="JSON path of the operation in the schedule, e.g. stages[1].operations[0].")
     operation_index: int | None = None
     operation: str | None = None
     tensor: str | None = None

@@ -67,15 +67,17 @@ class ScheduleRejected(MososError):
         tensor: str | None = None,
         over_budget_bytes: int | None = None,
         time_ms: float | None = None,
+        path: str | None = None,
     ):
         self.reason = reason
+        self.path = path
         self.stage = stage
         self.operation_index = operation_index
         self.operation = operation
         self.tensor = tensor
         self.over_budget_bytes = over_budget_bytes
         self.time_ms = time_ms
-        where = []
+        where = [path] if path else []
         if stage is not None:
             where.append(f"stage {stage}")
         if operation_index is not None:
@@ -87,9 +89,17 @@ class ScheduleRejected(MososError):
             prefix += " at " + " ".join(where)
         super().__init__(f"{prefix}: {reason}")
 
+    def located(self, path: str) -> "ScheduleRejected":
+        """The same rejection with the operation's JSON path in the schedule document."""
+        return ScheduleRejected(
+            self.reason, stage=self.stage, operation_index=self.operation_index, operation=self.operation,
+            tensor=self.tensor, over_budget_bytes=self.over_budget_bytes, time_ms=self.time_ms, path=path,
+        )
+
     def as_dict(self) -> dict:
         return {
             "reason": self.reason,
+            "path": self.path,
             "stage": self.stage,
             "operation_index": self.operation_index,
             "operation": self.operation,

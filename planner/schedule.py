@@ -142,6 +142,14 @@ class Schedule(_Strict):
                 yield stage.index, position, operation
                 position += 1
 
+    def path_of(self, position: int) -> str | None:
+        """JSON path of the operation at `position` in program order (as `operations()` counts)."""
+        for stage_number, stage in enumerate(self.stages):
+            if position < len(stage.operations):
+                return f"stages[{stage_number}].operations[{position}]"
+            position -= len(stage.operations)
+        return None
+
     def to_json(self, indent: int | None = 1) -> str:
         return self.model_dump_json(indent=indent, exclude_none=True)
 

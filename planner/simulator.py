@@ -143,6 +143,16 @@ def simulate(
     budget = schedule.budget_bytes if budget_bytes is None else budget_bytes
     if budget is not None and budget < 0:
         raise BudgetError(f"a memory budget cannot be negative: {budget} bytes")
+    try:
+        return _replay_schedule(profile, schedule, budget, keep_timeline)
+    except ScheduleRejected as rejection:
+        path = schedule.path_of(rejection.operation_index) if rejection.operation_index is not None else None
+        if path is None or rejection.path is not None:
+            raise
+        raise rejection.located(path) from None
+
+
+def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | None, keep_timeline: bool) -> SimulationResult:
     replay = _Replay(profile, budget, tensors={node_id: _TensorState() for node_id in profile.order})
     handlers = {Compute: _compute, Offload: _offload, Prefetch: _prefetch, Wait: _wait, Free: _free}
     for stage, index, operation in schedule.operations():
@@ -298,7 +308,7 @@ def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
     budget = replay.budget_bytes
     if budget is not None and fixed > budget:
         raise ScheduleRejected(
-            f"fixed memory alone ({fixed} bytes) is over the budget ({budget} bytes) by {fixed - budget} bytes",
+            f"fixed memory alone ({fixed} bytes) is {fixed - budget} bytes over the budget ({budget} bytes)",
             over_budget_bytes=fixed - budget,
             time_ms=0.0,
         )

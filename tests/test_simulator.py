@@ -67,6 +67,7 @@ def test_one_byte_over_budget_names_the_operation(offload_profile):
     rejection = caught.value
     assert rejection.over_budget_bytes == 1
     assert rejection.stage == 1 and rejection.tensor == "b"
+    assert rejection.path is not None and rejection.path.startswith("stages[1].operations[")
     assert "1 bytes over the budget" in str(rejection)
     assert simulate(offload_profile, schedule, budget_bytes=3_500_100).peak_memory_bytes == 3_500_100
 
@@ -75,8 +76,13 @@ def test_reading_a_prefetch_without_waiting_is_rejected(offload_profile):
     schedule = offload_schedule(offload_profile)
     stage = schedule.stages[3]
     stage.operations = [op for op in stage.operations if op.op != "wait"]
-    with pytest.raises(ScheduleRejected, match="before waiting for its prefetch"):
+    with pytest.raises(ScheduleRejected, match="before waiting for its prefetch") as caught:
         simulate(offload_profile, schedule)
+    # Where in the document: the JSON path of the compute that reads too early, by position in the file.
+    [position] = [k for k, op in enumerate(stage.operations) if op.op == "compute"]
+    assert caught.value.path == f"stages[3].operations[{position}]"
+    assert str(caught.value).startswith(f"schedule rejected at stages[3].operations[{position}] stage 3")
+    assert caught.value.as_dict()["path"] == caught.value.path
 
 
 def test_prefetch_without_offload_is_rejected(offload_profile):
