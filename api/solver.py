@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -117,7 +118,12 @@ def solve_task(task: dict, send, should_stop) -> dict:
 
 
 def become_child(parent_pid: int, nice: int) -> None:
-    """A helper process dies with the server and yields the CPU to it."""
+    """A helper process dies with the server and yields the CPU to it.
+
+    It ignores Ctrl-C, which a terminal sends to the whole process group: the server stops its helpers in
+    order (finishing what it can), instead of seeing them die and starting new ones while it shuts down.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=watch_parent, args=(parent_pid,), daemon=True).start()
     if nice > 0:
         try:
