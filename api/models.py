@@ -9,11 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import SimulationFigures
+from planner.validation import NumbersAreNumbers
 
 PlanState = Literal["queued", "solving", "done", "failed", "cancelled"]
 
 
-class _Request(BaseModel):
+class _Request(NumbersAreNumbers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 

@@ -18,7 +18,7 @@ import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner.errors import Issue, ProfileError
-from planner.validation import issues_from_validation_error
+from planner.validation import NumbersAreNumbers, issues_from_validation_error
 
 PROFILE_SCHEMA_VERSION = "1.0"
 SUPPORTED_PROFILE_VERSIONS = ("1.0",)
@@ -32,7 +32,7 @@ MAX_TIME_MS = 1e7  # about 2.8 hours for one operation or transfer latency
 MIN_BANDWIDTH_GB_PER_S = 1e-3  # 1 MB/s
 MAX_BANDWIDTH_GB_PER_S = 1e6
 
-class _Strict(BaseModel):
+class _Strict(NumbersAreNumbers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=False)
 
 

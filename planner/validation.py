@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from typing import Any
+
+from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
 
 from planner.errors import Issue
+
+_NUMBER_TYPES = (int, float, int | None, float | None)
+
+
+class NumbersAreNumbers(BaseModel):
+    """Base of the contracts' models: no quoted numbers or booleans coerced into sizes, times or ratios."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A quoted number or a boolean where a size or a time belongs is a mistake, not a number to coerce."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and field.annotation in _NUMBER_TYPES and isinstance(value, (bool, str)):
+            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")
+        return value
 
 
 def format_location(location: tuple) -> str:

@@ -329,6 +329,8 @@ def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
         (plan_request(strategy="nope"), ["strategy"]),
         (plan_request(strategy="test-sleep", budget_bytes=10, memory_ratio=0.5), [""]),
         (plan_request(memory_ratio=1.5), ["memory_ratio"]),
+        (plan_request(memory_ratio="0.5"), ["memory_ratio"]),
+        (plan_request(budget_bytes=True), ["budget_bytes"]),
         (plan_request(unknown_field=1), ["unknown_field"]),
         ({"strategy": "keep-all"}, ["profile"]),
     ]

@@ -76,6 +76,9 @@ def test_backward_node_reading_nothing_from_forward():
         ("output_bytes", 2**60, "nodes[1].output_bytes", "must be at most 1125899906842624 (1024.00 TiB)"),
         ("time_ms", 1e308, "nodes[1].implementations[0].time_ms", "must be at most 10000000.0 ms, not 1e+308"),
         ("workspace_bytes", 2**51, "nodes[1].implementations[0].workspace_bytes", "must be at most"),
+        # Quoted numbers and booleans are mistakes, not numbers to coerce.
+        ("output_bytes", "1000", "nodes[1].output_bytes", "must be a number, not str '1000'"),
+        ("time_ms", True, "nodes[1].implementations[0].time_ms", "must be a number, not bool True"),
     ],
 )
 def test_negative_huge_or_non_finite_numbers(field, value, path, fragment):
