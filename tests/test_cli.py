@@ -156,3 +156,13 @@ def test_a_strategy_that_cannot_run_gets_a_row_that_says_why(tmp_path, offload_p
     assert "no transfer bandwidth" in rows["vdnn-all"]["error"]
     result = invoke("plan", path, "--strategy", "keep-all", "--compare", "all,typo")
     assert result.exit_code == 2 and "unknown strategy 'typo'" in result.output
+
+
+def test_an_empty_budget_is_named_and_a_budget_past_the_device_is_noted(tmp_path, offload_profile):
+    good = tmp_path / "good.json"
+    good.write_text(offload_profile.to_json())
+    result = invoke("plan", good, "--budget", "")
+    assert result.exit_code == 2 and "cannot read '' as a size" in result.output
+    capacity = offload_profile.hardware.memory_capacity_bytes
+    result = invoke("plan", good, "--strategy", "keep-all", "--budget", str(capacity + 1))
+    assert result.exit_code == 0 and "more than the device's memory" in result.output

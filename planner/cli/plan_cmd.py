@@ -111,7 +111,14 @@ def plan_command(
     whole_number_in(workers, "--workers", 1, 1024)
     profile = load_profile(profile_path)
     names = strategy_names()
-    budget_bytes = resolve_budget(profile, parse_bytes(budget) if budget else None, memory_ratio)
+    budget_bytes = resolve_budget(profile, parse_bytes(budget) if budget is not None else None, memory_ratio)
+    capacity = profile.hardware.memory_capacity_bytes
+    if budget_bytes is not None and budget_bytes > capacity and not as_json:
+        error_console.print(
+            f"[yellow]note:[/] the budget {format_bytes(budget_bytes)} is more than the device's memory "
+            f"({format_bytes(capacity)}, {profile.hardware.name}); plans are checked against the budget only",
+            highlight=False,
+        )
     if compare_with:
         listed = [s.strip() for s in compare_with.split(",") if s.strip()]
         wanted = [s for s in listed if s != "all"] + (names if "all" in listed else [])

@@ -35,7 +35,7 @@ def simulate_command(
     profile = load_profile(profile_path)
     schedule = load_schedule(schedule_path)
     try:
-        result = simulate(profile, schedule, parse_bytes(budget) if budget else None)
+        result = simulate(profile, schedule, parse_bytes(budget) if budget is not None else None)
     except ScheduleRejected as rejection:
         if as_json:
             typer.echo(json.dumps({"valid": False, "violation": rejection.as_dict()}, indent=2))
