@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import SimulationFigures
+from planner.units import MAX_SIZE_BYTES
 from planner.validation import NumbersAreNumbers
 
 PlanState = Literal["queued", "solving", "done", "failed", "cancelled"]
@@ -22,7 +23,7 @@ class PlanRequest(_Request):
     """Plan `profile` within a budget: bytes or a fraction of the keep-all peak (not both)."""
 
     profile: GraphProfile
-    budget_bytes: int | None = Field(default=None, ge=0, description="Device memory the plan may use, in bytes.")
+    budget_bytes: int | None = Field(default=None, ge=0, le=MAX_SIZE_BYTES, description="Device memory the plan may use, in bytes.")
     memory_ratio: float | None = Field(
         default=None, gt=0, le=1, description="Budget as a fraction of the keep-all peak (the MO-SOS paper's ratio)."
     )
@@ -46,7 +47,7 @@ class SimulateRequest(_Request):
 
     profile: GraphProfile
     schedule: Schedule
-    budget_bytes: int | None = Field(default=None, ge=0)
+    budget_bytes: int | None = Field(default=None, ge=0, le=MAX_SIZE_BYTES)
 
 
 class Issue(BaseModel):

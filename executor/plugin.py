@@ -109,6 +109,10 @@ def optimize(
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned."""
+    if not isinstance(model, nn.Module):
+        raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
+    if not callable(loss_fn):
+        raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
     say = _reporter(progress)
     budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
     profile = profile_model(

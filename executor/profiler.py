@@ -35,6 +35,7 @@ from executor import conv_algorithms
 from executor.capture import CapturedGraph, CapturedNode, Ref, capture, tensor_signature
 from executor.errors import CaptureError
 from executor.local import Entry, ForwardRun, Resolver, distinct_bytes, own_storage, resolve_args, run_backward, run_forward, storage_ptr
+from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
 
 TOOL = "mosos executor.profiler 0.1"
@@ -262,7 +263,7 @@ def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainab
         return trainable_bytes
     if name in ("sgd", "none"):
         return 0
-    raise ValueError(f"unknown optimizer {optimizer!r}: say sgd, momentum, adam, adamw, rmsprop or adagrad")
+    raise MososError(f"unknown optimizer {optimizer!r}: say sgd, momentum (or sgd-momentum), adam, adamw, rmsprop or adagrad")
 
 
 class _Preserved:
@@ -313,7 +314,8 @@ def profile_model(
     on the CPU it is taken from the arguments or left out (no offloading).
     """
     if repeats < 1 or warmup < 0:
-        raise ValueError("repeats must be at least 1 and warmup at least 0")
+        raise MososError(f"repeats must be at least 1 and warmup at least 0, not {repeats} and {warmup}")
+    optimizer_state_bytes(optimizer, 0)  # an unknown optimizer is refused before any work
     inputs = as_tuple(example_inputs)
     device = _first_device(model, inputs)
     graph = capture(model)

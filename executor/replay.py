@@ -104,6 +104,7 @@ class _Step:
     computed: dict[str, int] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     grad_scale: torch.Tensor | None = None
+    backward_done: bool = False
 
     def entry(self, node_id: str) -> Entry:
         entry = self.entries.get(node_id)
@@ -174,6 +175,12 @@ class PlannedModule(nn.Module):
             output = self.model(*inputs)
             return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
         check_inputs(self.profile, inputs, targets)
+        wanting = [i for i, value in enumerate(inputs) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if wanting:
+            raise ReplayError(
+                f"input {wanting[0]} requires a gradient, but the replay computes the parameters' gradients only "
+                "and would leave the input's .grad empty: pass it without requires_grad (or .detach() it)"
+            )
         ctx = step_context(self.graph, inputs, targets, self.loss_fn)
         step = _Step(ctx, Accountant(self.profile, self.profile.fixed_bytes))
         self.last_step = step
@@ -337,6 +344,12 @@ class _ScheduleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         planned, step = ctx.planned, ctx.step
+        if step.backward_done:
+            raise ReplayError(
+                "this step's backward has already run and its saved tensors are freed as the plan says "
+                "(retain_graph is not supported): call the planned module again for another step"
+            )
+        step.backward_done = True
         # scaling by the incoming gradient is exact when it is 1, and checking for 1 would synchronize
         step.grad_scale = grad_loss
         try:

@@ -27,6 +27,7 @@ import copy
 from dataclasses import dataclass
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from models import cudnn
@@ -35,6 +36,7 @@ from models.roofline import ATTENTION_EFFICIENCY, Device
 from models.trace import TracedGraph, TracedOp, TraceFailure, trace
 from planner.errors import MososError
 from planner.profile import FixedMemory, GraphProfile, Hardware, Implementation, Node, Provenance
+from planner.validation import issues_from_validation_error
 
 ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
 ESTIMATOR_VERSION = "1.0"
@@ -397,8 +399,16 @@ def estimate(
     profile_name = f"{spec.name}{' (small)' if small else ''} batch {batch_size} {size} on {gpu.name} (estimated)"
     example = torch.empty((batch_size, *spec.input_shape), device="meta")
     traced = trace(module, example)
-    return build_profile(traced, gpu, name=profile_name, target_bytes=target_bytes, math=math, optimizer=optimizer,
-                         memory_bytes=memory_bytes, notes=f"model: {spec.description}")
+    try:
+        return build_profile(traced, gpu, name=profile_name, target_bytes=target_bytes, math=math,
+                             optimizer=optimizer, memory_bytes=memory_bytes, notes=f"model: {spec.description}")
+    except ValidationError as error:  # e.g. a batch so large that one operation exceeds the profile's bounds
+        issues = issues_from_validation_error(error)
+        raise EstimateError(
+            f"the estimated profile of {profile_name} is out of bounds: "
+            + "; ".join(f"{issue.path or 'profile'}: {issue.message}" for issue in issues[:3])
+            + (f" (and {len(issues) - 3} more)" if len(issues) > 3 else "")
+        ) from None
 
 
 def _gpu(gpu: str | GPU) -> GPU:

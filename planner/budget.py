@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
+
 from planner.errors import BudgetError
 from planner.profile import GraphProfile
-from planner.units import format_bytes
+from planner.units import MAX_SIZE_BYTES, format_bytes
 
 
 def node_floor_bytes(profile: GraphProfile, node_id: str) -> int:
@@ -20,6 +22,10 @@ def minimum_budget_bytes(profile: GraphProfile) -> int:
 
 
 def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral):
+        raise BudgetError(f"a budget is a whole number of bytes, not {type(budget_bytes).__name__} {budget_bytes!r}")
+    if budget_bytes > MAX_SIZE_BYTES:
+        raise BudgetError(f"budget {budget_bytes} bytes is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")
     minimum = minimum_budget_bytes(profile)
     if budget_bytes < minimum:
         worst = max(profile.order, key=lambda node_id: node_floor_bytes(profile, node_id))
@@ -33,6 +39,8 @@ def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
 
 def budget_from_ratio(profile: GraphProfile, memory_ratio: float) -> int:
     """A fraction of the keep-all peak with the fastest implementations, as the MO-SOS paper measures."""
+    if isinstance(memory_ratio, bool) or not isinstance(memory_ratio, numbers.Real):
+        raise BudgetError(f"memory ratio is a number in (0, 1], not {type(memory_ratio).__name__} {memory_ratio!r}")
     if not 0 < memory_ratio <= 1.0 or memory_ratio != memory_ratio:
         raise BudgetError(f"memory ratio must be in (0, 1], got {memory_ratio}")
     from planner.strategies.keep_all import keep_all_peak_bytes

@@ -17,12 +17,16 @@ _UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pb": 10**15,
+    "pib": 2**50,
 }
 MAX_SIZE_BYTES = 2**60  # 1 EiB: a bound that keeps budgets finite and inside int64
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(text: str | int) -> int:
+    if isinstance(text, bool):
+        raise BudgetError(f"a size is a number of bytes or a string like '10GiB', not {text!r}")
     if isinstance(text, int):
         if text < 0:
             raise BudgetError(f"a size in bytes cannot be negative: {text}")
@@ -35,7 +39,7 @@ def parse_bytes(text: str | int) -> int:
     number, unit = match.groups()
     factor = _UNITS.get(unit.lower())
     if factor is None:
-        raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB")
     value = float(number) * factor
     if not value <= MAX_SIZE_BYTES:
         raise BudgetError(f"{text!r} is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")

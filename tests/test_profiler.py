@@ -15,6 +15,7 @@ from torch import nn  # noqa: E402
 from executor.capture import capture  # noqa: E402
 from executor.errors import CaptureError  # noqa: E402
 from executor.profiler import optimizer_state_bytes, profile_model  # noqa: E402
+from planner.errors import MososError  # noqa: E402
 from planner.profile import parse_profile  # noqa: E402
 
 
@@ -151,7 +152,7 @@ def test_optimizer_state():
     assert optimizer_state_bytes("adamw", 100) == 200
     sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
     assert optimizer_state_bytes(sgd, 100) == 100
-    with pytest.raises(ValueError, match="unknown optimizer"):
+    with pytest.raises(MososError, match="unknown optimizer"):
         optimizer_state_bytes("lion-ish", 100)
 
 
