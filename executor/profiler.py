@@ -74,6 +74,11 @@ class StepContext:
 def as_tuple(example_inputs) -> tuple:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(
+            f"example inputs are a tensor or a tuple or list of them, not {type(example_inputs).__name__}"
+            + (" (convert it with torch.from_numpy)" if type(example_inputs).__module__.startswith("numpy") else "")
+        )
     return tuple(example_inputs)
 
 
@@ -319,6 +324,8 @@ def profile_model(
     inputs = as_tuple(example_inputs)
     device = _first_device(model, inputs)
     graph = capture(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
     ctx = step_context(graph, inputs, targets, loss_fn)
     say = progress or (lambda message: None)
     with _Preserved(model, device):

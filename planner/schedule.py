@@ -125,6 +125,17 @@ class Schedule(_Strict):
     compute_order: list[str] = Field(description="Node ids in the order they are computed, repeats included.")
     summary: Summary | None = None
 
+    @field_validator("stages")
+    @classmethod
+    def _numbered_in_order(cls, stages: list[Stage]) -> list[Stage]:
+        for position, stage in enumerate(stages):
+            if stage.index != position:
+                raise ValueError(
+                    f"stages are numbered 0, 1, 2, ... in order, but the stage at position {position} has index "
+                    f"{stage.index}"
+                )
+        return stages
+
     @field_validator("schema_version")
     @classmethod
     def _known_version(cls, value: str) -> str:

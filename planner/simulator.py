@@ -169,9 +169,13 @@ def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | No
             ),
             min(len(replay.computed_order), len(schedule.compute_order)),
         )
+        def at(order: list[str]) -> str:
+            return repr(order[mismatch]) if mismatch < len(order) else "nothing more"
+
         raise ScheduleRejected(
             f"compute_order disagrees with the operations at position {mismatch}: the operations compute "
-            f"{len(replay.computed_order)} nodes, compute_order lists {len(schedule.compute_order)}"
+            f"{at(replay.computed_order)} there, compute_order lists {at(schedule.compute_order)} "
+            f"({len(replay.computed_order)} computations against {len(schedule.compute_order)})"
         )
     return _finish(replay, keep_timeline)
 

@@ -47,6 +47,11 @@ def test_executor_refuses_what_it_would_get_wrong():
         executor.optimize(model, inputs, spec.loss, targets=targets, optimizer="bogus", progress=False)
     with pytest.raises(MososError, match="needs loss_fn"):
         executor.optimize(model, inputs, None, targets=targets, progress=False)
+    with pytest.raises(MososError, match="not ndarray"):
+        executor.optimize(model, inputs.numpy(), spec.loss, targets=targets, progress=False)
+    with pytest.raises(MososError, match="no trainable parameters"):
+        executor.optimize(torch.nn.Sequential(torch.nn.Flatten()), inputs, lambda out, t: out.sum(), targets=targets,
+                          progress=False)
     planned = executor.optimize(model, inputs, spec.loss, targets=targets, memory_ratio=0.9, strategy="keep-all",
                                 progress=False, repeats=1, warmup=0)
     with pytest.raises(ReplayError, match="requires a gradient"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from planner.builder import ScheduleBuilder
@@ -110,8 +112,20 @@ def test_missing_node_and_order_mismatch(offload_profile):
     with pytest.raises(ScheduleRejected, match="never computed"):
         simulate(offload_profile, truncated)
     reordered = schedule.model_copy(update={"compute_order": list(reversed(schedule.compute_order))})
-    with pytest.raises(ScheduleRejected, match="compute_order disagrees"):
+    with pytest.raises(ScheduleRejected, match="compute_order disagrees with the operations at position 0: the operations compute 'a' "
+                       "there, compute_order lists 'a:bwd'"):
         simulate(offload_profile, reordered)
+
+
+def test_stages_are_numbered_in_order(offload_profile):
+    from planner.errors import ScheduleError
+    from planner.schedule import parse_schedule
+
+    document = json.loads(keep_all_schedule(offload_profile).to_json())
+    document["stages"][2]["index"] = 92
+    with pytest.raises(ScheduleError, match=r"stages: stages are numbered 0, 1, 2, ... in order, but the stage at "
+                                            r"position 2 has index 92"):
+        parse_schedule(document, "s.json")
 
 
 def test_schedule_for_another_profile_is_refused(offload_profile):
