@@ -50,8 +50,8 @@ def format_bytes(size_bytes: int | float | None) -> str:
     if size_bytes is None:
         return "-"
     size = float(size_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(size) < 1024 or unit == "EiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")

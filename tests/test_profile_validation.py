@@ -73,7 +73,7 @@ def test_backward_node_reading_nothing_from_forward():
         ("time_ms", -0.5, "nodes[1].implementations[0].time_ms", "must be at least 0.0 ms, not -0.5"),
         ("workspace_bytes", -3, "nodes[1].implementations[0].workspace_bytes", "must be at least 0, not -3"),
         # Past the bounds that keep a whole step's sums finite and inside the solver's int64 arithmetic.
-        ("output_bytes", 2**60, "nodes[1].output_bytes", "must be at most 1125899906842624 (1024.00 TiB)"),
+        ("output_bytes", 2**60, "nodes[1].output_bytes", "must be at most 1125899906842624 (1.00 PiB)"),
         ("time_ms", 1e308, "nodes[1].implementations[0].time_ms", "must be at most 10000000.0 ms, not 1e+308"),
         ("workspace_bytes", 2**51, "nodes[1].implementations[0].workspace_bytes", "must be at most"),
         # Quoted numbers and booleans are mistakes, not numbers to coerce.
