@@ -21,6 +21,7 @@ the schedule picks both independently.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -202,9 +203,16 @@ def _chunked_backward(x, w, grad, stride, padding, dilation, need_input, need_we
 
 
 def _winograd_matrices(like: torch.Tensor):
-    bt = like.new_tensor([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]])
-    g = like.new_tensor([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
-    at = like.new_tensor([[1, 1, 1, 0], [0, 1, -1, -1]])
+    return _winograd_matrices_on(like.dtype, like.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _winograd_matrices_on(dtype: torch.dtype, device: torch.device):
+    """Made once per dtype and device: building them from Python lists on a GPU copies from pageable memory,
+    which synchronizes the stream (and would stop the host from running ahead of the copies)."""
+    bt = torch.tensor([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], dtype=dtype, device=device)
+    g = torch.tensor([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], dtype=dtype, device=device)
+    at = torch.tensor([[1, 1, 1, 0], [0, 1, -1, -1]], dtype=dtype, device=device)
     return bt, g, at
 
 

@@ -320,6 +320,7 @@ class PlannedModule(nn.Module):
 
     def finish(self, step: _Step) -> None:
         """Drop whatever the schedule left (local graphs, entries): nothing leaks into the next step."""
+        self.transfers.settle()
         step.runs.clear()
         step.entries.clear()
         step.host.clear()

@@ -87,6 +87,9 @@ class Transfers:
             ready = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(ready)
+                unread = self.prefetch_done.pop(node_id, None)
+                if unread is not None:  # a prefetch nobody waited for may still read these host buffers
+                    self.d2h_stream.wait_event(unread)
                 for buffer, storage in zip(buffers, storages):
                     buffer.copy_(_bytes_view(storage), non_blocking=True)
                 self.offload_done[node_id] = self.d2h_stream.record_event()
@@ -113,9 +116,11 @@ class Transfers:
                 offloaded = self.offload_done.get(node_id)
                 if offloaded is not None:
                     self.h2d_stream.wait_event(offloaded)
+                # No record_stream on the device buffers: the compute stream waits for this copy (the schedule's
+                # Wait, or `settle` at the end of the step) before anything frees them, and a record_stream would
+                # hold each block until every later prefetch queued on this stream had finished.
                 for device_buffer, host_buffer in zip(devices, copy.buffers):
                     device_buffer.copy_(host_buffer, non_blocking=True)
-                    device_buffer.record_stream(self.h2d_stream)
                 self.prefetch_done[node_id] = self.h2d_stream.record_event()
         else:
             for device_buffer, host_buffer in zip(devices, copy.buffers):
@@ -128,7 +133,15 @@ class Transfers:
     def wait(self, node_id: str, transfer: str) -> None:
         if not self.cuda:
             return
-        events = self.prefetch_done if transfer == "prefetch" else self.offload_done
-        event = events.get(node_id)
+        event = self.prefetch_done.pop(node_id, None) if transfer == "prefetch" else self.offload_done.get(node_id)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+    def settle(self) -> None:
+        """End of a step: the compute stream waits for prefetches nobody waited for, so their buffers can go."""
+        if not self.cuda:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for event in self.prefetch_done.values():
+            stream.wait_event(event)
+        self.prefetch_done.clear()
