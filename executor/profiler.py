@@ -427,13 +427,23 @@ def _workspace_bytes(device, algorithm, geometry, element_size, phase, measure: 
         return formula
     state = prepare()
     torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
+    before = _requested_bytes(device, "current")
     torch.cuda.reset_peak_memory_stats(device)
     result = measure(state)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peak = _requested_bytes(device, "peak") - before
     del result, state
     return max(0, peak - baseline_bytes)
+
+
+def _requested_bytes(device, which: str) -> int:
+    """Bytes asked of the caching allocator (its `requested_bytes`: no rounding to 512-byte blocks), where the
+    build reports them; else what it allocated."""
+    stats = torch.cuda.memory_stats(device)
+    key = f"requested_bytes.all.{which}"
+    if key in stats:
+        return int(stats[key])
+    return torch.cuda.memory_allocated(device) if which == "current" else torch.cuda.max_memory_allocated(device)
 
 
 def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tuple[list[dict], list[float]]:
