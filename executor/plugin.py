@@ -125,10 +125,16 @@ def optimize(
         schedule = plan_remotely(planner_url, profile, budget_bytes, memory_ratio, strategy, time_limit_s,
                                  planner_token, say)
     else:
+        best = [float("inf")]
+
         def on_progress(event: dict) -> None:
-            if event.get("objective") is not None:
+            # Candidate plans from inner phases report their own objectives; say only what improves the best.
+            objective = event.get("objective")
+            if objective is not None and objective < best[0]:
+                best[0] = objective
+                phase = f" ({event['phase']})" if event.get("phase") else ""
                 gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
-                say(f"{event.get('strategy', strategy)}: best {event['objective']:.4g}{gap}")
+                say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
 
         schedule = plan(
             profile, budget_bytes, memory_ratio=memory_ratio, strategy=strategy,
