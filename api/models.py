@@ -102,7 +102,7 @@ class PlanStatus(BaseModel):
     created_at: float = Field(description="Unix time, seconds.")
     started_at: float | None = None
     finished_at: float | None = None
-    progress: Progress | None = None
+    progress: Progress | None = Field(default=None, description="While queued or solving: the solver's latest figures. Done: none (see the schedule's summary); failed or cancelled: the last figures reached.")
     feasible: bool | None = Field(default=None, description="False: no plan fits; see minimum_budget_bytes.")
     minimum_budget_bytes: int | None = None
     reason: str | None = Field(default=None, description="Why it failed, was cancelled, or is infeasible.")

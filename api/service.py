@@ -85,6 +85,8 @@ class Service:
         if job is not None:
             status = job.status if job.status in ("queued", "solving") else status
             progress = job.progress or progress
+        if status == "done":
+            progress = None  # the schedule's summary holds the final figures; a last snapshot would contradict them
         options = row.options
         base = f"/v1/plans/{row.id}"
         body = {

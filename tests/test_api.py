@@ -189,8 +189,8 @@ def test_plan_through_a_job_reports_progress_then_the_schedule(client):
     assert {"objective", "bound", "gap", "elapsed_s"} <= set(solving["progress"])
     done = wait_for(client, plan_id, ("done",))
     assert done["schedule"]["summary"]["strategy"] == "test-sleep"
-    assert done["progress"]["bound"] == 100.0 and done["progress"]["objective"] >= 100.0
-    assert 0 <= done["progress"]["gap"] < 1
+    # Done: the final figures are the schedule's summary; no last snapshot beside them to contradict them.
+    assert done["progress"] is None
 
 
 def test_an_identical_request_is_answered_from_the_store_without_solving(client):
