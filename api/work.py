@@ -24,6 +24,7 @@ from api.errors import ApiError, invalid, over_limit
 from api.models import PlanRequest, SimulateRequest
 from api.settings import Settings
 from planner.errors import Issue, ScheduleRejected
+from planner.attribute_plans import NoTransferBandwidth, require_transfers
 from planner.profile import json_problem, parse_profile
 from planner.schedule import parse_schedule
 from planner.simulator import simulate
@@ -137,6 +138,11 @@ def parse_plan(raw: bytes) -> ParsedPlan:
         raise invalid([Issue("strategy", f"unknown strategy {request.strategy!r}; known: {', '.join(sorted(strategies))}")])
     if info.uses_budget and request.budget_bytes is None and request.memory_ratio is None:
         raise invalid([Issue("budget_bytes", f"strategy {request.strategy!r} needs a budget: give budget_bytes or memory_ratio")])
+    if info.needs_transfers:
+        try:
+            require_transfers(request.profile, request.strategy)
+        except NoTransferBandwidth as error:
+            raise invalid([Issue("strategy", str(error))]) from None
     options = {
         "budget_bytes": request.budget_bytes,
         "memory_ratio": request.memory_ratio,

@@ -324,7 +324,11 @@ def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
     profile = json.loads(json.dumps(shipped_profile()))
     profile["nodes"][0]["implementations"] = []
     profile["nodes"][-1]["inputs"] = ["ghost"]
+    no_links = json.loads(json.dumps(shipped_profile()))
+    no_links["hardware"].pop("d2h_bandwidth_gb_per_s", None)
+    no_links["hardware"].pop("h2d_bandwidth_gb_per_s", None)
     cases = [
+        (plan_request(profile=no_links, strategy="vdnn-all", memory_ratio=0.9), ["strategy"]),
         (plan_request(profile=profile), ["profile.nodes[0].implementations"]),
         (plan_request(strategy="nope"), ["strategy"]),
         (plan_request(strategy="test-sleep", budget_bytes=10, memory_ratio=0.5), [""]),

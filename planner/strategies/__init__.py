@@ -33,14 +33,16 @@ class StrategyInfo:
     function: StrategyFunction
     description: str
     uses_budget: bool = True
+    # Moves tensors to host memory: useless on a profile without transfer bandwidth, refused before any work.
+    needs_transfers: bool = False
 
 
 STRATEGIES: dict[str, StrategyInfo] = {}
 
 
-def strategy(name: str, description: str, uses_budget: bool = True):
+def strategy(name: str, description: str, uses_budget: bool = True, needs_transfers: bool = False):
     def register(function: StrategyFunction) -> StrategyFunction:
-        STRATEGIES[name] = StrategyInfo(name, function, description, uses_budget)
+        STRATEGIES[name] = StrategyInfo(name, function, description, uses_budget, needs_transfers)
         return function
 
     return register

@@ -223,7 +223,7 @@ def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, optio
     return evaluation.schedule if evaluation.fits else None
 
 
-@strategy(NAME, "Chainer swap/recompute heuristic: swap what hides behind compute, keep the rest from the output side while memory allows, recompute where cheaper than the swap's stall; swap-ins as early as memory allows")
+@strategy(NAME, "Chainer swap/recompute heuristic: swap what hides behind compute, keep the rest from the output side while memory allows, recompute where cheaper than the swap's stall; swap-ins as early as memory allows", needs_transfers=True)
 def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     require_transfers(profile, NAME)
     facts = GraphFacts(profile)

@@ -103,12 +103,12 @@ def _static(profile: GraphProfile, budget_bytes: int, policy: Policy) -> Schedul
     return plan_within(profile, budget_bytes, name, attempt, min(peaks))
 
 
-@strategy("vdnn-all", "vDNN_all: offload every layer's input in forward, prefetch one layer ahead in backward; fastest algorithms if that fits, else memory-optimal ones")
+@strategy("vdnn-all", "vDNN_all: offload every layer's input in forward, prefetch one layer ahead in backward; fastest algorithms if that fits, else memory-optimal ones", needs_transfers=True)
 def plan_vdnn_all(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     return _static(profile, budget_bytes, "all")
 
 
-@strategy("vdnn-conv", "vDNN_conv: offload convolution inputs in forward, prefetch one layer ahead in backward; fastest algorithms if that fits, else memory-optimal ones")
+@strategy("vdnn-conv", "vDNN_conv: offload convolution inputs in forward, prefetch one layer ahead in backward; fastest algorithms if that fits, else memory-optimal ones", needs_transfers=True)
 def plan_vdnn_conv(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     return _static(profile, budget_bytes, "conv")
 
@@ -122,7 +122,7 @@ def dyn_configurations(profile: GraphProfile, budget_bytes: int, facts: GraphFac
     yield "all(greedy)", apply_auto(profile, vdnn_schedule(profile, "all", "p", facts), budget_bytes)
 
 
-@strategy("vdnn-dyn", "vDNN_dyn: the first of no offload, vDNN_conv, vDNN_all with the fastest algorithms, then with per-layer fallback to smaller workspaces, then vDNN_all memory-optimal, that fits")
+@strategy("vdnn-dyn", "vDNN_dyn: the first of no offload, vDNN_conv, vDNN_all with the fastest algorithms, then with per-layer fallback to smaller workspaces, then vDNN_all memory-optimal, that fits", needs_transfers=True)
 def plan_vdnn_dyn(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     name = "vdnn-dyn"
     require_transfers(profile, name)
