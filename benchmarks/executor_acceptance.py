@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from benchmarks.results_file import write_section  # noqa: E402
 from executor.local import distinct_bytes  # noqa: E402
 from executor.profiler import profile_model  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
@@ -386,13 +387,6 @@ INTRO = (
 )
 
 
-def write(report_section: str) -> None:
-    sections: dict[str, str] = {}
-    if RESULTS.exists():
-        for chunk in RESULTS.read_text().split("\n## ")[1:]:
-            sections[chunk.split("\n", 1)[0]] = "## " + chunk.rstrip() + "\n"
-    sections[report_section.split("\n", 1)[0][3:]] = report_section
-    RESULTS.write_text(INTRO + "".join("\n" + body for _, body in sorted(sections.items())))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     if not args.no_write:
-        write(text)
+        write_section(RESULTS, INTRO, text)
         print(f"wrote {RESULTS.relative_to(REPO)}")
     return 0
 

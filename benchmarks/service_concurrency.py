@@ -28,7 +28,10 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results" / "service.md"
+
+from benchmarks.results_file import write_section  # noqa: E402
 
 BUSY_PLUGIN = textwrap.dedent(
     '''
@@ -475,12 +478,7 @@ def main() -> None:
         "ended done (of 10), and plans that never reached done, failed or cancelled. solves busy: solve processes running when the status calls "
         "were timed.\n"
     )
-    sections: dict[str, str] = {}
-    if RESULTS.exists():
-        for chunk in RESULTS.read_text().split("\n## ")[1:]:
-            sections[chunk.split("\n", 1)[0]] = "## " + chunk.rstrip() + "\n"
-    sections[section.split("\n", 1)[0][3:]] = section
-    RESULTS.write_text(intro + "".join("\n" + body for _, body in sorted(sections.items())))
+    write_section(RESULTS, intro, section)
     print(f"wrote {RESULTS.relative_to(REPO)}")
 
 

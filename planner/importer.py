@@ -20,19 +20,20 @@ class GraphImportError(ProfileError):
     document = "graph to import"
 
 
-def _dialect(data: dict) -> str:
+def _dialect(data: dict, source: str | None) -> str:
     nodes = data.get("nodes") or []
     strays = [Issue(f"nodes[{i}]", f"a node is a JSON object, not {type(node).__name__}")
               for i, node in enumerate(nodes) if not isinstance(node, dict)]
     if strays:
-        raise GraphImportError(strays)
+        raise GraphImportError(strays, source)
     if nodes and all("cost_ram" in node for node in nodes):
         return "checkmate"
     if nodes and all("out_cost" in node for node in nodes):
         return "random-layered"
     raise GraphImportError(
         [Issue("nodes", "not a known graph dialect: expected every node to have 'cost_ram' (Checkmate) "
-                        "or 'out_cost' (random layered)")]
+                        "or 'out_cost' (random layered)")],
+        source,
     )
 
 
@@ -73,10 +74,7 @@ def graph_to_profile_data(
         raise GraphImportError([Issue("", "expected a networkx node-link object with 'nodes' and 'links' lists")], source)
     if data.get("graph") is not None and not isinstance(data["graph"], dict):
         raise GraphImportError([Issue("graph", f"'graph' is a JSON object, not {type(data['graph']).__name__}")], source)
-    try:
-        dialect = _dialect(data)
-    except GraphImportError as error:
-        raise GraphImportError(error.issues, source) from None
+    dialect = _dialect(data, source)
     issues: list[Issue] = []
     size_field, time_field = ("cost_ram", "cost_cpu") if dialect == "checkmate" else ("out_cost", "duration")
     keys: list[str | None] = [_node_key(node, i, issues) for i, node in enumerate(data["nodes"])]

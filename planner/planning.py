@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from planner.attribute_plans import require_transfers
 from planner.budget import budget_from_ratio, check_budget
 from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile
@@ -59,8 +58,6 @@ def plan(
     budget = resolve_budget(profile, budget_bytes, memory_ratio)
     if budget is None and info.uses_budget:
         raise BudgetError(f"strategy {strategy!r} needs a budget: give budget_bytes or memory_ratio")
-    if info.needs_transfers:
-        require_transfers(profile, strategy)
     if not (math.isfinite(time_limit_s) and time_limit_s > 0):
         raise MososError(f"time limit must be positive, got {time_limit_s} s")
     if workers is not None and workers < 1:

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
 
 from planner.errors import Issue
+from planner.units import format_bytes
 
 _NUMBER_TYPES = (int, float, int | None, float | None)
 
@@ -70,8 +71,6 @@ def _bound_message(detail: dict) -> str:
     field = str(detail["loc"][-1]) if detail.get("loc") else ""
     text = f"must be {_BOUNDS[detail['type']]} {bound}"
     if isinstance(bound, int) and bound >= 2**20 and field.endswith("bytes"):
-        from planner.units import format_bytes
-
         text += f" ({format_bytes(bound)})"
     elif field.endswith("_ms"):
         text += " ms"

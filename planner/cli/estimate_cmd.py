@@ -66,7 +66,6 @@ def estimate_command(
     if missing:
         raise MososError(f"mosos estimate needs {', '.join(missing)} (or --list to see models and GPUs)")
     writable_output(output, "-o")
-    whole_number_in(batch, "--batch", 1, 1 << 24)
     whole_number_in(image_size, "--image-size", 1, 1 << 16)
     whole_number_in(tokens, "--tokens", 1, 1 << 24)
     memory_bytes = parse_bytes(memory) if memory else None

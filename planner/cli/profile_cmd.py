@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from planner.cli.app import app, console, error_console, friendly
-from planner.cli.checks import whole_number_in, writable_output, write_output
+from planner.cli.checks import positive_finite, whole_number_in, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes
 
@@ -52,9 +52,8 @@ def profile_command(
     whole_number_in(tokens, "--tokens", 1, 1 << 24)
     if repeats < 1 or warmup < 0:
         raise MososError("--repeats must be at least 1 and --warmup at least 0")
-    for flag, value in (("--d2h-gb-per-s", d2h_gb_per_s), ("--h2d-gb-per-s", h2d_gb_per_s)):
-        if value is not None and not value > 0:
-            raise MososError(f"{flag} must be positive, got {value}")
+    positive_finite(d2h_gb_per_s, "--d2h-gb-per-s")
+    positive_finite(h2d_gb_per_s, "--h2d-gb-per-s")
     profile_reference_network = _load()
     with console.status(f"profiling {model}") as status:
         measured = profile_reference_network(
