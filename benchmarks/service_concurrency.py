@@ -112,7 +112,7 @@ def serve(workdir: Path, *, workers: int = 2, queue_size: int = 32, extra: list[
     port = port or free_port()
     log_path = workdir / f"serve-{port}.log"
     command = [
-        sys.executable, "-m", "planner.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--db", str(db or workdir / "plans.sqlite3"), "--workers", str(workers), "--queue-size", str(queue_size),
         *plugins, "--log-level", "warning", "--max-solver-workers", "1", *(extra or []),
     ]

@@ -34,7 +34,7 @@ def _ratio(value: float) -> str:
 
 
 def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "planner.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"mosos {' '.join(args)} failed: {done.stderr.strip()}")
     return done.stdout

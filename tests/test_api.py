@@ -520,7 +520,7 @@ def test_store_recovery_marks_unfinished_plans_interrupted(tmp_path):
 def test_serve_refuses_a_public_address_without_a_token(monkeypatch):
     from typer.testing import CliRunner
 
-    from planner.cli import app
+    from cli import app
 
     monkeypatch.delenv("MOSOS_API_TOKEN", raising=False)
     result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--port", "1"])

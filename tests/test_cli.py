@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from planner.cli import app
+from cli import app
 from planner.strategies.keep_all import keep_all_schedule
 from tests.conftest import CHECKMATE_GRAPHS, requires_shared
 
@@ -90,7 +90,7 @@ def test_import_graph_command(tmp_path):
 def test_output_mistakes_are_refused_before_any_work(tmp_path, offload_profile, monkeypatch):
     good = tmp_path / "good.json"
     good.write_text(offload_profile.to_json())
-    import planner.cli.plan_cmd as plan_cmd
+    import cli.plan_cmd as plan_cmd
 
     def must_not_plan(*args, **kwargs):
         raise AssertionError("planned although the output path was bad")

@@ -18,7 +18,7 @@ from models.gpus import GPUS, get_gpu  # noqa: E402
 from models.make_profiles import PROFILE_DIR, SHIPPED  # noqa: E402
 from models.roofline import Device  # noqa: E402
 from models.trace import TraceFailure  # noqa: E402
-from planner.cli import app  # noqa: E402
+from cli import app  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.profile import load_profile, parse_profile  # noqa: E402
 from planner.simulator import simulate  # noqa: E402

@@ -12,7 +12,7 @@ SCRIPT = """
 import sys
 sys.modules["torch"] = None  # makes `import torch` fail as if it were not installed
 from typer.testing import CliRunner
-from planner.cli import app
+from cli import app
 result = CliRunner().invoke(app, ["estimate", "--model", "vgg16", "--batch", "1", "--gpu", "p40", "-o", "x.json"])
 print(result.exit_code)
 print(result.output)

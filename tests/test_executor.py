@@ -406,7 +406,7 @@ def test_optimize_plans_on_a_planner_service(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-m", "planner.cli", "serve", "--port", str(port), "--db", str(tmp_path / "plans.sqlite3")],
+        [sys.executable, "-m", "cli", "serve", "--port", str(port), "--db", str(tmp_path / "plans.sqlite3")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

@@ -25,7 +25,7 @@ def run_without_torch(code: str) -> subprocess.CompletedProcess:
 
 def test_planner_imports_without_torch():
     result = run_without_torch(
-        "import planner, planner.cli, planner.strategies\n"
+        "import planner, cli, planner.strategies\n"
         "planner.strategies.load_all()\n"
         "assert 'torch' not in sys.modules\n"
         "print('ok')\n"
@@ -35,6 +35,24 @@ def test_planner_imports_without_torch():
 
 
 def test_cli_help_without_torch():
-    result = run_without_torch("sys.argv = ['mosos', '--help']\nfrom planner.cli import main\nmain()\n")
+    result = run_without_torch("sys.argv = ['mosos', '--help']\nfrom cli import main\nmain()\n")
     assert result.returncode == 0, result.stderr
     assert "plan" in result.stdout and "simulate" in result.stdout
+
+
+def test_planner_imports_none_of_the_other_packages():
+    """planner/ is the library the CLI, the service and the executor use: it imports none of them, not even lazily."""
+    import ast
+
+    others = {"api", "cli", "executor", "models"}
+    found = []
+    for path in sorted((REPO / "planner").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in others]
+    assert not found, "\n".join(found)

@@ -189,7 +189,7 @@ def test_profile_cli_writes_a_valid_profile(tmp_path):
     pytest.importorskip("models")
     output = tmp_path / "vgg.json"
     result = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "profile", "--model", "vgg16", "--small", "--batch", "1",
+        [sys.executable, "-m", "cli", "profile", "--model", "vgg16", "--small", "--batch", "1",
          "--repeats", "1", "--warmup", "0", "--d2h-gb-per-s", "12", "--h2d-gb-per-s", "11", "-o", str(output)],
         capture_output=True, text=True, timeout=300,
     )
@@ -197,7 +197,7 @@ def test_profile_cli_writes_a_valid_profile(tmp_path):
     profile = parse_profile(json.loads(output.read_text()))
     assert profile.provenance.source == "measured" and profile.hardware.d2h_bandwidth_gb_per_s == 12
     bad = subprocess.run(
-        [sys.executable, "-m", "planner.cli", "profile", "--model", "vgg99", "--batch", "1", "-o", str(output)],
+        [sys.executable, "-m", "cli", "profile", "--model", "vgg99", "--batch", "1", "-o", str(output)],
         capture_output=True, text=True, timeout=300,
     )
     assert bad.returncode == 2 and "unknown model" in bad.stderr and "Traceback" not in bad.stderr

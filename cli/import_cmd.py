@@ -6,9 +6,9 @@ from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, console, friendly
+from cli.app import app, console, friendly
 from planner.errors import MososError
-from planner.cli.checks import positive_finite, writable_output, write_output
+from cli.checks import positive_finite, writable_output, write_output
 from planner.importer import import_graph
 from planner.units import format_bytes, parse_bytes
 

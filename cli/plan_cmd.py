@@ -11,8 +11,8 @@ from rich.live import Live
 from rich.table import Table
 
 from planner.budget import budget_from_ratio
-from planner.cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
-from planner.cli.checks import positive_finite, whole_number_in, writable_output, write_output
+from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
+from cli.checks import positive_finite, whole_number_in, writable_output, write_output
 from planner.comparison import ComparisonRow, compare
 from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names

@@ -7,7 +7,7 @@ from enum import Enum
 
 import typer
 
-from planner.cli.app import app, friendly
+from cli.app import app, friendly
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, error_console, friendly
+from cli.app import app, error_console, friendly
 from planner.errors import MososError
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from planner.cli.app import app, console, error_console, friendly
-from planner.cli.checks import writable_output
+from cli.app import app, console, error_console, friendly
+from cli.checks import writable_output
 from planner.errors import ScheduleRejected
 from planner.profile import load_profile
 from planner.schedule import load_schedule

@@ -12,8 +12,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from planner.cli.app import app, console, friendly
-from planner.cli.checks import whole_number_in, writable_output, write_output
+from cli.app import app, console, friendly
+from cli.checks import whole_number_in, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import typer
 
-from planner.cli.app import app, console, error_console, friendly
-from planner.cli.checks import positive_finite, whole_number_in, writable_output, write_output
+from cli.app import app, console, error_console, friendly
+from cli.checks import positive_finite, whole_number_in, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes
 
