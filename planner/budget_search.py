@@ -15,6 +15,7 @@ from planner.planning import InfeasibleBudget
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import SimulationResult, simulate
+from planner.strategies import SolveOptions
 from planner.units import format_bytes
 
 Attempt = Callable[[int], "Schedule | None"]
@@ -41,22 +42,27 @@ def peak_bytes(profile: GraphProfile, schedule: Schedule, strategy: str) -> int:
     return result.peak_memory_bytes
 
 
-def smallest_budget(attempt: Attempt, infeasible_bytes: int, feasible_bytes: int) -> int | None:
+def smallest_budget(
+    attempt: Attempt, infeasible_bytes: int, feasible_bytes: int, options: SolveOptions | None = None
+) -> int | None:
     """Bisection between a budget where `attempt` finds nothing and one where it finds a plan.
 
     Heuristics need not be monotone in the budget; the answer is always a
-    budget where `attempt` was seen to succeed, with one byte less seen to fail.
-    None if even `feasible_bytes` (after a few doublings) fails.
+    budget where `attempt` was seen to succeed, with one byte less seen to fail
+    (or, once `options`' deadline has passed, the smallest success seen so far).
+    None if even `feasible_bytes` (after a few doublings) fails, or the deadline came first.
     """
     high = feasible_bytes
     for _ in range(8):
         if attempt(high) is not None:
             break
+        if options is not None and options.out_of_time():
+            return None
         high *= 2
     else:
         return None
     low = infeasible_bytes
-    while high - low > 1:
+    while high - low > 1 and not (options is not None and options.out_of_time()):
         middle = (low + high) // 2
         if attempt(middle) is not None:
             high = middle
@@ -66,20 +72,27 @@ def smallest_budget(attempt: Attempt, infeasible_bytes: int, feasible_bytes: int
 
 
 def plan_within(
-    profile: GraphProfile, budget_bytes: int, strategy: str, attempt: Attempt, feasible_bytes: int
+    profile: GraphProfile, budget_bytes: int, strategy: str, attempt: Attempt, feasible_bytes: int,
+    options: SolveOptions | None = None,
 ) -> Schedule:
-    """Certify `attempt(budget)`, or raise InfeasibleBudget with the smallest budget `attempt` can meet."""
+    """Certify `attempt(budget)`, or raise InfeasibleBudget with the smallest budget `attempt` can meet.
+
+    The search for that budget stops at `options`' deadline with the smallest budget seen to work so far.
+    """
     schedule = attempt(budget_bytes)
     if schedule is not None:
         return certify(profile, schedule, strategy)
-    minimum = smallest_budget(attempt, budget_bytes, max(feasible_bytes, budget_bytes + 1))
+    if options is not None and not options.explain_infeasible:
+        raise InfeasibleBudget(f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)})")
+    minimum = smallest_budget(attempt, budget_bytes, max(feasible_bytes, budget_bytes + 1), options)
     if minimum is None:
         raise InfeasibleBudget(
             f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}), "
-            "nor within any budget it tried"
+            "nor within any budget it tried" + (" before the time limit" if options and options.out_of_time() else "")
         )
+    searched = "" if options is None or not options.out_of_time() else " (the search stopped at the time limit: not the smallest)"
     raise InfeasibleBudget(
         f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
-        f"the smallest budget it can meet is {minimum} bytes ({format_bytes(minimum)})",
+        f"the smallest budget it can meet is {minimum} bytes ({format_bytes(minimum)}){searched}",
         minimum_budget_bytes=minimum,
     )

@@ -3,7 +3,10 @@
 The strategy's own model is solved with the peak as the objective (the
 budget becomes a variable), starting from the keep-all plan. When CP-SAT
 proves that objective optimal, no plan of that model fits in a byte less;
-otherwise the figure is the best found in the time given, and says so.
+otherwise the figure is the best found in the time given, and says so. The
+search shares the caller's deadline: with no time left the answer is the
+smallest budget known to work so far (the keep-all peak at worst, a plan
+every strategy may return), never a guess.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from planner.budget import minimum_budget_bytes
 from planner.cpsat.data import Features
-from planner.cpsat.solve import solve_model
+from planner.cpsat.solve import finish_margin_s, solve_model
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions
@@ -21,56 +24,81 @@ from planner.units import format_bytes
 
 @dataclass
 class MinimumBudget:
-    budget_bytes: int | None  # None: the search found no plan at all
+    budget_bytes: int | None  # None: no plan known at all
     proven: bool
     schedule: Schedule | None  # a certified plan that fits in budget_bytes
     wall_time_s: float
+    searched: bool = True  # False: no time was left to search; budget_bytes is the keep-all peak
 
     def describe(self) -> str:
         if self.budget_bytes is None:
             return "the search for the smallest feasible budget found no plan"
-        how = "proven minimal" if self.proven else f"best found in {self.wall_time_s:.1f} s, not proven minimal"
         size = format_bytes(self.budget_bytes)
+        if not self.searched:
+            return (f"no time was left to search for the smallest feasible budget; the smallest known so far is "
+                    f"{self.budget_bytes} bytes ({size}, the keep-all peak)")
+        how = "proven minimal" if self.proven else f"best found in {self.wall_time_s:.1f} s, not proven minimal"
         return f"the smallest budget it can meet is {self.budget_bytes} bytes ({size}, {how})"
 
 
 def smallest_budget(
     profile: GraphProfile, features: Features, options: SolveOptions, strategy: str, time_limit_s: float | None = None
 ) -> MinimumBudget:
+    """`time_limit_s`: the nominal search time (default: the options' limit, 30 s at most); never past the deadline."""
     from planner.strategies.keep_all import keep_all_schedule
 
+    options = options.started()
+    keep_all = keep_all_schedule(profile)
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
-    quiet = replace(options, progress=None)
+    if options.out_of_time(2 * finish_margin_s(len(profile.nodes))):
+        return _keep_all_answer(profile, keep_all, searched=False)
     outcome = solve_model(
         profile,
         None,
         replace(features, minimize_memory=True),
-        quiet,
+        options.quiet(),
         strategy,
-        hints=[keep_all_schedule(profile)],
+        hints=[keep_all],
         time_limit_s=limit,
     )
     if outcome.schedule is None or outcome.objective_value is None:
-        return MinimumBudget(None, False, None, outcome.info.wall_time_s)
+        return _keep_all_answer(profile, keep_all, searched=True, wall_time_s=outcome.info.wall_time_s)
     budget = max(int(round(outcome.objective_value)), minimum_budget_bytes(profile))
     schedule = outcome.schedule.model_copy(update={"budget_bytes": budget})
     proven = outcome.info.status == "OPTIMAL"
-    if features.recompute:
+    if features.recompute and not options.out_of_time():
         # The strategies also fall back on the greedy plan, which may recompute more often than the model allows.
-        greedy = _greedy_minimum(profile, budget)
+        greedy = _greedy_minimum(profile, budget, options)
         if greedy is not None:
             budget, schedule, proven = greedy[0], greedy[1], False
     return MinimumBudget(budget, proven, schedule, outcome.info.wall_time_s)
 
 
-def _greedy_minimum(profile: GraphProfile, above_bytes: int):
+def _keep_all_answer(profile: GraphProfile, keep_all: Schedule, searched: bool, wall_time_s: float = 0.0) -> MinimumBudget:
+    """Keep-all fits in its own peak, whatever the strategy: the smallest budget known when the search found nothing."""
+    from planner.builder import certify
+    from planner.strategies.keep_all import keep_all_peak_bytes
+
+    peak = keep_all_peak_bytes(profile)
+    schedule = certify(profile, keep_all.model_copy(update={"budget_bytes": peak}), "keep-all")
+    return MinimumBudget(peak, False, schedule, wall_time_s, searched=searched)
+
+
+def _greedy_minimum(profile: GraphProfile, above_bytes: int, options: SolveOptions):
     """The smallest budget below `above_bytes` at which the greedy recompute plan fits (bisection), if any."""
     from planner.budget_search import smallest_budget as bisect_budget
     from planner.cpsat.greedy import greedy_recompute_schedule
 
-    if greedy_recompute_schedule(profile, above_bytes - 1) is None:
+    def attempt(budget_bytes: int):
+        return greedy_recompute_schedule(profile, budget_bytes, deadline=options.deadline)
+
+    if attempt(above_bytes - 1) is None:
         return None
     low = minimum_budget_bytes(profile) - 1  # fails: below what any plan needs
-    budget = bisect_budget(lambda bytes_: greedy_recompute_schedule(profile, bytes_), low, above_bytes - 1)
-    schedule = greedy_recompute_schedule(profile, budget)
+    budget = bisect_budget(attempt, low, above_bytes - 1, options)
+    if budget is None:
+        return None
+    schedule = attempt(budget)
+    if schedule is None:  # cut by the deadline on this last call
+        return None
     return budget, schedule.model_copy(update={"budget_bytes": budget})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 from planner.budget import budget_from_ratio, check_budget
@@ -49,8 +50,12 @@ def plan(
     """Plan one training step of `profile` within `budget_bytes` (or `memory_ratio` of the keep-all peak).
 
     The returned schedule has been replayed by the simulator; its summary holds
-    the simulated figures.
+    the simulated figures. `time_limit_s` bounds the whole call: every phase of
+    every strategy shares one deadline, set here, and the answer is the best plan
+    found by then (or InfeasibleBudget: no plan in that time, with the smallest
+    budget known to work so far).
     """
+    started = time.monotonic()
     strategies = load_all()
     if strategy not in strategies:
         raise UnknownStrategy(f"unknown strategy {strategy!r}; known: {', '.join(sorted(strategies))}")
@@ -63,6 +68,7 @@ def plan(
     if workers is not None and workers < 1:
         raise MososError(f"workers must be at least 1, got {workers}")
     options = SolveOptions(
-        time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=should_stop
+        time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=should_stop,
+        deadline=started + time_limit_s,
     )
     return info.function(profile, budget, options)

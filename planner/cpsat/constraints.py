@@ -43,6 +43,8 @@ def add_symmetry_breaking(model: cp_model.CpModel, data: ModelData, v: Variables
 def add_inputs_present(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
     """(4) every computation finds each input on the device: one copy of it covers the computation."""
     for k, tensor_copies in enumerate(v.copies):
+        if k % 16 == 0:
+            data.check_time()
         for reader in tensor_copies:
             if not reader.computes:
                 continue
@@ -106,7 +108,7 @@ def add_transfer_streams(model: cp_model.CpModel, data: ModelData, v: Variables)
     d2h, h2d = [], []
     for j, offload in v.offloads.items():
         start = model.new_int_var(0, horizon, f"offload_time_{j}")
-        model.add_element(offload.stage, data.stage_start, start)
+        model.add_element(offload.choice, [data.stage_start[a] for a in offload.stage_choices], start)
         d2h.append(
             model.new_optional_fixed_size_interval_var(start, data.offload_units[j], offload.present, f"d2h_{j}")
         )
@@ -114,7 +116,7 @@ def add_transfer_streams(model: cp_model.CpModel, data: ModelData, v: Variables)
             if copy.kind != "prefetch":
                 continue
             start = model.new_int_var(0, horizon, f"prefetch_time_{j}_{copy.rank}")
-            model.add_element(copy.stage, data.stage_start, start)
+            model.add_element(copy.choice, [data.stage_start[a] for a in copy.stage_choices], start)
             h2d.append(
                 model.new_optional_fixed_size_interval_var(
                     start, data.prefetch_units[j], copy.present, f"h2d_{j}_{copy.rank}"

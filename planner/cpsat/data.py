@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from dataclasses import dataclass, field
 from functools import reduce
 
@@ -53,6 +54,10 @@ class Features:
         return "intervals+cumulative (" + ", ".join(parts) + ")"
 
 
+class BuildTimeout(Exception):
+    """The deadline came while the model was being built (`ModelData.deadline`)."""
+
+
 @dataclass(frozen=True)
 class Impl:
     name: str
@@ -77,9 +82,21 @@ class ModelData:
     stage_start: list[int] = field(default_factory=list)  # n+1 values, timing units (floor)
     offload_units: list[int] = field(default_factory=list)
     prefetch_units: list[int] = field(default_factory=list)
-    offload_done: list[list[int]] = field(default_factory=list)  # sf for offloads: [j][a]
-    prefetch_done: list[list[int]] = field(default_factory=list)  # sf for prefetches: [j][a]
     transfers: bool = False
+    deadline: float | None = None  # time.monotonic() by which building must be done, else BuildTimeout
+
+    def check_time(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise BuildTimeout
+
+    # stage timing sf, computed on demand (a table would be n^2) ----------------
+    def offload_done(self, j: int, stage: int) -> int:
+        """sf: the first stage at whose start an offload of j issued at `stage` has ended (n+1: never in the step)."""
+        return _done_stage(self.stage_start, stage, self.offload_units[j])
+
+    def prefetch_done(self, j: int, stage: int) -> int:
+        """sf for a prefetch of j issued at `stage`."""
+        return _done_stage(self.stage_start, stage, self.prefetch_units[j])
 
     # positions ---------------------------------------------------------------
     @property
@@ -178,7 +195,4 @@ def build_data(profile: GraphProfile, budget_bytes: int | None, features: Featur
     if data.transfers:
         data.offload_units = [math.ceil(hardware.offload_time_ms(s) * TIME_UNITS_PER_MS) for s in sizes]
         data.prefetch_units = [math.ceil(hardware.prefetch_time_ms(s) * TIME_UNITS_PER_MS) for s in sizes]
-        starts = data.stage_start
-        data.offload_done = [[_done_stage(starts, a, data.offload_units[j]) for a in range(n + 1)] for j in range(n)]
-        data.prefetch_done = [[_done_stage(starts, a, data.prefetch_units[j]) for a in range(n + 1)] for j in range(n)]
     return data

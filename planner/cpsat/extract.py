@@ -68,6 +68,13 @@ def build_schedule(data: ModelData, solution: Solution) -> Schedule:
     for j, stage in solution.offload_stage.items():
         offloads[stage].append(j)
 
+    busy: dict[int, list[int]] = defaultdict(list)  # stage -> positions inside it where something happens
+    for position in set(computes) | set(ends):
+        if position % data.stride:
+            busy[data.stage_of(position)].append(position)
+    for positions in busy.values():
+        positions.sort()
+
     builder = ScheduleBuilder(data.profile)
     ids = data.ids
     waiting: set[int] = set()  # prefetched tensors not yet waited for
@@ -88,10 +95,11 @@ def build_schedule(data: ModelData, solution: Solution) -> Schedule:
             builder.prefetch(ids[j])
             waiting.add(j)
         free(slot)  # after the prefetches: a buffer may start and end here; releases precede allocations anyway
-        for k in range(data.n):  # computations exist only for k <= t, but a copy may end at any position
-            position = data.pos(t, k)
+        # computations exist only for k <= t, but a copy may end at any position: visit the busy ones in order
+        for position in busy.get(t, ()):
             copy = computes.get(position)
             if copy is not None:
+                k = copy.tensor
                 for j in data.inputs[k]:
                     if j in waiting:
                         builder.wait(ids[j], "prefetch")

@@ -15,6 +15,7 @@ optimality.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from planner.builder import ScheduleBuilder
@@ -25,6 +26,10 @@ from planner.simulator import simulate
 
 
 class _Stuck(Exception):
+    pass
+
+
+class _OutOfTime(Exception):
     pass
 
 
@@ -72,9 +77,13 @@ VARIANTS = (
 
 
 def _run(
-    graph: _Graph, capacity: int, rule: str, order: str, evictions_left: int, keep_dead: bool = False
+    graph: _Graph, capacity: int, rule: str, order: str, evictions_left: int, keep_dead: bool = False,
+    deadline: float | None = None,
 ) -> list[list[tuple[str, int]]]:
-    """Per stage, the operations ("compute" k / "free" j); raises _Stuck if the rule cannot make room."""
+    """Per stage, the operations ("compute" k / "free" j); raises _Stuck if the rule cannot make room.
+
+    Raises _OutOfTime once `deadline` (time.monotonic()) has passed, checked at every stage.
+    """
     n = len(graph.ids)
     inputs, users, size, cost = graph.inputs, graph.users, graph.size, graph.cost
     resident: set[int] = set()
@@ -103,6 +112,8 @@ def _run(
         return bring_back / (max(size[j], 1) * distance)
 
     for t in range(n):
+        if deadline is not None and time.monotonic() > deadline:
+            raise _OutOfTime
         ops: list[tuple[str, int]] = []
 
         def missing_closure(targets: list[int]) -> list[int]:
@@ -172,10 +183,14 @@ def _run(
                     if not soft:
                         raise _Stuck
 
-                    def read_again(j: int) -> int:  # Belady inside the stage: the one read last goes
-                        return next((p for p in range(position, len(queue)) if j in inputs[queue[p]]), len(queue))
-
-                    victim = max(soft, key=lambda j: (all(i in resident for i in inputs[j]), read_again(j), -j))
+                    # Belady inside the stage: the one read last goes
+                    read_again: dict[int, int] = {}
+                    for p in range(position, len(queue)):
+                        for j in inputs[queue[p]]:
+                            read_again.setdefault(j, p)
+                    victim = max(
+                        soft, key=lambda j: (all(i in resident for i in inputs[j]), read_again.get(j, len(queue)), -j)
+                    )
                 resident.discard(victim)
                 used -= size[victim]
                 ops.append(("free", victim))
@@ -207,11 +222,13 @@ def _build(profile: GraphProfile, graph: _Graph, stages, budget_bytes: int) -> S
 
 
 def greedy_recompute_schedule(
-    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None, order: list[str] | None = None
+    profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None, order: list[str] | None = None,
+    deadline: float | None = None,
 ) -> Schedule | None:
     """The fastest plan of the variants, or None if every variant gets stuck or needs more than `max_evictions` frees.
 
-    The limit is a count, not a clock, so that the answer does not depend on the machine's load.
+    The limit is a count, not a clock, so that the answer does not depend on the machine's load; `deadline`
+    (time.monotonic()) is the caller's clock on top: the variants not finished by then are skipped.
     """
     graph = stage_graph(profile, order)
     limit = max_evictions if max_evictions is not None else 3 * len(graph.ids)
@@ -220,9 +237,11 @@ def greedy_recompute_schedule(
     seen: set[tuple] = set()
     for rule, order, keep_dead in VARIANTS:
         try:
-            stages = _run(graph, capacity, rule, order, limit, keep_dead)
+            stages = _run(graph, capacity, rule, order, limit, keep_dead, deadline)
         except _Stuck:
             continue
+        except _OutOfTime:
+            break
         key = tuple(tuple(ops) for ops in stages)
         if key in seen:
             continue

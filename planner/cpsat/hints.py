@@ -74,7 +74,7 @@ def schedule_to_solution(data: ModelData, schedule: Schedule) -> Solution:
                 if j in current:
                     current[j].end = max(position, current[j].start)
                     if j in offloads and current[j].kind == "original":
-                        hold = data.offload_done[j][offloads[j]] * data.stride - 1 if data.transfers else position
+                        hold = data.offload_done(j, offloads[j]) * data.stride - 1 if data.transfers else position
                         current[j].end = max(current[j].end, hold, data.stage_slot(offloads[j]))
     finished += list(current.items())
     solution = Solution(offload_stage=offloads)
@@ -110,7 +110,7 @@ def add_hint(model: cp_model.CpModel, data: ModelData, v: Variables, hint: Solut
             model.add_hint(offload.stage, stage)
 
 
-def complete_hint(model: cp_model.CpModel, time_limit_s: float, seed: int) -> bool:
+def complete_hint(model: cp_model.CpModel, time_limit_s: float, seed: int, wall_limit_s: float | None = None) -> bool:
     """Turn the partial hint into a full assignment, so that CP-SAT starts from a solution at once.
 
     A copy of the model with the hinted variables fixed is solved briefly; its
@@ -127,6 +127,8 @@ def complete_hint(model: cp_model.CpModel, time_limit_s: float, seed: int) -> bo
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = time_limit_s  # same answer on a busy machine
     solver.parameters.max_time_in_seconds = 3 * time_limit_s + 1
+    if wall_limit_s is not None:
+        solver.parameters.max_time_in_seconds = max(0.01, min(solver.parameters.max_time_in_seconds, wall_limit_s))
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = seed
     status = solver.solve(fixed)

@@ -18,6 +18,7 @@ evict-and-recompute pass runs on it instead.
 from __future__ import annotations
 
 import random
+import time
 
 from planner.builder import ScheduleBuilder
 from planner.cpsat.greedy import stage_graph
@@ -85,14 +86,21 @@ def _backward(inputs, users, size, rng: random.Random | None, noise: float) -> l
     return reversed_order[::-1]
 
 
-def memory_aware_order(profile: GraphProfile, tries: int = 64) -> tuple[list[str], int]:
-    """(node ids in the order of lowest keep-all peak found, that peak with fixed memory); the given order competes."""
+def memory_aware_order(
+    profile: GraphProfile, tries: int = 64, deadline: float | None = None
+) -> tuple[list[str], int]:
+    """(node ids in the order of lowest keep-all peak found, that peak with fixed memory); the given order competes.
+
+    The seeded tries stop at `deadline` (time.monotonic()); the plain forward and backward rules always run.
+    """
     graph = stage_graph(profile)
     ids, inputs, users, size, workspace = graph.ids, graph.inputs, graph.users, graph.size, graph.workspace
     noise = sum(size) / max(len(size), 1) / 2  # tie-breaking noise: half a mean tensor
     candidates = [list(range(len(ids)))]
     candidates += [_forward(inputs, users, size, None, 0.0), _backward(inputs, users, size, None, 0.0)]
     for seed in range(tries):
+        if deadline is not None and time.monotonic() > deadline:
+            break
         candidates.append(_forward(inputs, users, size, random.Random(seed), noise))
         candidates.append(_backward(inputs, users, size, random.Random(seed), noise))
     best = min(candidates, key=lambda order: keep_all_peak_in_order(inputs, users, size, workspace, order))
@@ -119,16 +127,21 @@ def keep_all_in_order(profile: GraphProfile, order: list[str], budget_bytes: int
     return builder.build(budget_bytes)
 
 
-def reordered_schedule(profile: GraphProfile, budget_bytes: int, tries: int = 64) -> Schedule | None:
-    """A plan in a memory-aware order: keep-all if it fits, else the greedy recompute pass on that order; or None."""
+def reordered_schedule(
+    profile: GraphProfile, budget_bytes: int, tries: int = 64, deadline: float | None = None
+) -> Schedule | None:
+    """A plan in a memory-aware order: keep-all if it fits, else the greedy recompute pass on that order; or None.
+
+    Both passes stop at `deadline` (time.monotonic()) with what they have.
+    """
     from planner.cpsat.greedy import greedy_recompute_schedule
 
-    order, peak_bytes = memory_aware_order(profile, tries)
+    order, peak_bytes = memory_aware_order(profile, tries, deadline)
     if peak_bytes <= budget_bytes:
         return keep_all_in_order(profile, order, budget_bytes)
     if order == list(profile.order):
         return None  # the caller's greedy pass has tried this order already
-    return greedy_recompute_schedule(profile, budget_bytes, order=order)
+    return greedy_recompute_schedule(profile, budget_bytes, order=order, deadline=deadline)
 
 
 def in_profile_order(profile: GraphProfile, schedule: Schedule | None) -> bool:

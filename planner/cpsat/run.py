@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.solve import solve_model
@@ -46,7 +44,10 @@ def infeasible(
     minimum = smallest_budget(profile, features, options, strategy, time_limit_s=time_limit_s)
     if minimum.schedule is not None and fits(profile, minimum.schedule, budget_bytes) is not None:
         return minimum.schedule.model_copy(update={"budget_bytes": budget_bytes})
-    reason = "proven infeasible" if status == "INFEASIBLE" else f"no plan found ({status}) within the time limit"
+    if status == "INFEASIBLE":
+        reason = "proven infeasible"
+    else:
+        reason = f"no plan found in {options.time_limit_s:g} s ({status})"
     raise InfeasibleBudget(
         f"strategy {strategy!r}: no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}), {reason}; "
         + minimum.describe(),
@@ -71,9 +72,11 @@ def plan_with_model(
 
     `others` compete with the CP-SAT plan; `fallbacks` are used only when
     neither it nor `others` gives a plan. With nothing that fits: search the smallest feasible budget and raise
-    InfeasibleBudget, or return (None, info, None) if `explain_infeasible` is off. `deadline`
-    (time.monotonic()) caps the solve's wall clock; the minimum-budget search then gets what is left, 1 s at least.
+    InfeasibleBudget, or return (None, info, None) if `explain_infeasible` is off. `options.deadline` (or
+    `deadline` when sooner; time.monotonic()) caps the solve's wall clock; the minimum-budget search gets
+    what is left of the options' deadline.
     """
+    options = options.started()
     outcome = solve_model(
         profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s,
         deadline=deadline,
@@ -85,7 +88,7 @@ def plan_with_model(
     if best is None:
         if not explain_infeasible:
             return None, info, None
-        search_s = None if deadline is None else max(1.0, deadline - time.monotonic())
+        search_s = min(30.0, options.time_limit_s)  # nominal (deterministic with one worker); the deadline caps it
         schedule = infeasible(profile, budget_bytes, features, options, strategy, info.status, search_s)
         note = f"{info.encoding}; plan from the memory-minimizing search"
         return schedule, info.model_copy(update={"encoding": note}), "cp-sat (memory-minimizing)"

@@ -10,7 +10,7 @@ from ortools.sat.python import cp_model
 from planner.builder import PlannerBug, certify
 from planner.cpsat.callback import ProgressCallback, StopWatcher, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
-from planner.cpsat.data import Features, ModelData, build_data
+from planner.cpsat.data import BuildTimeout, Features, ModelData, build_data
 from planner.cpsat.extract import build_schedule, read_solution
 from planner.cpsat.hints import add_hint, complete_hint, schedule_to_solution
 from planner.cpsat.objective import set_objective
@@ -30,11 +30,23 @@ class SolveOutcome:
     objective_value: float | None = None  # model units: ms, or bytes when minimizing memory
 
 
+# Wall time kept back after CP-SAT stops, for reading its solution, building the schedule and certifying it
+# in the simulator: a base plus a cost per node (measured on 1,000-5,000-node graphs on the 2-core development
+# machine: about 0.3 ms a node under load, so 5000 nodes take ~1.5 s). See `finish_margin_s`.
+FINISH_BASE_S = 0.1
+FINISH_PER_NODE_S = 3e-4
+
+
+def finish_margin_s(nodes: int) -> float:
+    """Seconds a solve keeps back before its deadline for extraction and certification of a `nodes`-node plan."""
+    return FINISH_BASE_S + FINISH_PER_NODE_S * nodes
+
+
 def solver_parameters(options: SolveOptions, time_limit_s: float, wall_limit_s: float | None = None) -> cp_model.CpSolver:
     """One worker + a seed gives the same answer every time: a deterministic time limit then governs.
 
-    `wall_limit_s` caps the wall-clock time whatever the worker count (a caller's total budget, such as
-    mosos's); with one worker a run cut by it is no longer guaranteed to repeat exactly.
+    `wall_limit_s` caps the wall-clock time whatever the worker count (what is left of the caller's deadline);
+    with one worker a run cut by it is no longer guaranteed to repeat exactly.
     """
     solver = cp_model.CpSolver()
     workers = options.workers or 2
@@ -60,6 +72,14 @@ def _status_name(solver: cp_model.CpSolver, status) -> str:
     return solver.status_name(status)
 
 
+def _not_solved(data: ModelData, features: Features, options: SolveOptions, started: float, why: str) -> SolveOutcome:
+    info = SolverInfo(
+        status="UNKNOWN", wall_time_s=time.monotonic() - started, workers=options.workers or 2, seed=options.seed,
+        encoding=replace(features, transfers=data.transfers).describe() + f"; {why}",
+    )
+    return SolveOutcome(None, info, data)
+
+
 def solve_model(
     profile: GraphProfile,
     budget_bytes: int | None,
@@ -70,17 +90,32 @@ def solve_model(
     time_limit_s: float | None = None,
     deadline: float | None = None,
 ) -> SolveOutcome:
-    """`deadline` (time.monotonic()) caps the wall clock of the whole call, model building included."""
+    """Build, warm-start and solve the model; the answer is certified.
+
+    `options.deadline` (or `deadline`, whichever is sooner; time.monotonic()) caps the wall clock of the
+    whole call, model building, extraction and certification included: CP-SAT gets what is left minus
+    `finish_margin_s`. `time_limit_s` (default `options.time_limit_s`) is the nominal search time, the
+    deterministic budget with one worker.
+    """
     started = time.monotonic()
+    options = options.started()
+    if deadline is not None and deadline < options.deadline:
+        options = replace(options, deadline=deadline)
     data = build_data(profile, budget_bytes, features)
+    data.deadline = options.deadline - finish_margin_s(data.n)
     model = cp_model.CpModel()
-    variables = create_variables(model, data)
-    for add_family in ALL_FAMILIES:
-        add_family(model, data, variables)
+    try:
+        variables = create_variables(model, data)
+        for add_family in ALL_FAMILIES:
+            add_family(model, data, variables)
+    except BuildTimeout:
+        return _not_solved(data, features, options, started, "the time limit came while building the model")
     set_objective(model, data, variables)
     limit = time_limit_s or options.time_limit_s
-    _warm_start(model, data, variables, hints, limit, options.seed)
-    wall_limit = None if deadline is None else deadline - time.monotonic()
+    _warm_start(model, data, variables, hints, limit, options)
+    wall_limit = options.remaining_s() - finish_margin_s(data.n)
+    if wall_limit <= 0.01:
+        return _not_solved(data, features, options, started, "no time left to solve the model")
     solver = solver_parameters(options, limit, wall_limit)
     if features.minimize_memory:
         scale = lambda units: units * data.memory_unit_bytes + profile.fixed_bytes  # noqa: E731
@@ -92,6 +127,8 @@ def solve_model(
     found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
     objective = scale(solver.objective_value) if found else None
     bound = scale(solver.best_objective_bound) if found else None
+    if bound is not None and not features.minimize_memory:
+        bound = max(bound, trivial_bound_ms(data))  # CP-SAT's own bound may be weaker than every node once at its fastest
     info = SolverInfo(
         status=_status_name(solver, status),
         objective=objective,
@@ -110,6 +147,11 @@ def solve_model(
     return SolveOutcome(schedule, info, data, objective)
 
 
+def trivial_bound_ms(data: ModelData) -> float:
+    """Every node computed once with its fastest implementation: no plan of the model is faster (model units)."""
+    return data.time_units_to_ms(sum(min(impl.time_units for impl in impls) for impls in data.impls))
+
+
 def _fitting_hints(data: ModelData, hints) -> list[Schedule]:
     """The hint schedules that fit the budget, fastest first."""
     timed = []
@@ -122,19 +164,22 @@ def _fitting_hints(data: ModelData, hints) -> list[Schedule]:
     return [schedule for _, _, schedule in sorted(timed, key=lambda item: item[:2])]
 
 
-def _warm_start(model, data: ModelData, variables, hints, limit_s: float, seed: int, attempts: int = 4) -> bool:
+def _warm_start(model, data: ModelData, variables, hints, limit_s: float, options: SolveOptions, attempts: int = 4) -> bool:
     """Hint the fastest plan that the model can express, completed to a full assignment.
 
     A plan the model cannot express (a baseline that stalls on transfers, say)
     would be a misleading partial hint, so it is dropped and the next one tried.
     """
     for schedule in _fitting_hints(data, hints)[:attempts]:
+        if options.out_of_time(finish_margin_s(data.n)):
+            break
         try:
             solution = schedule_to_solution(data, schedule)
         except (KeyError, IndexError, StopIteration):
             continue
         add_hint(model, data, variables, solution)
-        if complete_hint(model, min(2.0, 0.05 * limit_s), seed):
+        wall_s = max(0.01, 0.5 * (options.remaining_s() - finish_margin_s(data.n)))
+        if complete_hint(model, min(2.0, 0.05 * limit_s), options.seed, wall_s):
             return True
         model.clear_hints()
     return False

@@ -34,6 +34,9 @@ class Copy:
     early: cp_model.IntVar | None = None  # prefetch copies: read before ready_stage, the wait charged in full
     stage_low: int = 0
     stage_high: int = 0
+    # transfer copies: the stages allowed and the index of the one chosen (element constraints index by it)
+    stage_choices: list[int] = field(default_factory=list)
+    choice: cp_model.IntVar | None = None
 
     @property
     def computes(self) -> bool:
@@ -47,6 +50,8 @@ class Offload:
     stage: cp_model.IntVar
     done_stage: cp_model.IntVar
     stage_low: int = 0
+    stage_choices: list[int] = field(default_factory=list)
+    choice: cp_model.IntVar | None = None
 
 
 @dataclass
@@ -59,26 +64,41 @@ class Variables:
     # (reader copy id, input tensor) -> candidate serving copies with their choice literal
 
 
+def _last_true(low: int, high: int, holds) -> int | None:
+    """The largest x in [low, high] where `holds` (true on a prefix of the range, then false), or None."""
+    if low > high or not holds(low):
+        return None
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holds(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def _offload_window(data: ModelData, j: int) -> tuple[int, int] | None:
-    """Stages at which offloading j can still pay off (a prefetch completes before a reader), or None."""
+    """Stages at which offloading j can still pay off (a prefetch completes before a reader), or None.
+
+    The stage timing only grows with the issue stage, so the stages that pay off are a prefix: a binary search.
+    """
     if not data.transfers or not data.users[j] or data.features.max_prefetches < 1:
         return None
     last_reader_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
-    stages = [
-        a
-        for a in range(j + 1, data.n)
-        if data.offload_done[j][a] < data.n and data.prefetch_done[j][data.offload_done[j][a]] <= last_reader_stage
-    ]
-    if not stages:
-        return None
-    return stages[0], stages[-1]
+
+    def pays_off(a: int) -> bool:
+        done = data.offload_done(j, a)
+        return done < data.n and data.prefetch_done(j, done) <= last_reader_stage
+
+    last = _last_true(j + 1, data.n - 1, pays_off)
+    return None if last is None else (j + 1, last)
 
 
 def _prefetch_window(data: ModelData, j: int, first_offload_stage: int) -> tuple[int, int] | None:
     last_reader_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
-    first = data.offload_done[j][first_offload_stage]
-    stages = [p for p in range(first, data.n) if data.prefetch_done[j][p] <= last_reader_stage]
-    return (stages[0], stages[-1]) if stages else None
+    first = data.offload_done(j, first_offload_stage)
+    last = _last_true(first, data.n - 1, lambda p: data.prefetch_done(j, p) <= last_reader_stage)
+    return None if last is None else (first, last)
 
 
 # Transfers start only at a few stages each: the right after its computation (offload) and just in
@@ -96,12 +116,20 @@ def _prefetch_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[i
     low, high = window
     chosen: set[int] = set()
     for u in data.users[j]:
-        latest = max((p for p in range(low, min(high, u) + 1) if data.prefetch_done[j][p] <= u), default=None)
+        latest = _last_true(low, min(high, u), lambda p: data.prefetch_done(j, p) <= u)
         if latest is not None:
             chosen.update(p for p in range(latest - PREFETCH_SLACK, latest + 1) if p >= low)
         if low <= u <= high:
             chosen.add(u)  # issued in the reader's own stage: read early, the wait charged
-    return sorted(chosen)
+    return sorted(p for p in chosen if data.prefetch_done(j, p) <= data.n)  # one that never lands is no choice
+
+
+def _stage_choice(model: cp_model.CpModel, stages: list[int], name: str):
+    """(stage variable, index variable) over a few allowed stages; the index keeps element constraints short."""
+    index = model.new_int_var(0, len(stages) - 1, f"{name}_choice")
+    stage = model.new_int_var_from_domain(cp_model.Domain.from_values(stages), name)
+    model.add_element(index, stages, stage)
+    return stage, index
 
 
 def _implementation_literals(model: cp_model.CpModel, data: ModelData, k: int, present, name: str) -> list:
@@ -120,9 +148,11 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
     copies: list[list[Copy]] = []
     offloads: dict[int, Offload] = {}
     for j in range(n):
+        if j % 64 == 0:
+            data.check_time()
         last_use = data.last_use_position(j)
         window = _offload_window(data, j)
-        hold = data.offload_done[j][window[1]] * data.stride - 1 if window else -1
+        hold = data.offload_done(j, window[1]) * data.stride - 1 if window else -1
         start = data.pos(j, j)
         end = model.new_int_var(start, max(start, last_use, hold), f"end_{j}_0")
         one = model.new_bool_var(f"present_{j}_0")
@@ -149,19 +179,19 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
         if window:
             offload_present = model.new_bool_var(f"offload_{j}")
             offload_stages = _offload_stages(data, window)
-            stage = model.new_int_var_from_domain(cp_model.Domain.from_values(offload_stages), f"offload_stage_{j}")
+            stage, choice = _stage_choice(model, offload_stages, f"offload_stage_{j}")
             done = model.new_int_var(0, n, f"offload_done_{j}")
-            model.add_element(stage, data.offload_done[j][: offload_stages[-1] + 1], done)
-            offloads[j] = Offload(j, offload_present, stage, done, stage_low=offload_stages[0])
+            model.add_element(choice, [data.offload_done(j, a) for a in offload_stages], done)
+            offloads[j] = Offload(j, offload_present, stage, done, stage_low=offload_stages[0],
+                                  stage_choices=offload_stages, choice=choice)
             prefetch_window = _prefetch_window(data, j, window[0])
             prefetch_stages = _prefetch_stages(data, j, prefetch_window) if prefetch_window else []
             for p in range(1, data.features.max_prefetches + 1 if prefetch_stages else 1):
                 low, high = prefetch_stages[0], prefetch_stages[-1]
                 present = model.new_bool_var(f"present_{j}_p{p}")
-                domain = cp_model.Domain.from_values(prefetch_stages)
-                stage = model.new_int_var_from_domain(domain, f"prefetch_stage_{j}_p{p}")
+                stage, choice = _stage_choice(model, prefetch_stages, f"prefetch_stage_{j}_p{p}")
                 ready = model.new_int_var(0, n, f"prefetch_ready_{j}_p{p}")
-                model.add_element(stage, data.prefetch_done[j][: high + 1], ready)
+                model.add_element(choice, [data.prefetch_done(j, a) for a in prefetch_stages], ready)
                 start_expr = stage * data.stride
                 end_p = model.new_int_var(data.stage_slot(low), max(data.stage_slot(low), last_use), f"end_{j}_p{p}")
                 size = model.new_int_var(0, max(1, last_use - data.stage_slot(low) + 1), f"size_{j}_p{p}")
@@ -170,7 +200,8 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                 model.add_implication(early, present)
                 tensor_copies.append(
                     Copy(j, "prefetch", p, present, stage, start_expr, end_p, interval,
-                         ready_stage=ready, early=early, stage_low=low, stage_high=high)
+                         ready_stage=ready, early=early, stage_low=low, stage_high=high,
+                         stage_choices=prefetch_stages, choice=choice)
                 )
         copies.append(tensor_copies)
     return Variables(model, copies, offloads, capacity)

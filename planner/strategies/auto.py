@@ -29,4 +29,4 @@ def plan_auto(profile: GraphProfile, budget_bytes: int | None, options: SolveOpt
 
     # With nothing moved, memory does not depend on timing: auto fits wherever the smallest workspaces do.
     feasible = peak_bytes(profile, with_smallest_workspaces(profile, keep_all_schedule(profile)), NAME)
-    return plan_within(profile, budget_bytes, NAME, attempt, feasible)
+    return plan_within(profile, budget_bytes, NAME, attempt, feasible, options.started())

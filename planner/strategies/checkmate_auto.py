@@ -8,6 +8,8 @@ implementation whose workspace fits in the memory left at that moment.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.greedy import greedy_recompute_schedule
@@ -15,6 +17,7 @@ from planner.cpsat.run import best_plan, plan_with_model
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions, strategy
+from planner.strategies.recompute_only import HEURISTIC_SHARE, phase_deadline
 
 CHECKMATE = Features(recompute=True, transfers=False, implementations="framework", max_recomputes=2)
 
@@ -35,14 +38,18 @@ def plan_then_auto(
 ) -> Schedule | None:
     """The paper's two-phase baselines: solve without algorithm choice, then let Auto pick the algorithms.
 
-    `deadline` (time.monotonic()) caps the wall clock; `greedy`: the greedy plan if the caller has it already.
+    `options.deadline` (or `deadline` when sooner) caps the wall clock; `greedy`: the greedy plan if the
+    caller has it already.
     """
+    options = options.started()
+    if deadline is not None and deadline < options.deadline:
+        options = replace(options, deadline=deadline)
     if greedy is False:
-        greedy = greedy_recompute_schedule(profile, budget_bytes)
+        greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE))
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, strategy_name, features,
         hints=[s for s in (greedy, *hints) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],
-        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
     )
     if base is None:
         return None

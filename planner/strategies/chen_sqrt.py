@@ -96,5 +96,5 @@ def plan_chen_sqrt(profile: GraphProfile, budget_bytes: int | None, options: Sol
         return auto if fitting(profile, auto, budget, NAME) else None
 
     # Recompute only, nothing moves: memory does not depend on timing, so Auto fits wherever the smallest workspaces do.
-    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME))
+    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME), options.started())
 

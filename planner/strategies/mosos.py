@@ -23,7 +23,7 @@ from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions, strategy
-from planner.strategies.recompute_only import at_lower_bound, certify_lower_bound
+from planner.strategies.recompute_only import at_lower_bound, certify_lower_bound, phase_deadline
 
 MOSOS = Features(recompute=True, transfers=True, implementations="all", max_recomputes=2, max_prefetches=1)
 
@@ -35,6 +35,12 @@ BASELINE_STRATEGIES = ("keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sq
 SOLVED_INSIDE = {"recompute-only": 0.1, "checkmate-auto": 0.1, "str-auto": 0.15}
 
 JOINT_PHASE = "joint model"
+
+# The most of the time limit one heuristic baseline may take inside mosos (the swap/recompute heuristic
+# replays the whole step per candidate: a minute on a 1,000-node graph if let run).
+HEURISTIC_BASELINE_SHARE = 0.05
+# The most of the time limit the memory-aware reordering and the greedy evict-and-recompute pass may take, each.
+ORDER_AND_GREEDY_SHARE = 0.1
 
 
 def _baseline_functions() -> dict:
@@ -66,35 +72,38 @@ def baseline_plans(
 ) -> list[tuple[str, Schedule]]:
     """The baselines' plans at this budget; baselines that fail are skipped, and so are those left at the deadline.
 
-    `deadline` (time.monotonic()) is mosos's total budget: the heuristics stop being started once it has
-    passed, the inner CP-SAT solves get their share of the limit and never run past it.
+    `deadline` (time.monotonic(); default the options' own) ends this phase: no baseline starts after it, each
+    heuristic gets `HEURISTIC_BASELINE_SHARE` of the limit at most, and the inner CP-SAT solves get their
+    share of the limit and never run past it.
     """
     from planner.strategies.checkmate_auto import checkmate_auto_plan
     from planner.strategies.recompute_only import recompute_only_plan
     from planner.strategies.str_auto import str_auto_plan
 
-    def out_of_time() -> bool:
-        stopped = options.should_stop is not None and options.should_stop()
-        return stopped or (deadline is not None and time.monotonic() >= deadline)
-
-    quiet = replace(options, progress=None)
+    options = options.started()
+    phase_end = options.deadline if deadline is None else min(deadline, options.deadline)
+    phase = replace(options, deadline=phase_end)
+    limit = options.time_limit_s
+    quiet = replace(phase, progress=None, explain_infeasible=False)
     plans: list[tuple[str, Schedule]] = []
     for name, function in _baseline_functions().items():
-        if out_of_time():
+        if phase.out_of_time():
             break
         try:
-            plans.append((name, function(profile, budget_bytes, quiet)))
+            plans.append((name, function(profile, budget_bytes, quiet.within(HEURISTIC_BASELINE_SHARE * limit))))
         except MososError:
             continue
     solved = {"recompute-only": recompute_only_plan, "checkmate-auto": checkmate_auto_plan, "str-auto": str_auto_plan}
     for name, share in SOLVED_INSIDE.items():
-        if out_of_time():
+        if phase.out_of_time():
             break
         computed = {"reordered": reordered} if name == "recompute-only" else {}  # not worked out twice
         try:
+            # its share of the limit as a wall-clock window too (model building included), never past the phase
+            window = replace(phase, deadline=min(phase.deadline, time.monotonic() + share * limit))
             schedule = solved[name](
-                profile, budget_bytes, _reporting_as_mosos(options, name), time_limit_s=share * options.time_limit_s,
-                explain_infeasible=False, deadline=deadline, greedy=greedy, **computed,
+                profile, budget_bytes, _reporting_as_mosos(window, name), time_limit_s=share * limit,
+                explain_infeasible=False, greedy=greedy, **computed,
             )
         except MososError:
             continue
@@ -104,16 +113,17 @@ def baseline_plans(
 
 
 def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, baselines: bool = True) -> Schedule:
-    """`options.time_limit_s` is the budget of the whole call (baselines, inner solves, joint model), wall clock."""
+    """`options.deadline` bounds the whole call (heuristics, baselines, inner solves, joint model), wall clock."""
+    options = options.started()
     started = time.monotonic()
-    reordered = reordered_schedule(profile, budget_bytes)
+    limit = options.time_limit_s
+    reordered = reordered_schedule(profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE))
     if at_lower_bound(profile, reordered):
         return certify_lower_bound(profile, reordered, "mosos", options, started)
-    limit = options.time_limit_s
     # The joint model keeps at least this share of the budget; the baselines and inner solves use the rest.
     reserve = (1 - sum(SOLVED_INSIDE.values())) * limit if baselines else limit
-    greedy = greedy_recompute_schedule(profile, budget_bytes)
-    inner_deadline = started + limit - 0.5 * reserve
+    greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE))
+    inner_deadline = min(options.deadline, started + limit - 0.5 * reserve)
     others = baseline_plans(
         profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy, reordered=reordered
     ) if baselines else []
@@ -124,12 +134,11 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     remaining = reserve
     if options.workers != 1:
         # wall-clock budgeting; with one worker the shares stay fixed so that a seeded run repeats exactly
-        remaining = max(0.05 * limit, limit - (time.monotonic() - started))
+        remaining = max(0.05 * limit, options.remaining_s())
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, _reporting_as_mosos(options, JOINT_PHASE), "mosos", MOSOS,
         # a plan in another compute order cannot warm-start the model, whose stages follow the profile's order
         hints=[s for _, s in others if in_profile_order(profile, s)], others=others, time_limit_s=remaining,
-        deadline=started + limit,
     )
     # the wall time covers the whole strategy: baselines, inner solves and the joint model
     return certify(profile, schedule, "mosos", info.model_copy(update={"wall_time_s": time.monotonic() - started}))

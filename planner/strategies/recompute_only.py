@@ -11,6 +11,7 @@ profile's order, and another order may need far less memory.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from planner.builder import certify
 from planner.cpsat.data import Features
@@ -20,6 +21,16 @@ from planner.cpsat.run import plan_with_model
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
 from planner.strategies import SolveOptions, strategy
+
+# The most of a strategy's time limit that one heuristic pass (greedy, reordering) may take before the solve.
+HEURISTIC_SHARE = 0.2
+
+
+def phase_deadline(options: SolveOptions, share: float) -> float:
+    """When a phase allowed `share` of the time limit must stop: that much from now, never past the deadline."""
+    options = options.started()
+    return min(options.deadline, time.monotonic() + share * options.time_limit_s)
+
 
 RECOMPUTE_ONLY = Features(recompute=True, transfers=False, implementations="fastest", max_recomputes=2)
 
@@ -56,19 +67,23 @@ def recompute_only_plan(
     explain_infeasible: bool = True, deadline: float | None = None, greedy: Schedule | None | bool = False,
     reordered: Schedule | None | bool = False,
 ) -> Schedule | None:
-    """`deadline` (time.monotonic()) caps the wall clock; `greedy`, `reordered`: those plans if the caller has them."""
+    """`options.deadline` (or `deadline` when sooner) caps the wall clock; `greedy`, `reordered`: those plans if
+    the caller has them. The heuristic passes get at most `HEURISTIC_SHARE` of the time each."""
     started = time.monotonic()
+    options = options.started()
+    if deadline is not None and deadline < options.deadline:
+        options = replace(options, deadline=deadline)
     if reordered is False:
-        reordered = reordered_schedule(profile, budget_bytes)
+        reordered = reordered_schedule(profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE))
     if at_lower_bound(profile, reordered):
         return certify_lower_bound(profile, reordered, "recompute-only", options, started)
     if greedy is False:
-        greedy = greedy_recompute_schedule(profile, budget_bytes)
+        greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE))
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
         hints=[s for s in (greedy,) if s is not None],
         others=[("greedy evict-and-recompute", greedy), ("memory-aware order", reordered)],
-        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible, deadline=deadline,
+        time_limit_s=time_limit_s, explain_infeasible=explain_infeasible,
     )
     return None if schedule is None else certify(profile, schedule, "recompute-only", info)
 

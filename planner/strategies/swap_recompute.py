@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -209,10 +208,10 @@ def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, optio
     Past the time limit, or when asked to stop, the search stops where it is
     (the plan found so far fits).
     """
-    deadline = time.monotonic() + options.time_limit_s
+    options = options.started()
 
     def out_of_time() -> bool:
-        return time.monotonic() > deadline or bool(options.should_stop and options.should_stop())
+        return options.out_of_time()
 
     evaluate = Evaluator(profile, budget_bytes, facts)
     attributes = choose_keep_or_swap(evaluate, facts, out_of_time)
@@ -226,10 +225,13 @@ def heuristic(profile: GraphProfile, budget_bytes: int, facts: GraphFacts, optio
 @strategy(NAME, "Chainer swap/recompute heuristic: swap what hides behind compute, keep the rest from the output side while memory allows, recompute where cheaper than the swap's stall; swap-ins as early as memory allows", needs_transfers=True)
 def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     require_transfers(profile, NAME)
+    options = options.started()
     facts = GraphFacts(profile)
     schedule = heuristic(profile, budget_bytes, facts, options)
     if schedule is not None:
         return certify(profile, schedule, NAME)
+    if not options.explain_infeasible:
+        raise InfeasibleBudget(f"strategy {NAME!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)})")
     # The heuristic finds a plan exactly when its starting point, everything swapped, fits.
     all_swap = {t: "swap" for t in facts.candidates}
 
@@ -238,9 +240,9 @@ def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options
         return evaluation.schedule if evaluation.fits else None
 
     unbounded = Evaluator(profile, 2**62, facts)(all_swap).result.peak_memory_bytes
-    minimum = smallest_budget(starting_point_fits, budget_bytes, max(unbounded, budget_bytes + 1))
-    if minimum is not None and heuristic(profile, minimum, facts, options) is None:
-        minimum = smallest_budget(lambda b: heuristic(profile, b, facts, options), minimum, 2 * minimum)
+    minimum = smallest_budget(starting_point_fits, budget_bytes, max(unbounded, budget_bytes + 1), options)
+    if minimum is not None and not options.out_of_time() and heuristic(profile, minimum, facts, options) is None:
+        minimum = smallest_budget(lambda b: heuristic(profile, b, facts, options), minimum, 2 * minimum, options)
     if minimum is None:
         raise InfeasibleBudget(f"strategy {NAME!r} finds no plan within {budget_bytes} bytes, nor within any budget it tried")
     raise InfeasibleBudget(

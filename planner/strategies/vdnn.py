@@ -87,7 +87,7 @@ def _with_budget(schedule: Schedule, budget_bytes: int) -> Schedule:
     return schedule.model_copy(update={"budget_bytes": budget_bytes})
 
 
-def _static(profile: GraphProfile, budget_bytes: int, policy: Policy) -> Schedule:
+def _static(profile: GraphProfile, budget_bytes: int, policy: Policy, options: SolveOptions) -> Schedule:
     name = f"vdnn-{policy}"
     require_transfers(profile, name)
     facts = GraphFacts(profile)
@@ -100,17 +100,17 @@ def _static(profile: GraphProfile, budget_bytes: int, policy: Policy) -> Schedul
                 return _with_budget(variant, budget)
         return None
 
-    return plan_within(profile, budget_bytes, name, attempt, min(peaks))
+    return plan_within(profile, budget_bytes, name, attempt, min(peaks), options.started())
 
 
 @strategy("vdnn-all", "vDNN_all: offload every layer's input in forward, prefetch one layer ahead in backward; fastest algorithms if that fits, else memory-optimal ones", needs_transfers=True)
 def plan_vdnn_all(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
-    return _static(profile, budget_bytes, "all")
+    return _static(profile, budget_bytes, "all", options)
 
 
 @strategy("vdnn-conv", "vDNN_conv: offload convolution inputs in forward, prefetch one layer ahead in backward; fastest algorithms if that fits, else memory-optimal ones", needs_transfers=True)
 def plan_vdnn_conv(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
-    return _static(profile, budget_bytes, "conv")
+    return _static(profile, budget_bytes, "conv", options)
 
 
 def dyn_configurations(profile: GraphProfile, budget_bytes: int, facts: GraphFacts):
@@ -138,4 +138,4 @@ def plan_vdnn_dyn(profile: GraphProfile, budget_bytes: int | None, options: Solv
                 return schedule
         return _with_budget(memory_optimal, budget)
 
-    return plan_within(profile, budget_bytes, name, attempt, trainable_from)
+    return plan_within(profile, budget_bytes, name, attempt, trainable_from, options.started())
