@@ -13,13 +13,17 @@ from rich.table import Table
 from planner.budget import budget_from_ratio
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
 from cli.checks import positive_finite, whole_number_in, writable_output, write_output
-from planner.comparison import ComparisonRow, compare
+from planner.comparison import ComparisonRow, compare, time_share_s
 from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
 from planner.profile import load_profile
 from planner.strategies.keep_all import keep_all_schedule
 from planner.simulator import simulate
 from planner.units import format_bytes, parse_bytes
+
+
+# Seconds kept back from --time-limit for what the command does after planning (printing, writing -o).
+FINISH_S = 0.2
 
 
 class _Progress:
@@ -97,7 +101,10 @@ def plan_command(
     budget: str = typer.Option(None, help="memory budget: 10GiB, 12GB or bytes"),
     memory_ratio: float = typer.Option(None, help="budget as a fraction of the keep-all peak, e.g. 0.6"),
     strategy: str = typer.Option("mosos", help="which planner; see --compare all for every one"),
-    time_limit: float = typer.Option(60.0, help="solver time limit per strategy, seconds"),
+    time_limit: float = typer.Option(
+        60.0, help="time limit of the whole command, seconds: the best plan found by then (with --compare, "
+        "shared by the strategies, the solver-based ones getting the largest shares)"
+    ),
     workers: int = typer.Option(None, help="solver threads (default: all cores)"),
     seed: int = typer.Option(0, help="solver seed; with --workers 1 the plan is reproducible"),
     compare_with: str = typer.Option(None, "--compare", help="'all' or a comma-separated list of strategies to compare"),
@@ -105,6 +112,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
 ) -> None:
     """Plan PROFILE within a budget, check it in the simulator, and compare strategies."""
+    started = time.monotonic()  # --time-limit counts from here: reading the profile is part of the command
     writable_output(output, "-o")
     positive_finite(time_limit, "--time-limit")
     whole_number_in(seed, "--seed", 0, 2**31 - 1)
@@ -128,17 +136,24 @@ def plan_command(
     else:
         wanted = []
     order = [strategy] + [s for s in wanted if s != strategy]
+    # The command's own work after planning (the lower bound, the table, the output file) is kept out of the limit.
+    limit = max(1e-3, time_limit - FINISH_S)
     with _Progress(enabled=not as_json and error_console.is_terminal) as progress:
-        options = dict(time_limit_s=time_limit, workers=workers, seed=seed, progress=progress)
+        options = dict(workers=workers, seed=seed, progress=progress)
         try:
-            chosen = plan(profile, budget_bytes, strategy=strategy, **options)
+            chosen = plan(
+                profile, budget_bytes, strategy=strategy, time_limit_s=time_share_s(order, 0, limit),
+                started_at=started, **options,
+            )
         except InfeasibleBudget as error:
             if as_json:
                 typer.echo(json.dumps({"feasible": False, "error": str(error), "minimum_budget_bytes": error.minimum_budget_bytes}))
             else:
                 error_console.print(f"[bold red]infeasible:[/] {error}", highlight=False)
             raise typer.Exit(EXIT_INFEASIBLE) from None
-        rows = [ComparisonRow(strategy, chosen)] + compare(profile, budget_bytes, order[1:], **options)
+        rows = [ComparisonRow(strategy, chosen)] + compare(
+            profile, budget_bytes, order[1:], time_limit_s=limit, started_at=started, shared=True, **options
+        )
     lower_bound_ms = simulate(profile, keep_all_schedule(profile), keep_timeline=False).step_time_ms
     if output:
         write_output(output, chosen.to_json(), "-o")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from planner.errors import BudgetError, MososError
@@ -32,11 +33,32 @@ class ComparisonRow:
         return row
 
 
-def compare(profile: GraphProfile, budget_bytes: int | None, strategies: list[str], **options) -> list[ComparisonRow]:
+# How a shared time limit is split between strategies run one after another: solver-based ones need it,
+# heuristics finish in a fraction of a second on most graphs (and stop at their share on the rest).
+SOLVER_WEIGHTS = {"mosos": 4.0, "recompute-only": 1.0, "checkmate-auto": 1.0, "str-auto": 1.0}
+HEURISTIC_WEIGHT = 0.25
+
+
+def time_share_s(strategies: list[str], index: int, remaining_s: float) -> float:
+    """The seconds strategy `index` may take of `remaining_s`, shared by it and the ones after it by weight."""
+    weights = [SOLVER_WEIGHTS.get(name, HEURISTIC_WEIGHT) for name in strategies[index:]]
+    return max(0.0, remaining_s) * weights[0] / sum(weights)
+
+
+def compare(
+    profile: GraphProfile, budget_bytes: int | None, strategies: list[str], *, time_limit_s: float = 60.0,
+    started_at: float | None = None, shared: bool = False, **options,
+) -> list[ComparisonRow]:
+    """Plan with each strategy. `shared`: `time_limit_s` bounds all of them together, from `started_at`
+    (default now), split by `time_share_s`; otherwise each gets `time_limit_s`."""
     rows = []
-    for name in strategies:
+    clock = time.monotonic() if started_at is None else started_at
+    for index, name in enumerate(strategies):
+        limit = time_limit_s
+        if shared:
+            limit = max(1e-3, time_share_s(strategies, index, time_limit_s - (time.monotonic() - clock)))
         try:
-            rows.append(ComparisonRow(name, plan(profile, budget_bytes, strategy=name, **options)))
+            rows.append(ComparisonRow(name, plan(profile, budget_bytes, strategy=name, time_limit_s=limit, **options)))
         except BudgetError as error:
             rows.append(ComparisonRow(name, None, str(error), error.minimum_budget_bytes))
         except MososError as error:  # a strategy that cannot run on this profile (no bandwidth, ...): its row says why

@@ -46,6 +46,7 @@ def plan(
     seed: int = 0,
     progress: Callable[[dict], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    started_at: float | None = None,
 ) -> Schedule:
     """Plan one training step of `profile` within `budget_bytes` (or `memory_ratio` of the keep-all peak).
 
@@ -53,9 +54,10 @@ def plan(
     the simulated figures. `time_limit_s` bounds the whole call: every phase of
     every strategy shares one deadline, set here, and the answer is the best plan
     found by then (or InfeasibleBudget: no plan in that time, with the smallest
-    budget known to work so far).
+    budget known to work so far). `started_at` (time.monotonic()) is when the
+    caller's clock started, if before this call (the CLI's command start).
     """
-    started = time.monotonic()
+    started = time.monotonic() if started_at is None else min(started_at, time.monotonic())
     strategies = load_all()
     if strategy not in strategies:
         raise UnknownStrategy(f"unknown strategy {strategy!r}; known: {', '.join(sorted(strategies))}")

@@ -84,8 +84,14 @@ class _MemoryEvent:
     sequence: int
     stage: int
     operation_index: int
-    operation: str
+    operation_object: object  # described only if a rejection names it (formatting every one is costly)
     tensor: str
+    workspace: bool = False
+
+    @property
+    def operation(self) -> str:
+        text = self.operation_object.describe()
+        return text + " (workspace)" if self.workspace else text
 
 
 @dataclass
@@ -115,9 +121,15 @@ class _Replay:
     events: list[_MemoryEvent] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     computed_order: list[str] = field(default_factory=list)
+    keep_spans: bool = True  # spans only when the caller keeps the timeline (a pydantic object per operation)
 
-    def memory(self, time_ms, delta, stage, index, operation, tensor):
-        self.events.append(_MemoryEvent(time_ms, delta, len(self.events), stage, index, operation, tensor))
+    def memory(self, time_ms, delta, stage, index, operation, tensor, workspace=False):
+        self.events.append(_MemoryEvent(time_ms, delta, len(self.events), stage, index, operation, tensor, workspace))
+
+    def span(self, stream: str, label, start_ms: float, end_ms: float, stage: int) -> None:
+        """`label`: a callable, formatted only when spans are kept."""
+        if self.keep_spans:
+            self.spans.append(Span(stream=stream, label=label(), start_ms=start_ms, end_ms=end_ms, stage=stage))
 
 
 def _reject(reason: str, stage: int, index: int, operation, tensor: str | None = None, **extra) -> ScheduleRejected:
@@ -153,7 +165,9 @@ def simulate(
 
 
 def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | None, keep_timeline: bool) -> SimulationResult:
-    replay = _Replay(profile, budget, tensors={node_id: _TensorState() for node_id in profile.order})
+    replay = _Replay(
+        profile, budget, tensors={node_id: _TensorState() for node_id in profile.order}, keep_spans=keep_timeline
+    )
     handlers = {Compute: _compute, Offload: _offload, Prefetch: _prefetch, Wait: _wait, Free: _free}
     for stage, index, operation in schedule.operations():
         handlers[type(operation)](replay, stage, index, operation)
@@ -212,11 +226,10 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
         raise _reject(f"{node.id!r} is computed while its prefetch is in flight", stage, index, operation, node.id)
     start = replay.compute_ms
     end = start + implementation.time_ms
-    description = operation.describe()
-    replay.memory(start, node.size_bytes, stage, index, description, node.id)
+    replay.memory(start, node.size_bytes, stage, index, operation, node.id)
     if implementation.workspace_bytes:
-        replay.memory(start, implementation.workspace_bytes, stage, index, description + " (workspace)", node.id)
-        replay.memory(end, -implementation.workspace_bytes, stage, index, description + " (workspace)", node.id)
+        replay.memory(start, implementation.workspace_bytes, stage, index, operation, node.id, workspace=True)
+        replay.memory(end, -implementation.workspace_bytes, stage, index, operation, node.id, workspace=True)
     if state.computed:
         replay.recompute_ms += implementation.time_ms
     if implementation.name != node.fastest.name:
@@ -226,7 +239,7 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
     replay.compute_ms = end
     replay.compute_busy_ms += implementation.time_ms
     replay.computed_order.append(node.id)
-    replay.spans.append(Span(stream="compute", label=f"{node.label} [{implementation.name}]", start_ms=start, end_ms=end, stage=stage))
+    replay.span("compute", lambda: f"{node.label} [{implementation.name}]", start, end, stage)
 
 
 def _known_tensor(replay: _Replay, stage: int, index: int, operation, tensor: str) -> _TensorState:
@@ -254,7 +267,7 @@ def _offload(replay: _Replay, stage: int, index: int, operation: Offload) -> Non
     replay.offloaded_bytes += size
     state.offload_end_ms = end
     state.has_host_copy = True
-    replay.spans.append(Span(stream="d2h", label=f"offload {operation.tensor}", start_ms=start, end_ms=end, stage=stage))
+    replay.span("d2h", lambda: f"offload {operation.tensor}", start, end, stage)
 
 
 def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> None:
@@ -267,7 +280,7 @@ def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> N
     if state.on_device:
         raise _reject(f"{operation.tensor!r} is prefetched while already on the device", stage, index, operation, operation.tensor)
     size = replay.profile.node_by_id[operation.tensor].size_bytes
-    replay.memory(replay.compute_ms, size, stage, index, operation.describe(), operation.tensor)
+    replay.memory(replay.compute_ms, size, stage, index, operation, operation.tensor)
     start = max(replay.compute_ms, replay.h2d_ms, state.offload_end_ms or 0.0)
     duration = hardware.prefetch_time_ms(size)
     end = start + duration
@@ -276,7 +289,7 @@ def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> N
     replay.prefetched_bytes += size
     state.on_device = True
     state.prefetch_end_ms = end
-    replay.spans.append(Span(stream="h2d", label=f"prefetch {operation.tensor}", start_ms=start, end_ms=end, stage=stage))
+    replay.span("h2d", lambda: f"prefetch {operation.tensor}", start, end, stage)
 
 
 def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
@@ -291,7 +304,7 @@ def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
             raise _reject(f"{operation.tensor!r} was never offloaded, so there is nothing to wait for", stage, index, operation, operation.tensor)
         end = state.offload_end_ms
     if end > replay.compute_ms:
-        replay.spans.append(Span(stream="compute", label=f"stall: {operation.describe()}", start_ms=replay.compute_ms, end_ms=end, stage=stage))
+        replay.span("compute", lambda: f"stall: {operation.describe()}", replay.compute_ms, end, stage)
         replay.compute_ms = end
 
 
@@ -303,7 +316,7 @@ def _free(replay: _Replay, stage: int, index: int, operation: Free) -> None:
         raise _reject(f"{operation.tensor!r} is freed while its prefetch is in flight", stage, index, operation, operation.tensor)
     release = max(replay.compute_ms, state.offload_end_ms or 0.0)
     size = replay.profile.node_by_id[operation.tensor].size_bytes
-    replay.memory(release, -size, stage, index, operation.describe(), operation.tensor)
+    replay.memory(release, -size, stage, index, operation, operation.tensor)
     state.on_device = False
 
 

@@ -90,6 +90,10 @@ def _run(
     used = 0
     stages: list[list[tuple[str, int]]] = []
     next_user = [0] * n  # index into users[j] of the first user >= the current stage
+    last_reader = [max(users[j], default=j) for j in range(n)]  # after this stage nobody reads j
+    dies_after: list[list[int]] = [[] for _ in range(n)]
+    for j in range(n):
+        dies_after[last_reader[j]].append(j)
 
     def next_use(j: int, t: int) -> int:
         i = next_user[j]
@@ -200,8 +204,12 @@ def _run(
             for j in inputs[x]:
                 pending[j] -= 1
             position += 1
-        for j in sorted(resident):
-            if next_use(j, t) > n and not keep_dead:  # nobody computed later reads it
+        if not keep_dead:
+            # nobody computed later reads these: the tensors whose last reader is this stage, and those this stage
+            # computed (first time or again) that no later stage reads
+            dying = {j for j in dies_after[t] if j in resident}
+            dying.update(x for x in queue if x in resident and last_reader[x] <= t)
+            for j in sorted(dying):
                 resident.discard(j)
                 used -= size[j]
                 ops.append(("free", j))

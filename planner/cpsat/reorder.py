@@ -149,4 +149,5 @@ def in_profile_order(profile: GraphProfile, schedule: Schedule | None) -> bool:
     if schedule is None:
         return False
     nodes = [stage.node for stage in schedule.stages if stage.node is not None]
-    return nodes == [node_id for node_id in profile.order if node_id in set(nodes)]
+    present = set(nodes)
+    return nodes == [node_id for node_id in profile.order if node_id in present]
