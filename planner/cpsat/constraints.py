@@ -21,9 +21,20 @@ def _min_stage(copy: Copy) -> int:
     return copy.stage_low
 
 
+def _only_if(model: cp_model.CpModel, condition, literals) -> None:
+    """`condition` enforced by `literals`; a condition between two constants (fixed copies) is a plain bool."""
+    if isinstance(condition, bool):
+        if not condition:
+            model.add_bool_or([~literal for literal in literals])
+        return
+    model.add(condition).only_enforce_if(literals)
+
+
 def add_copy_shapes(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
     """A present copy ends at or after it starts; an absent one is pinned (no symmetric twins)."""
-    for tensor_copies in v.copies:
+    for j, tensor_copies in enumerate(v.copies):
+        if v.is_fixed(j):
+            continue
         for copy in tensor_copies[1:]:
             model.add(copy.end >= copy.start).only_enforce_if(copy.present)
             model.add(copy.stage == _min_stage(copy)).only_enforce_if(~copy.present)
@@ -32,7 +43,9 @@ def add_copy_shapes(model: cp_model.CpModel, data: ModelData, v: Variables) -> N
 
 def add_symmetry_breaking(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
     """Recomputations (and prefetches) of a tensor are used in order: the r-th exists only after the (r-1)-th."""
-    for tensor_copies in v.copies:
+    for j, tensor_copies in enumerate(v.copies):
+        if v.is_fixed(j):
+            continue
         for kind in ("recompute", "prefetch"):
             same = [c for c in tensor_copies if c.kind == kind]
             for first, second in zip(same, same[1:]):
@@ -45,12 +58,15 @@ def add_inputs_present(model: cp_model.CpModel, data: ModelData, v: Variables) -
     for k, tensor_copies in enumerate(v.copies):
         if k % 16 == 0:
             data.check_time()
+        reader_fixed = v.is_fixed(k)
         for reader in tensor_copies:
             if not reader.computes:
                 continue
             reader_pos = reader.start
             reader_max = _max_stage(data, reader)
             for j in data.inputs[k]:
+                if reader_fixed and v.is_fixed(j):
+                    continue  # both sides fixed to a solution: satisfied already
                 candidates = []
                 for source in v.copies[j]:
                     if source.kind == "recompute" and _min_stage(source) > reader_max:
@@ -58,13 +74,17 @@ def add_inputs_present(model: cp_model.CpModel, data: ModelData, v: Variables) -
                     if source.kind == "prefetch" and _min_stage(source) > reader_max:
                         continue
                     literal = model.new_bool_var(f"use_{k}_{reader.kind}{reader.rank}_{j}_{source.kind}{source.rank}")
-                    model.add_implication(literal, source.present)
-                    model.add(source.end >= reader_pos).only_enforce_if(literal)
+                    if not source.fixed:
+                        model.add_implication(literal, source.present)
+                    _only_if(model, source.end >= reader_pos, [literal])
                     if source.kind == "recompute":
-                        model.add(source.stage <= reader.stage).only_enforce_if(literal)
+                        _only_if(model, source.stage <= reader.stage, [literal])
                     elif source.kind == "prefetch":
-                        model.add(source.stage <= reader.stage).only_enforce_if(literal)
-                        model.add(source.ready_stage <= reader.stage).only_enforce_if([literal, ~source.early])
+                        _only_if(model, source.stage <= reader.stage, [literal])
+                        if not source.fixed:
+                            _only_if(model, source.ready_stage <= reader.stage, [literal, ~source.early])
+                        elif not source.early:
+                            _only_if(model, source.ready_stage <= reader.stage, [literal])
                     candidates.append((source, literal))
                 model.add(sum(lit for _, lit in candidates) == reader.present)
                 v.uses[(k, reader.kind == "recompute" and reader.rank or 0, j)] = candidates
@@ -72,8 +92,8 @@ def add_inputs_present(model: cp_model.CpModel, data: ModelData, v: Variables) -
 
 def add_one_copy_at_a_time(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
     """A tensor is never computed or prefetched while a copy of it is still on the device."""
-    for tensor_copies in v.copies:
-        if len(tensor_copies) > 1:
+    for j, tensor_copies in enumerate(v.copies):
+        if len(tensor_copies) > 1 and not v.is_fixed(j):
             model.add_no_overlap([c.interval for c in tensor_copies])
 
 
@@ -86,6 +106,8 @@ def add_offload_rules(model: cp_model.CpModel, data: ModelData, v: Variables) ->
     transfer time, an upper bound on the wait (so the model stays safe).
     """
     for j, offload in v.offloads.items():
+        if offload.fixed:
+            continue
         original = v.copies[j][0]
         model.add(original.end >= offload.done_stage * data.stride - 1).only_enforce_if(offload.present)
         model.add(original.end >= offload.stage * data.stride).only_enforce_if(offload.present)
@@ -107,6 +129,14 @@ def add_transfer_streams(model: cp_model.CpModel, data: ModelData, v: Variables)
     horizon = data.stage_start[-1]
     d2h, h2d = [], []
     for j, offload in v.offloads.items():
+        if offload.fixed:
+            d2h.append(model.new_fixed_size_interval_var(data.stage_start[offload.stage], data.offload_units[j], f"d2h_{j}"))
+            for copy in v.copies[j]:
+                if copy.kind == "prefetch":
+                    h2d.append(model.new_fixed_size_interval_var(
+                        data.stage_start[copy.stage], data.prefetch_units[j], f"h2d_{j}_{copy.rank}"
+                    ))
+            continue
         start = model.new_int_var(0, horizon, f"offload_time_{j}")
         model.add_element(offload.choice, [data.stage_start[a] for a in offload.stage_choices], start)
         d2h.append(
@@ -137,7 +167,10 @@ def add_memory(model: cp_model.CpModel, data: ModelData, v: Variables) -> None:
             if not copy.computes:
                 continue
             for impl, literal in zip(data.impls[j], copy.implementations):
-                if impl.workspace_units:
+                if copy.fixed and literal and impl.workspace_units:
+                    intervals.append(model.new_fixed_size_interval_var(copy.start, 1, f"ws_{j}_{copy.kind}{copy.rank}"))
+                    demands.append(impl.workspace_units)
+                elif not copy.fixed and impl.workspace_units:
                     intervals.append(
                         model.new_optional_fixed_size_interval_var(
                             copy.start, 1, literal, f"ws_{j}_{copy.kind}{copy.rank}_{impl.name}"

@@ -3,7 +3,10 @@
 The simulator, not the model, is the judge, so every rounding errs on the
 safe side: tensor sizes and workspaces are rounded up and the capacity down
 (a plan the model accepts fits in the real budget); stage durations are
-rounded down and transfer durations up (a transfer the model hides is hidden).
+rounded down and transfer durations up (a transfer the model hides is hidden);
+computation times are rounded up, so the objective is never below the
+simulated step of its plan and a lower bound on simulated steps (`planner.bounds`)
+bounds the objective too.
 
 Stage t computes node t (t = 0..n-1) and may first recompute earlier nodes.
 Inside the model time is discrete: position `pos(t, k) = t*(n+1) + 1 + k` is
@@ -61,8 +64,35 @@ class BuildTimeout(Exception):
 @dataclass(frozen=True)
 class Impl:
     name: str
-    time_units: int  # objective units, rounded to nearest
+    time_units: int  # objective units, rounded up (so the objective never undercounts the simulated time)
     workspace_units: int  # rounded up
+
+
+@dataclass
+class ModelExtensions:
+    """What some plan needs beyond the features' uniform limits, per node id, so the model can express it.
+
+    A heuristic plan may recompute a tensor three times, prefetch it twice, or
+    start a copy later than the few stages the model offers by default (its
+    copy queued behind others). Each tensor gets the copies and stage choices
+    such plans use, and only that tensor: the model stays small where nothing asks.
+    """
+
+    recomputes: dict[str, int] = field(default_factory=dict)
+    prefetches: dict[str, int] = field(default_factory=dict)
+    offload_stages: dict[str, set[int]] = field(default_factory=dict)
+    prefetch_stages: dict[str, set[int]] = field(default_factory=dict)
+
+    def merge(self, other: "ModelExtensions") -> None:
+        for mine, theirs in ((self.recomputes, other.recomputes), (self.prefetches, other.prefetches)):
+            for key, count in theirs.items():
+                mine[key] = max(mine.get(key, 0), count)
+        for mine, theirs in ((self.offload_stages, other.offload_stages), (self.prefetch_stages, other.prefetch_stages)):
+            for key, stages in theirs.items():
+                mine.setdefault(key, set()).update(stages)
+
+    def __bool__(self) -> bool:
+        return bool(self.recomputes or self.prefetches or self.offload_stages or self.prefetch_stages)
 
 
 @dataclass
@@ -83,6 +113,7 @@ class ModelData:
     offload_units: list[int] = field(default_factory=list)
     prefetch_units: list[int] = field(default_factory=list)
     transfers: bool = False
+    extensions: ModelExtensions = field(default_factory=ModelExtensions)
     deadline: float | None = None  # time.monotonic() by which building must be done, else BuildTimeout
 
     def check_time(self) -> None:
@@ -117,6 +148,12 @@ class ModelData:
         return position // self.stride
 
     # bounds used for pruning -------------------------------------------------
+    def max_recomputes(self, j: int) -> int:
+        return max(self.features.max_recomputes, self.extensions.recomputes.get(self.ids[j], 0))
+
+    def max_prefetches(self, j: int) -> int:
+        return max(self.features.max_prefetches, self.extensions.prefetches.get(self.ids[j], 0))
+
     def last_stage_of_copies(self, k: int) -> int:
         """The latest stage in which node k can be computed."""
         return self.n - 1 if self.recomputable[k] and self.features.recompute else k
@@ -127,6 +164,11 @@ class ModelData:
 
     def time_units_to_ms(self, units: float) -> float:
         return units / TIME_UNITS_PER_MS
+
+
+def time_units(time_ms: float) -> int:
+    """Objective units of a duration, rounded up (a float's last-digit noise, 1e-9 ms, aside)."""
+    return math.ceil(time_ms * TIME_UNITS_PER_MS - 1e-6)
 
 
 def _planned_implementations(node, mode: str) -> list[tuple[str, float, int]]:
@@ -157,12 +199,16 @@ def _done_stage(stage_start: list[int], start: int, duration: int) -> int:
     return bisect.bisect_left(stage_start, target, lo=start)  # len(stage_start): never within the step
 
 
-def build_data(profile: GraphProfile, budget_bytes: int | None, features: Features) -> ModelData:
+def build_data(
+    profile: GraphProfile, budget_bytes: int | None, features: Features, extensions: ModelExtensions | None = None
+) -> ModelData:
     ids = list(profile.order)
     index = {node_id: i for i, node_id in enumerate(ids)}
     nodes = [profile.node_by_id[node_id] for node_id in ids]
     n = len(ids)
     data = ModelData(profile=profile, budget_bytes=budget_bytes, features=features, ids=ids, n=n)
+    if extensions is not None:
+        data.extensions = extensions
     data.inputs = [sorted({index[s] for s in node.inputs}) for node in nodes]
     data.users = [[] for _ in range(n)]
     for k, sources in enumerate(data.inputs):
@@ -177,7 +223,7 @@ def build_data(profile: GraphProfile, budget_bytes: int | None, features: Featur
     data.memory_unit_bytes = unit
     data.size_units = [-(-size // unit) for size in sizes]
     data.impls = [
-        [Impl(name, round(time_ms * TIME_UNITS_PER_MS), -(-workspace // unit)) for name, time_ms, workspace in impls]
+        [Impl(name, time_units(time_ms), -(-workspace // unit)) for name, time_ms, workspace in impls]
         for impls in chosen
     ]
     if budget_bytes is None:

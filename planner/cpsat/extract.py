@@ -27,6 +27,7 @@ class SolvedCopy:
     start: int
     end: int
     implementation: int | None
+    early: bool = False  # a prefetch read before it lands (its whole transfer charged)
 
 
 @dataclass
@@ -35,9 +36,16 @@ class Solution:
     offload_stage: dict[int, int] = field(default_factory=dict)
 
 
-def read_solution(data: ModelData, v: Variables, value: Callable) -> Solution:
+def read_solution(data: ModelData, v: Variables, value: Callable, free_only: bool = False) -> Solution:
+    """The solution's copies and offloads; a fixed tensor's come from the fixed part (or not at all: `free_only`)."""
     solution = Solution()
-    for tensor_copies in v.copies:
+    for j, tensor_copies in enumerate(v.copies):
+        if v.is_fixed(j):
+            if not free_only:
+                solution.copies.extend(v.fixed.copies[j])
+                if j in v.fixed.offloads:
+                    solution.offload_stage[j] = v.fixed.offloads[j]
+            continue
         for copy in tensor_copies:
             if not value(copy.present):
                 continue
@@ -45,10 +53,15 @@ def read_solution(data: ModelData, v: Variables, value: Callable) -> Solution:
             if copy.computes:
                 implementation = next(i for i, literal in enumerate(copy.implementations) if value(literal))
             stage = copy.stage if isinstance(copy.stage, int) else value(copy.stage)
+            # the start as `copy.start` defines it (computed here, so `value` need only read variables)
+            start = data.stage_slot(stage) if copy.kind == "prefetch" else data.pos(stage, copy.tensor)
+            early = bool(value(copy.early)) if copy.early is not None else False
             solution.copies.append(
-                SolvedCopy(copy.tensor, copy.kind, copy.rank, stage, value(copy.start), value(copy.end), implementation)
+                SolvedCopy(copy.tensor, copy.kind, copy.rank, stage, start, value(copy.end), implementation, early)
             )
     for j, offload in v.offloads.items():
+        if offload.fixed:
+            continue
         if value(offload.present):
             solution.offload_stage[j] = value(offload.stage)
     return solution

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from planner.builder import certify
+from planner.cpsat.callback import relative_gap
 from planner.cpsat.data import Features
 from planner.cpsat.solve import solve_model
 from planner.errors import ScheduleRejected
@@ -17,6 +20,9 @@ def fits(profile: GraphProfile, schedule: Schedule | None, budget_bytes: int | N
     """Simulated step time of `schedule` within the budget, or None if it does not fit or is invalid."""
     if schedule is None:
         return None
+    summary = schedule.summary  # a certified plan: the simulator's figures are there already
+    if summary is not None and (budget_bytes is None or summary.peak_memory_bytes <= budget_bytes):
+        return summary.predicted_step_time_ms
     try:
         return simulate(profile, schedule, budget_bytes, keep_timeline=False).step_time_ms
     except ScheduleRejected:
@@ -67,6 +73,7 @@ def plan_with_model(
     explain_infeasible: bool = True,
     fallbacks: list[tuple[str, Schedule | None]] = (),
     deadline: float | None = None,
+    windows: bool = False,
 ) -> tuple[Schedule | None, SolverInfo, str | None]:
     """Solve the model; return (uncertified best plan, solver info, which plan won).
 
@@ -77,10 +84,20 @@ def plan_with_model(
     what is left of the options' deadline.
     """
     options = options.started()
-    outcome = solve_model(
-        profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s,
-        deadline=deadline,
-    )
+    if deadline is not None and deadline < options.deadline:
+        options = replace(options, deadline=deadline)
+    if windows:
+        from planner.cpsat.lns import solve_with_windows
+
+        named = [(name, s) for name, s in others if s is not None and any(s is h for h in hints)]
+        named += [("hint", h) for h in hints if not any(h is s for _, s in named)]
+        outcome, _ = solve_with_windows(
+            profile, budget_bytes, features, options, strategy, hints=named, time_limit_s=time_limit_s
+        )
+    else:
+        outcome = solve_model(
+            profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s,
+        )
     best = best_plan(profile, budget_bytes, [("cp-sat", outcome.schedule)] + list(others))
     if best is None:
         best = best_plan(profile, budget_bytes, list(fallbacks))
@@ -92,18 +109,36 @@ def plan_with_model(
         schedule = infeasible(profile, budget_bytes, features, options, strategy, info.status, search_s)
         note = f"{info.encoding}; plan from the memory-minimizing search"
         return schedule, info.model_copy(update={"encoding": note}), "cp-sat (memory-minimizing)"
-    name, schedule, _ = best
+    name, schedule, step = best
     encoding = info.encoding
     if name != "cp-sat":
         # The plan that won lies outside what the model proved (another compute order, more recomputations,
-        # deliberate stalls): its status, objective and bound describe the model, not this plan.
+        # deliberate stalls): the model's status, objective and bound go in the note; the plan's own figures
+        # are its simulated step against the best bound valid for it.
         alone = info.status
         if info.objective is not None:
             alone += f", objective {info.objective:.6g}, bound {info.bound:.6g}"
         encoding = f"{info.encoding}; best plan: {name}; the model alone: {alone}"
-        info = info.model_copy(update={"status": "FEASIBLE", "objective": None, "bound": None, "gap": None})
+        bound = min(step, plan_bound_ms(profile, budget_bytes, schedule, features, options))
+        status = "OPTIMAL" if step <= bound + 1e-9 * max(1.0, step) else "FEASIBLE"
+        info = info.model_copy(update={"status": status, "objective": step, "bound": bound,
+                                       "gap": relative_gap(step, bound)})
     schedule = schedule.model_copy(update={"budget_bytes": budget_bytes})
     return schedule, info.model_copy(update={"encoding": encoding}), name
+
+
+def plan_bound_ms(profile: GraphProfile, budget_bytes: int, schedule: Schedule, features: Features,
+                  options: SolveOptions) -> float:
+    """A lower bound valid for `schedule`'s simulated step: the budget's peak-instant bound when the plan
+    computes in the profile's order (moving tensors or not, as the features allow), else the trivial one."""
+    from planner.bounds import keep_all_bound_ms, order_bound_ms
+    from planner.cpsat.reorder import in_profile_order
+
+    if not in_profile_order(profile, schedule):
+        return keep_all_bound_ms(profile)
+    moves = any(op.op in ("offload", "prefetch") for stage in schedule.stages for op in stage.operations)
+    transfers = moves or (features.transfers and profile.hardware.can_transfer)
+    return order_bound_ms(profile, budget_bytes, transfers, options.deadline)
 
 
 def certified(profile: GraphProfile, schedule: Schedule, strategy: str, info: SolverInfo) -> Schedule:

@@ -10,11 +10,11 @@ from ortools.sat.python import cp_model
 from planner.builder import PlannerBug, certify
 from planner.cpsat.callback import ProgressCallback, StopWatcher, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
-from planner.cpsat.data import BuildTimeout, Features, ModelData, build_data
+from planner.cpsat.data import BuildTimeout, Features, ModelData, ModelExtensions, build_data
 from planner.cpsat.extract import build_schedule, read_solution
 from planner.cpsat.hints import add_hint, complete_hint, schedule_to_solution
 from planner.cpsat.objective import set_objective
-from planner.cpsat.variables import create_variables
+from planner.cpsat.variables import Variables, create_variables
 from planner.errors import ScheduleRejected
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
@@ -80,6 +80,34 @@ def _not_solved(data: ModelData, features: Features, options: SolveOptions, star
     return SolveOutcome(None, info, data)
 
 
+@dataclass
+class BuiltModel:
+    data: ModelData
+    model: cp_model.CpModel
+    variables: Variables
+
+
+def build_model(
+    profile: GraphProfile, budget_bytes: int | None, features: Features, deadline: float | None = None,
+    extra: "ModelExtensions | None" = None,
+) -> BuiltModel:
+    """The model with every constraint family and the objective; BuildTimeout (with `.data`) if `deadline`
+    (time.monotonic(), less the finish margin) comes first. `extra`: what hint plans need beyond `features`."""
+    data = build_data(profile, budget_bytes, features, extra)
+    if deadline is not None:
+        data.deadline = deadline - finish_margin_s(data.n)
+    model = cp_model.CpModel()
+    try:
+        variables = create_variables(model, data)
+        for add_family in ALL_FAMILIES:
+            add_family(model, data, variables)
+    except BuildTimeout as timeout:
+        timeout.data = data
+        raise
+    set_objective(model, data, variables)
+    return BuiltModel(data, model, variables)
+
+
 def solve_model(
     profile: GraphProfile,
     budget_bytes: int | None,
@@ -101,16 +129,11 @@ def solve_model(
     options = options.started()
     if deadline is not None and deadline < options.deadline:
         options = replace(options, deadline=deadline)
-    data = build_data(profile, budget_bytes, features)
-    data.deadline = options.deadline - finish_margin_s(data.n)
-    model = cp_model.CpModel()
     try:
-        variables = create_variables(model, data)
-        for add_family in ALL_FAMILIES:
-            add_family(model, data, variables)
-    except BuildTimeout:
-        return _not_solved(data, features, options, started, "the time limit came while building the model")
-    set_objective(model, data, variables)
+        built = build_model(profile, budget_bytes, features, options.deadline)
+    except BuildTimeout as timeout:
+        return _not_solved(timeout.data, features, options, started, "the time limit came while building the model")
+    data, model, variables = built.data, built.model, built.variables
     limit = time_limit_s or options.time_limit_s
     _warm_start(model, data, variables, hints, limit, options)
     wall_limit = options.remaining_s() - finish_margin_s(data.n)
@@ -128,7 +151,8 @@ def solve_model(
     objective = scale(solver.objective_value) if found else None
     bound = scale(solver.best_objective_bound) if found else None
     if bound is not None and not features.minimize_memory:
-        bound = max(bound, trivial_bound_ms(data))  # CP-SAT's own bound may be weaker than every node once at its fastest
+        # CP-SAT's own bound may be weaker than every node once at its fastest, or than what the budget forces
+        bound = min(objective, max(bound, known_bound_ms(data, options.deadline)))
     info = SolverInfo(
         status=_status_name(solver, status),
         objective=objective,
@@ -145,6 +169,17 @@ def solve_model(
     solution = read_solution(data, variables, solver.value)
     schedule = certify(profile, build_schedule(data, solution), strategy, info)
     return SolveOutcome(schedule, info, data, objective)
+
+
+def known_bound_ms(data: ModelData, deadline: float | None = None) -> float:
+    """The best valid lower bound on the model's objective known without solving: the trivial one, and the
+    peak-instant bound of the budget (`planner.bounds`; model plans follow the profile's order)."""
+    from planner.bounds import order_bound_ms
+
+    bound = trivial_bound_ms(data)
+    if data.budget_bytes is not None and not data.features.minimize_memory:
+        bound = max(bound, order_bound_ms(data.profile, data.budget_bytes, data.transfers, deadline))
+    return bound
 
 
 def trivial_bound_ms(data: ModelData) -> float:
@@ -164,8 +199,10 @@ def _fitting_hints(data: ModelData, hints) -> list[Schedule]:
     return [schedule for _, _, schedule in sorted(timed, key=lambda item: item[:2])]
 
 
-def _warm_start(model, data: ModelData, variables, hints, limit_s: float, options: SolveOptions, attempts: int = 4) -> bool:
-    """Hint the fastest plan that the model can express, completed to a full assignment.
+def _warm_start(
+    model, data: ModelData, variables, hints, limit_s: float, options: SolveOptions, attempts: int = 4
+) -> list[int] | None:
+    """Hint the fastest plan that the model can express, completed to a full assignment (returned).
 
     A plan the model cannot express (a baseline that stalls on transfers, say)
     would be a misleading partial hint, so it is dropped and the next one tried.
@@ -179,10 +216,11 @@ def _warm_start(model, data: ModelData, variables, hints, limit_s: float, option
             continue
         add_hint(model, data, variables, solution)
         wall_s = max(0.01, 0.5 * (options.remaining_s() - finish_margin_s(data.n)))
-        if complete_hint(model, min(2.0, 0.05 * limit_s), options.seed, wall_s):
-            return True
+        values = complete_hint(model, min(2.0, 0.05 * limit_s), options.seed, wall_s)
+        if values is not None:
+            return values
         model.clear_hints()
-    return False
+    return None
 
 
 __all__ = ["SolveOutcome", "solve_model", "PlannerBug"]

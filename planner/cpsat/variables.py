@@ -37,6 +37,8 @@ class Copy:
     # transfer copies: the stages allowed and the index of the one chosen (element constraints index by it)
     stage_choices: list[int] = field(default_factory=list)
     choice: cp_model.IntVar | None = None
+    # a copy of a tensor fixed to an incumbent's value (window search): every field above is a constant
+    fixed: bool = False
 
     @property
     def computes(self) -> bool:
@@ -52,6 +54,22 @@ class Offload:
     stage_low: int = 0
     stage_choices: list[int] = field(default_factory=list)
     choice: cp_model.IntVar | None = None
+    fixed: bool = False
+
+
+@dataclass
+class FixedPart:
+    """Tensors whose copies and offload are fixed to a known solution (the rest of the model is free).
+
+    `copies[j]`: the copies of tensor j that the solution has (absent ones are simply not created), with
+    their stage, end, implementation and early flag; `offloads[j]`: the stage of j's offload, if it has one.
+    """
+
+    copies: dict[int, list] = field(default_factory=dict)
+    offloads: dict[int, int] = field(default_factory=dict)
+
+    def __contains__(self, tensor: int) -> bool:
+        return tensor in self.copies
 
 
 @dataclass
@@ -62,6 +80,12 @@ class Variables:
     capacity: cp_model.IntVar | int
     uses: dict[tuple[int, int, int], list[tuple[Copy, cp_model.IntVar]]] = field(default_factory=dict)
     # (reader copy id, input tensor) -> candidate serving copies with their choice literal
+    # proto indices of the variables that describe tensor j's copies and offload (what fixing j means)
+    tensor_vars: list[range] = field(default_factory=list)
+    fixed: FixedPart = field(default_factory=FixedPart)
+
+    def is_fixed(self, tensor: int) -> bool:
+        return tensor in self.fixed
 
 
 def _last_true(low: int, high: int, holds) -> int | None:
@@ -82,7 +106,7 @@ def _offload_window(data: ModelData, j: int) -> tuple[int, int] | None:
 
     The stage timing only grows with the issue stage, so the stages that pay off are a prefix: a binary search.
     """
-    if not data.transfers or not data.users[j] or data.features.max_prefetches < 1:
+    if not data.transfers or not data.users[j] or data.max_prefetches(j) < 1:
         return None
     last_reader_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
 
@@ -108,8 +132,10 @@ OFFLOAD_CHOICES = 3
 PREFETCH_SLACK = 2
 
 
-def _offload_stages(data: ModelData, window: tuple[int, int]) -> list[int]:
-    return list(range(window[0], min(window[1], window[0] + OFFLOAD_CHOICES - 1) + 1))
+def _offload_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[int]:
+    chosen = set(range(window[0], min(window[1], window[0] + OFFLOAD_CHOICES - 1) + 1))
+    chosen.update(a for a in data.extensions.offload_stages.get(data.ids[j], ()) if window[0] <= a <= window[1])
+    return sorted(chosen)
 
 
 def _prefetch_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[int]:
@@ -121,6 +147,7 @@ def _prefetch_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[i
             chosen.update(p for p in range(latest - PREFETCH_SLACK, latest + 1) if p >= low)
         if low <= u <= high:
             chosen.add(u)  # issued in the reader's own stage: read early, the wait charged
+    chosen.update(p for p in data.extensions.prefetch_stages.get(data.ids[j], ()) if low <= p <= high)
     return sorted(p for p in chosen if data.prefetch_done(j, p) <= data.n)  # one that never lands is no choice
 
 
@@ -140,16 +167,53 @@ def _implementation_literals(model: cp_model.CpModel, data: ModelData, k: int, p
     return literals
 
 
-def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
+KIND_ORDER = {"original": 0, "recompute": 1, "prefetch": 2}
+
+
+def _fixed_tensor(model: cp_model.CpModel, data: ModelData, j: int, fixed: FixedPart) -> tuple[list[Copy], Offload | None]:
+    """Tensor j's copies and offload as constants: fixed intervals in the memory and transfer constraints."""
+    tensor_copies = []
+    for solved in sorted(fixed.copies[j], key=lambda c: (KIND_ORDER[c.kind], c.rank)):
+        interval = model.new_fixed_size_interval_var(
+            solved.start, solved.end + 1 - solved.start, f"fixed_{j}_{solved.kind}{solved.rank}"
+        )
+        copy = Copy(j, solved.kind, solved.rank, 1, solved.stage, solved.start, solved.end, interval,
+                    stage_low=solved.stage, stage_high=solved.stage, fixed=True)
+        if copy.computes:
+            copy.implementations = [int(i == solved.implementation) for i in range(len(data.impls[j]))]
+        else:
+            copy.ready_stage = data.prefetch_done(j, solved.stage)
+            copy.early = int(solved.early)
+            copy.stage_choices = [solved.stage]
+        tensor_copies.append(copy)
+    offload = None
+    if j in fixed.offloads:
+        stage = fixed.offloads[j]
+        offload = Offload(j, 1, stage, data.offload_done(j, stage), stage_low=stage, stage_choices=[stage], fixed=True)
+    return tensor_copies, offload
+
+
+def create_variables(model: cp_model.CpModel, data: ModelData, fixed: FixedPart | None = None) -> Variables:
+    """The model's variables; the tensors in `fixed` get constants instead (a window of the window search)."""
+    fixed = fixed or FixedPart()
     n = data.n
     capacity: cp_model.IntVar | int = data.capacity_units
     if data.features.minimize_memory:
         capacity = model.new_int_var(0, data.capacity_units, "capacity")
     copies: list[list[Copy]] = []
     offloads: dict[int, Offload] = {}
+    tensor_vars: list[range] = []
     for j in range(n):
         if j % 64 == 0:
             data.check_time()
+        first_var = len(model.proto.variables)
+        if j in fixed:
+            tensor_copies, offload = _fixed_tensor(model, data, j, fixed)
+            copies.append(tensor_copies)
+            if offload is not None:
+                offloads[j] = offload
+            tensor_vars.append(range(first_var, first_var))
+            continue
         last_use = data.last_use_position(j)
         window = _offload_window(data, j)
         hold = data.offload_done(j, window[1]) * data.stride - 1 if window else -1
@@ -163,7 +227,7 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
         tensor_copies = [original]
         if data.features.recompute and data.recomputable[j]:
             last_stage = max(data.last_stage_of_copies(u) for u in data.users[j])
-            for r in range(1, data.features.max_recomputes + 1):
+            for r in range(1, data.max_recomputes(j) + 1):
                 if j + 1 > last_stage:
                     break
                 present = model.new_bool_var(f"present_{j}_r{r}")
@@ -178,7 +242,7 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                 tensor_copies.append(copy)
         if window:
             offload_present = model.new_bool_var(f"offload_{j}")
-            offload_stages = _offload_stages(data, window)
+            offload_stages = _offload_stages(data, j, window)
             stage, choice = _stage_choice(model, offload_stages, f"offload_stage_{j}")
             done = model.new_int_var(0, n, f"offload_done_{j}")
             model.add_element(choice, [data.offload_done(j, a) for a in offload_stages], done)
@@ -186,7 +250,7 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                                   stage_choices=offload_stages, choice=choice)
             prefetch_window = _prefetch_window(data, j, window[0])
             prefetch_stages = _prefetch_stages(data, j, prefetch_window) if prefetch_window else []
-            for p in range(1, data.features.max_prefetches + 1 if prefetch_stages else 1):
+            for p in range(1, data.max_prefetches(j) + 1 if prefetch_stages else 1):
                 low, high = prefetch_stages[0], prefetch_stages[-1]
                 present = model.new_bool_var(f"present_{j}_p{p}")
                 stage, choice = _stage_choice(model, prefetch_stages, f"prefetch_stage_{j}_p{p}")
@@ -204,4 +268,5 @@ def create_variables(model: cp_model.CpModel, data: ModelData) -> Variables:
                          stage_choices=prefetch_stages, choice=choice)
                 )
         copies.append(tensor_copies)
-    return Variables(model, copies, offloads, capacity)
+        tensor_vars.append(range(first_var, len(model.proto.variables)))
+    return Variables(model, copies, offloads, capacity, tensor_vars=tensor_vars, fixed=fixed)
