@@ -48,10 +48,10 @@ def smallest_budget(
     from planner.strategies.keep_all import keep_all_schedule
 
     options = options.started()
-    keep_all = keep_all_schedule(profile)
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
     if options.out_of_time(2 * finish_margin_s(len(profile.nodes))):
-        return _keep_all_answer(profile, keep_all, searched=False)
+        return _keep_all_answer(profile, searched=False)
+    keep_all = keep_all_schedule(profile)
     outcome = solve_model(
         profile,
         None,
@@ -62,7 +62,7 @@ def smallest_budget(
         time_limit_s=limit,
     )
     if outcome.schedule is None or outcome.objective_value is None:
-        return _keep_all_answer(profile, keep_all, searched=True, wall_time_s=outcome.info.wall_time_s)
+        return _keep_all_answer(profile, searched=True, wall_time_s=outcome.info.wall_time_s)
     budget = max(int(round(outcome.objective_value)), minimum_budget_bytes(profile))
     schedule = outcome.schedule.model_copy(update={"budget_bytes": budget})
     proven = outcome.info.status == "OPTIMAL"
@@ -74,14 +74,14 @@ def smallest_budget(
     return MinimumBudget(budget, proven, schedule, outcome.info.wall_time_s)
 
 
-def _keep_all_answer(profile: GraphProfile, keep_all: Schedule, searched: bool, wall_time_s: float = 0.0) -> MinimumBudget:
-    """Keep-all fits in its own peak, whatever the strategy: the smallest budget known when the search found nothing."""
-    from planner.builder import certify
+def _keep_all_answer(profile: GraphProfile, searched: bool, wall_time_s: float = 0.0) -> MinimumBudget:
+    """Keep-all fits in its own peak, whatever the strategy: the smallest budget known when the search found nothing.
+
+    No plan comes with it: keep-all fits no budget below its peak, which is all a caller asks it for.
+    """
     from planner.strategies.keep_all import keep_all_peak_bytes
 
-    peak = keep_all_peak_bytes(profile)
-    schedule = certify(profile, keep_all.model_copy(update={"budget_bytes": peak}), "keep-all")
-    return MinimumBudget(peak, False, schedule, wall_time_s, searched=searched)
+    return MinimumBudget(keep_all_peak_bytes(profile), False, None, wall_time_s, searched=searched)
 
 
 def _greedy_minimum(profile: GraphProfile, above_bytes: int, options: SolveOptions):

@@ -7,6 +7,7 @@ an inconsistent hint, so a poor hint costs time, never correctness.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -42,8 +43,8 @@ def schedule_to_solution(data: ModelData, schedule: Schedule) -> Solution:
 
     def model_stage(direction: str, j: int, issued: int, earliest: int = 0) -> int:
         stage = max(issued, earliest)
-        while stage < data.n and data.stage_start[stage] < stream_free[direction]:
-            stage += 1
+        if stage < data.n and data.stage_start[stage] < stream_free[direction]:
+            stage = bisect.bisect_left(data.stage_start, stream_free[direction], lo=stage, hi=data.n)
         units = data.offload_units if direction == "d2h" else data.prefetch_units
         stream_free[direction] = data.stage_start[min(stage, data.n)] + units[j]
         return stage
@@ -173,7 +174,8 @@ def set_full_hint(model: cp_model.CpModel, values: list[int]) -> None:
 
 
 def complete_hint(
-    model: cp_model.CpModel, time_limit_s: float, seed: int, wall_limit_s: float | None = None
+    model: cp_model.CpModel, time_limit_s: float, seed: int, wall_limit_s: float | None = None,
+    keep_objective: bool = False,
 ) -> list[int] | None:
     """Turn the partial hint into a full assignment, so that CP-SAT starts from a solution at once.
 
@@ -188,7 +190,8 @@ def complete_hint(
     fixed = model.clone()
     if not fix_variables(fixed, list(proto.solution_hint.vars), list(proto.solution_hint.values)):
         return None
-    fixed.clear_objective()
+    if not keep_objective:  # kept: what the hint leaves open (which prefetch read waits) is chosen at least cost
+        fixed.clear_objective()
     fixed.clear_hints()
     solver = cp_model.CpSolver()
     solver.parameters.max_deterministic_time = time_limit_s  # same answer on a busy machine

@@ -25,9 +25,17 @@ def keep_all_schedule(profile: GraphProfile, budget_bytes: int | None = None) ->
     return builder.build(budget_bytes)
 
 
+_PEAKS: dict[str, int] = {}
+
+
 def keep_all_peak_bytes(profile: GraphProfile) -> int:
-    """Peak memory of the keep-all plan: the reference for memory ratios."""
-    return simulate(profile, keep_all_schedule(profile), keep_timeline=False).peak_memory_bytes
+    """Peak memory of the keep-all plan: the reference for memory ratios (remembered per profile digest)."""
+    digest = profile.digest()
+    if digest not in _PEAKS:
+        if len(_PEAKS) > 64:
+            _PEAKS.clear()
+        _PEAKS[digest] = simulate(profile, keep_all_schedule(profile), keep_timeline=False).peak_memory_bytes
+    return _PEAKS[digest]
 
 
 @strategy("keep-all", "fastest implementation everywhere, nothing recomputed or moved, no budget: the lower bound", uses_budget=False)

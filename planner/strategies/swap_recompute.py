@@ -116,11 +116,15 @@ def unhidden(evaluation: Evaluation, facts: GraphFacts, swapped: list[str]) -> t
     return swap_in, swap_out
 
 
-def keep_from_output_side(evaluate: Evaluator, attributes: dict[str, str], tensors: list[str], position) -> dict[str, str]:
+def keep_from_output_side(
+    evaluate: Evaluator, attributes: dict[str, str], tensors: list[str], position,
+    out_of_time: Callable[[], bool] = lambda: False,
+) -> dict[str, str]:
     """Switch tensors to keep, latest first, as long as the plan still fits.
 
     Keeping more never uses less memory, so the longest fitting run of latest
-    tensors is found by bisection on its length.
+    tensors is found by bisection on its length (cut short at the time limit:
+    the longest run known to fit so far).
     """
     latest_first = sorted(tensors, key=position.__getitem__, reverse=True)
 
@@ -130,7 +134,7 @@ def keep_from_output_side(evaluate: Evaluator, attributes: dict[str, str], tenso
     if evaluate(keeping(len(latest_first))).fits:
         return keeping(len(latest_first))
     fits, breaks = 0, len(latest_first)
-    while breaks - fits > 1:
+    while breaks - fits > 1 and not out_of_time():
         middle = (fits + breaks) // 2
         if evaluate(keeping(middle)).fits:
             fits = middle
@@ -156,7 +160,7 @@ def choose_keep_or_swap(evaluate: Evaluator, facts: GraphFacts, out_of_time: Cal
             leaf = {**all_swap, **{t: "keep" for t in kept}}
             if not evaluate(leaf).fits:
                 continue
-            leaf = keep_from_output_side(evaluate, leaf, swap_out, position)
+            leaf = keep_from_output_side(evaluate, leaf, swap_out, position, out_of_time)
             time_ms = evaluate(leaf).step_time_ms
             if best_time is None or time_ms < best_time:
                 best, best_time = leaf, time_ms

@@ -1,0 +1,89 @@
+"""A time limit is a limit: every strategy returns within it on large generated graphs, through plan() and the CLI.
+
+The bounds here are loose (a loaded 2-core CI machine: T + 50% + 3 s); the tight figure (T + 5% + 1 s) is
+benchmarks/solver_scaling.py's. The graphs are generated (planner/random_layered.py), not written by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from planner.errors import MososError
+from planner.planning import InfeasibleBudget, plan, strategy_names
+from planner.random_layered import random_layered_profile, random_training_profile
+from planner.simulator import simulate
+
+LIMIT_S = 1.5
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def loose_bound_s(limit_s: float) -> float:
+    return 1.5 * limit_s + 3.0
+
+
+@pytest.fixture(scope="module")
+def training_graph():
+    return random_training_profile(500, seed=3)  # 1,001 nodes, algorithm choices, a 12 GB/s link
+
+
+def timed_plan(profile, strategy, limit_s=LIMIT_S, **options):
+    started = time.monotonic()
+    try:
+        schedule = plan(profile, memory_ratio=0.6, strategy=strategy, time_limit_s=limit_s, **options)
+    except MososError as error:
+        schedule = error
+    return schedule, time.monotonic() - started
+
+
+@pytest.mark.parametrize("strategy", strategy_names())
+def test_every_strategy_returns_within_its_limit_on_a_1001_node_graph(training_graph, strategy):
+    schedule, elapsed = timed_plan(training_graph, strategy)
+    assert elapsed <= loose_bound_s(LIMIT_S), f"{strategy}: {elapsed:.1f} s for a {LIMIT_S} s limit"
+    if isinstance(schedule, InfeasibleBudget):
+        # anytime, even when nothing is found: the answer names a budget known to work
+        assert schedule.minimum_budget_bytes is not None
+    elif not isinstance(schedule, MososError) and schedule.budget_bytes is not None:
+        budget = schedule.budget_bytes
+        assert simulate(training_graph, schedule, budget, keep_timeline=False).peak_memory_bytes <= budget
+
+
+@pytest.mark.parametrize("strategy", ["mosos", "recompute-only"])
+def test_the_limit_holds_on_a_dense_random_layered_graph(strategy):
+    """The family where --time-limit 30 ran 89 s: 1,000 nodes, 11,000 edges, no plan in the given order."""
+    profile = random_layered_profile(1000, seed=0)
+    _, elapsed = timed_plan(profile, strategy, limit_s=2.0)
+    assert elapsed <= loose_bound_s(2.0), f"{strategy}: {elapsed:.1f} s for a 2 s limit"
+
+
+def test_one_worker_keeps_the_limit_too(training_graph):
+    _, elapsed = timed_plan(training_graph, "mosos", workers=1)
+    assert elapsed <= loose_bound_s(LIMIT_S)
+
+
+def test_the_cli_time_limit_bounds_the_whole_command(tmp_path, training_graph):
+    """Reading the profile, planning and writing the answer: from the command's start (interpreter start-up aside)."""
+    path = tmp_path / "generated.json"
+    path.write_text(training_graph.model_dump_json())
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", "import time, sys; t = time.monotonic(); from cli import main; "
+         "sys.argv = ['mosos', 'plan', sys.argv[1], '--memory-ratio', '0.6', '--time-limit', '2', '--json']; "
+         "\ntry:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+         "print('elapsed', time.monotonic() - t, file=sys.stderr); sys.exit(code)", str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    total = time.monotonic() - started
+    assert result.returncode in (0, 3), result.stderr[-2000:]
+    command_s = float(result.stderr.strip().splitlines()[-1].split()[-1])
+    assert command_s <= loose_bound_s(2.0), f"the command took {command_s:.1f} s ({total:.1f} s with start-up)"
+    answer = json.loads(result.stdout)
+    if result.returncode == 0:
+        assert answer["strategies"][0]["strategy"] == "mosos"
+    else:  # nothing found in time on a slow machine: the answer still names a budget known to work
+        assert answer["feasible"] is False and answer["minimum_budget_bytes"] > 0
