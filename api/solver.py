@@ -88,6 +88,7 @@ def solve_task(task: dict, send, should_stop) -> dict:
             seed=task.get("seed", 0),
             progress=progress,
             should_stop=should_stop,
+            started_at=started,  # the limit counts from the task's start: reading its profile is part of it
         )
         return {
             "status": "done",
