@@ -45,8 +45,10 @@ def schedule_to_solution(data: ModelData, schedule: Schedule) -> Solution:
         stage = max(issued, earliest)
         if stage < data.n and data.stage_start[stage] < stream_free[direction]:
             stage = bisect.bisect_left(data.stage_start, stream_free[direction], lo=stage, hi=data.n)
+        if stage >= data.n:
+            raise ValueError(f"a copy of {data.ids[j]!r} would start after the last stage in the model's timing")
         units = data.offload_units if direction == "d2h" else data.prefetch_units
-        stream_free[direction] = data.stage_start[min(stage, data.n)] + units[j]
+        stream_free[direction] = data.stage_start[stage] + units[j]
         return stage
 
     t = 0

@@ -70,6 +70,7 @@ FIRST_WINDOW_S = 0.5  # time for one window at first (deterministic time with on
 LONGEST_WINDOW_S = 4.0
 MIN_WINDOW_S = 0.05
 COSTLY_WINDOW_SHARE = 0.7  # windows centred on a tensor where the incumbent pays, the rest anywhere
+TWO_WINDOW_SHARE = 0.5  # neighbourhoods made of two windows far apart
 CHECK_CHUNK = 60  # tensors per window when checking a plan against the model
 REPAIR_SIZE = 6  # a failing chunk is halved down to this many tensors before it is solved anew
 HINT_ATTEMPTS = 4
@@ -235,17 +236,23 @@ class WindowSearch:
         return [j for j, cost in enumerate(self.incumbent.costs) if cost > min(impl.time_units for impl in data.impls[j])]
 
     def neighbourhood(self, costly: list[int]) -> set[int]:
+        """One window of stages, or two far apart of half the size each (memory freed in one pays for the
+        other: the budget is shared by the whole step, so the best trades are often between distant layers)."""
         n = self.data.n
-        if costly and self.rng.random() < COSTLY_WINDOW_SHARE:
-            centre = self.rng.choice(costly)
-            first = max(0, min(n - self.window, centre - self.window // 2))
-        else:
-            first = self.rng.randrange(max(1, n - self.window + 1))
-        seeds = range(first, min(n, first + self.window))
-        free = set(seeds)
-        for j in seeds:
-            free.update(self.data.users[j])
-            free.update(self.data.inputs[j])
+        parts = 2 if self.rng.random() < TWO_WINDOW_SHARE else 1
+        size = max(2, self.window // parts)
+        free: set[int] = set()
+        for _ in range(parts):
+            if costly and self.rng.random() < COSTLY_WINDOW_SHARE:
+                centre = self.rng.choice(costly)
+                first = max(0, min(n - size, centre - size // 2))
+            else:
+                first = self.rng.randrange(max(1, n - size + 1))
+            seeds = range(first, min(n, first + size))
+            free.update(seeds)
+            for j in seeds:
+                free.update(self.data.users[j])
+                free.update(self.data.inputs[j])
         return free
 
     def improve_once(self) -> bool:
@@ -317,7 +324,7 @@ def solve_with_windows(
     for name, schedule in _fitting(profile, budget_bytes, list(hints))[:HINT_ATTEMPTS]:
         try:
             solution = schedule_to_solution(data0, schedule)
-        except (KeyError, IndexError, StopIteration):
+        except (KeyError, IndexError, StopIteration, ValueError):  # a plan the model cannot express
             continue
         candidates.append((name, solution))
         extensions.merge(extensions_of(data0, solution))

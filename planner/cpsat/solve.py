@@ -212,7 +212,7 @@ def _warm_start(
             break
         try:
             solution = schedule_to_solution(data, schedule)
-        except (KeyError, IndexError, StopIteration):
+        except (KeyError, IndexError, StopIteration, ValueError):  # a plan the model cannot express
             continue
         add_hint(model, data, variables, solution)
         wall_s = max(0.01, 0.5 * (options.remaining_s() - finish_margin_s(data.n)))

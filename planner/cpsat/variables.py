@@ -130,10 +130,14 @@ def _prefetch_window(data: ModelData, j: int, first_offload_stage: int) -> tuple
 # the element constraints of the stage timing small; a wider choice buys little and costs presolve.
 OFFLOAD_CHOICES = 3
 PREFETCH_SLACK = 2
+# ... and a few later (offload) or earlier (prefetch) stages, further and further apart, so that a copy can
+# queue behind others on a busy link (what the swap heuristics' plans do, and what fills the link).
+QUEUE_OFFSETS = (5, 8, 13, 21)
 
 
 def _offload_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[int]:
     chosen = set(range(window[0], min(window[1], window[0] + OFFLOAD_CHOICES - 1) + 1))
+    chosen.update(window[0] + offset - 1 for offset in QUEUE_OFFSETS if window[0] + offset - 1 <= window[1])
     chosen.update(a for a in data.extensions.offload_stages.get(data.ids[j], ()) if window[0] <= a <= window[1])
     return sorted(chosen)
 
@@ -145,6 +149,7 @@ def _prefetch_stages(data: ModelData, j: int, window: tuple[int, int]) -> list[i
         latest = _last_true(low, min(high, u), lambda p: data.prefetch_done(j, p) <= u)
         if latest is not None:
             chosen.update(p for p in range(latest - PREFETCH_SLACK, latest + 1) if p >= low)
+            chosen.update(latest - offset for offset in QUEUE_OFFSETS if latest - offset >= low)
         if low <= u <= high:
             chosen.add(u)  # issued in the reader's own stage: read early, the wait charged
     chosen.update(p for p in data.extensions.prefetch_stages.get(data.ids[j], ()) if low <= p <= high)
