@@ -72,7 +72,7 @@ def test_the_cli_time_limit_bounds_the_whole_command(tmp_path, training_graph):
     path.write_text(training_graph.model_dump_json())
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-c", "import time, sys; t = time.monotonic(); from cli import main; "
+        [sys.executable, "-c", "import time, sys; from cli import main; t = time.monotonic(); "
          "sys.argv = ['mosos', 'plan', sys.argv[1], '--memory-ratio', '0.6', '--time-limit', '2', '--json']; "
          "\ntry:\n    main()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
          "print('elapsed', time.monotonic() - t, file=sys.stderr); sys.exit(code)", str(path)],
