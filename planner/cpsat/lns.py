@@ -38,9 +38,8 @@ repeatability only when it cuts).
 
 from __future__ import annotations
 
-import os
+import logging
 import random
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -74,7 +73,7 @@ TWO_WINDOW_SHARE = 0.5  # neighbourhoods made of two windows far apart
 CHECK_CHUNK = 60  # tensors per window when checking a plan against the model
 REPAIR_SIZE = 6  # a failing chunk is halved down to this many tensors before it is solved anew
 HINT_ATTEMPTS = 4
-_DEBUG = bool(os.environ.get("MOSOS_LNS_DEBUG"))
+log = logging.getLogger(__name__)
 
 
 def tensor_costs(data: ModelData, solution: Solution) -> list[int]:
@@ -203,8 +202,7 @@ def check_against_model(windows: Windows, solution: Solution, time_s: float) -> 
             return None
         chunk = pending.pop(0)
         status, checked, _ = windows.solve(solution, set(chunk), time_s, check_only=True)
-        if _DEBUG:
-            print(f"check {chunk.start}-{chunk.stop} {'ok' if checked is not None else 'rejected'}", file=sys.stderr)
+        log.debug("check of tensors %d-%d: %s", chunk.start, chunk.stop, "ok" if checked is not None else "rejected")
         if checked is None and len(chunk) > REPAIR_SIZE:
             middle = len(chunk) // 2
             pending[:0] = [chunk[:middle], chunk[middle:]]
@@ -272,11 +270,9 @@ class WindowSearch:
                     self.stats.best_solution_s = time.monotonic() - self.stats.started
                     improved = True
                     self.report(self.incumbent)
-        if _DEBUG:
-            print(f"window {self.stats.windows} size {self.window} free {len(free)} time {time_s:.2f} "
-                  f"status {status} "
-                  f"wall {time.monotonic() - started:.2f} obj {self.incumbent.objective_units} improved {improved}",
-                  file=sys.stderr, flush=True)
+        log.debug("window %d: %d stages, %d tensors free, %.2f s, %s in %.2f s, objective %d%s",
+                  self.stats.windows, self.window, len(free), time_s, status, time.monotonic() - started,
+                  self.incumbent.objective_units, " (improved)" if improved else "")
         # bigger windows while CP-SAT proves them in time, smaller (and longer) when it cannot
         if status == cp_model.OPTIMAL:
             self.window = min(self.data.n, max(self.window + 1, int(self.window * 1.5)))
@@ -363,8 +359,7 @@ def solve_with_windows(
         for name, solution in candidates:
             if options.out_of_time(margin):
                 break
-            if _DEBUG:
-                print(f"checking the plan of {name}", file=sys.stderr)
+            log.debug("checking the plan of %s against the model", name)
             checked = check_against_model(windows, solution, min(2.0, 0.05 * limit))
             if checked is not None:
                 incumbent = accept(checked, name)
