@@ -65,12 +65,14 @@ from planner.strategies import SolveOptions
 # half of the time: CP-SAT proves them optimal in seconds. On ResNet-50 (351 nodes) it spent 18 s for 0.04%.
 WHOLE_MODEL_NODES = 150
 WHOLE_MODEL_SHARE = 0.5
+WINDOWS_SHARE = 0.8  # of the nominal limit, for the windows' deterministic time with one worker (checks, builds)
 FIRST_WINDOW_S = 0.5  # time for one window at first (deterministic time with one worker)
 LONGEST_WINDOW_S = 4.0
 MIN_WINDOW_S = 0.05
 COSTLY_WINDOW_SHARE = 0.7  # windows centred on a tensor where the incumbent pays, the rest anywhere
 TWO_WINDOW_SHARE = 0.5  # neighbourhoods made of two windows far apart
 CHECK_CHUNK = 60  # tensors per window when checking a plan against the model
+CHECK_S = 1.0  # (deterministic) time a chunk's check may take: a feasibility question, answered in milliseconds
 REPAIR_SIZE = 6  # a failing chunk is halved down to this many tensors before it is solved anew
 HINT_ATTEMPTS = 4
 log = logging.getLogger(__name__)
@@ -360,7 +362,7 @@ def solve_with_windows(
             if options.out_of_time(margin):
                 break
             log.debug("checking the plan of %s against the model", name)
-            checked = check_against_model(windows, solution, min(2.0, 0.05 * limit))
+            checked = check_against_model(windows, solution, CHECK_S)
             if checked is not None:
                 incumbent = accept(checked, name)
                 break
@@ -387,7 +389,8 @@ def solve_with_windows(
             return SolveOutcome(None, info, data), None
         # 3. windows until the deadline
         if not stats.proven:
-            deterministic = max(0.0, limit - (time.monotonic() - stats.started))
+            # with one worker the windows' total (deterministic) time is a function of the inputs only
+            deterministic = WINDOWS_SHARE * limit * (1 - WHOLE_MODEL_SHARE if whole else 1)
             incumbent = WindowSearch(windows, incumbent, report, deterministic).run()
     except BuildTimeout:
         if incumbent is None:
