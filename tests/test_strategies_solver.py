@@ -164,7 +164,12 @@ def test_mosos_progress_names_mosos_with_the_inner_phase():
     assert events
     assert {e["strategy"] for e in events} == {"mosos"}
     phases = {e["phase"] for e in events}
-    assert phases <= {"recompute-only", "checkmate-auto", "str-auto", "joint model"}
+    # the solver phases, and the heuristic plans that improved on the best so far (reported since the deadline work:
+    # a plan exists long before the first solver event on a large graph)
+    from planner.strategies.mosos import BASELINE_STRATEGIES
+
+    heuristics = set(BASELINE_STRATEGIES) | {"greedy evict-and-recompute", "memory-aware order"}
+    assert phases <= {"recompute-only", "checkmate-auto", "str-auto", "joint model"} | heuristics
     assert "joint model" in phases
 
 

@@ -76,9 +76,33 @@ def _reporting_as_mosos(options: SolveOptions, phase: str) -> SolveOptions:
     return replace(options, progress=lambda event: report({**event, "strategy": "mosos", "phase": phase}))
 
 
+class _PlanReporter:
+    """Progress for the plans mosos finds outside CP-SAT: each one that improves on the best so far, by its name."""
+
+    def __init__(self, profile: GraphProfile, budget_bytes: int, options: SolveOptions, started: float):
+        self.profile, self.budget_bytes, self.options, self.started = profile, budget_bytes, options, started
+        self.best = float("inf")
+        self.count = 0
+
+    def __call__(self, name: str, schedule: Schedule | None) -> None:
+        if self.options.progress is None or schedule is None:
+            return
+        from planner.cpsat.run import fits
+
+        step = fits(self.profile, schedule, self.budget_bytes)
+        if step is None or step >= self.best:
+            return
+        self.best, self.count = step, self.count + 1
+        self.options.progress({
+            "strategy": "mosos", "phase": name, "objective": step, "bound": None, "gap": None,
+            "solutions": self.count, "elapsed_s": time.monotonic() - self.started,
+        })
+
+
 def baseline_plans(
     profile: GraphProfile, budget_bytes: int, options: SolveOptions, deadline: float | None = None,
     greedy: Schedule | None | bool = False, reordered: Schedule | None | bool = False,
+    on_plan=None,
 ) -> list[tuple[str, Schedule]]:
     """The baselines' plans at this budget; baselines that fail are skipped, and so are those left at the deadline.
 
@@ -101,6 +125,8 @@ def baseline_plans(
             break
         try:
             plans.append((name, function(profile, budget_bytes, quiet.within(HEURISTIC_BASELINE_SHARE * limit))))
+            if on_plan is not None:
+                on_plan(*plans[-1])
         except MososError:
             continue
     solved = {"recompute-only": recompute_only_plan, "checkmate-auto": checkmate_auto_plan, "str-auto": str_auto_plan}
@@ -127,15 +153,18 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     options = options.started()
     started = time.monotonic()
     limit = options.time_limit_s
+    reporter = _PlanReporter(profile, budget_bytes, options, started)
     reordered = reordered_schedule(profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE))
     if at_lower_bound(profile, reordered):
         return certify_lower_bound(profile, reordered, "mosos", options, started)
     # The joint model keeps at least this share of the budget; the baselines and inner solves use the rest.
     reserve = (1 - sum(solved_inside_shares(profile).values())) * limit if baselines else limit
+    reporter("memory-aware order", reordered)
     greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE))
+    reporter("greedy evict-and-recompute", greedy)
     inner_deadline = min(options.deadline, started + limit - 0.5 * reserve)
     others = baseline_plans(
-        profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy, reordered=reordered
+        profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy, reordered=reordered, on_plan=reporter,
     ) if baselines else []
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
