@@ -129,15 +129,16 @@ def plan_with_model(
 
 def plan_bound_ms(profile: GraphProfile, budget_bytes: int, schedule: Schedule, features: Features,
                   options: SolveOptions) -> float:
-    """A lower bound valid for `schedule`'s simulated step: the budget's peak-instant bound when the plan
-    computes in the profile's order (moving tensors or not, as the features allow), else the trivial one."""
+    """A lower bound for the strategy's problem that holds for `schedule`: the budget's peak-instant bound when
+    the plan computes in the profile's order (with transfers if the strategy may move tensors: a bound that
+    only holds for plans that do not would overstate how good a plan is), else the trivial one."""
     from planner.bounds import keep_all_bound_ms, order_bound_ms
     from planner.cpsat.reorder import in_profile_order
 
     if not in_profile_order(profile, schedule):
         return keep_all_bound_ms(profile)
     moves = any(op.op in ("offload", "prefetch") for stage in schedule.stages for op in stage.operations)
-    transfers = moves or (features.transfers and profile.hardware.can_transfer)
+    transfers = moves or (features.transfers and profile.hardware.can_transfer)  # moves implies it, kept for safety
     return order_bound_ms(profile, budget_bytes, transfers, options.deadline)
 
 

@@ -3,10 +3,12 @@
 It contains the project's other strategies, so it must never lose to one:
 their plans at this budget (an explicit list, `BASELINE_STRATEGIES` and
 `SOLVED_INSIDE`; never plugin strategies) start the search (the fastest one
-that fits is the hint), and the plan returned is the fastest, in simulation,
-among the CP-SAT solution and every baseline plan that fits. The solver info
-says which one won. `time_limit_s` is the wall-clock budget of the whole
-call; progress events name `mosos`, with the inner solve in `phase`.
+the model can express is its first solution, improved by the window search of
+`planner.cpsat.lns`), and the plan returned is the fastest, in simulation,
+among the model's solution and every baseline plan that fits. The solver info
+says which one won. One deadline bounds the whole call, each phase within its
+share of it; progress events name `mosos`, with the phase (an inner solve, or
+a heuristic whose plan improved on the best so far) in `phase`.
 """
 
 from __future__ import annotations
@@ -36,15 +38,10 @@ BASELINE_STRATEGIES = ("keep-all", "swap-recompute-heuristic", "vdnn-all", "vdnn
 # The CP-SAT strategies solved inside mosos, with their share of its time limit.
 SOLVED_INSIDE = {"recompute-only": 0.1, "checkmate-auto": 0.1, "str-auto": 0.15}
 # On graphs larger than this the whole-model solves inside find little the greedy plan has not (measured:
-# transformer-b64-h100, 963 nodes, all three at the greedy plan's 646 ms; ResNet-50, 351 nodes, within 1% of it), while the joint model's window
-# search gains with every second: they get a third of their share there.
+# transformer-b64-h100, 963 nodes, all three at the greedy plan's 646 ms; ResNet-50, 351 nodes, within 1% of
+# it), while the joint model's window search gains with every second: they get a third of their share there.
 LARGE_GRAPH_NODES = 150
 LARGE_GRAPH_SHARE_FACTOR = 1 / 3
-
-
-def solved_inside_shares(profile: GraphProfile) -> dict[str, float]:
-    factor = LARGE_GRAPH_SHARE_FACTOR if len(profile.nodes) > LARGE_GRAPH_NODES else 1.0
-    return {name: share * factor for name, share in SOLVED_INSIDE.items()}
 
 JOINT_PHASE = "joint model"
 
@@ -55,6 +52,11 @@ HEURISTIC_BASELINE_SHARE = 0.05
 HEURISTIC_BASELINE_SHARES = {"swap-recompute-heuristic": 0.1}
 # The most of the time limit the memory-aware reordering and the greedy evict-and-recompute pass may take, each.
 ORDER_AND_GREEDY_SHARE = 0.1
+
+
+def solved_inside_shares(profile: GraphProfile) -> dict[str, float]:
+    factor = LARGE_GRAPH_SHARE_FACTOR if len(profile.nodes) > LARGE_GRAPH_NODES else 1.0
+    return {name: share * factor for name, share in SOLVED_INSIDE.items()}
 
 
 def _baseline_functions() -> dict:
@@ -111,8 +113,9 @@ def baseline_plans(
     """The baselines' plans at this budget; baselines that fail are skipped, and so are those left at the deadline.
 
     `deadline` (time.monotonic(); default the options' own) ends this phase: no baseline starts after it, each
-    heuristic gets `HEURISTIC_BASELINE_SHARE` of the limit at most, and the inner CP-SAT solves get their
-    share of the limit and never run past it.
+    heuristic gets its share of the limit at most (`HEURISTIC_BASELINE_SHARE(S)`), and the inner CP-SAT solves
+    get theirs (`solved_inside_shares`) as a wall-clock window, model building included. `on_plan(name, plan)`
+    hears of each heuristic plan as it comes.
     """
     from planner.strategies.checkmate_auto import checkmate_auto_plan
     from planner.strategies.recompute_only import recompute_only_plan
