@@ -61,7 +61,34 @@ def test_backward_node_reading_nothing_from_forward():
     nodes[3]["inputs"] = []
     [(path, message)] = issues_of(profile_data(nodes))
     assert path == "nodes[3].inputs"
-    assert "claims to differentiate 'y' but reads no tensor of the forward pass" in message
+    assert "claims to differentiate 'y' but neither it nor another backward node" in message
+    assert "reads a tensor of the forward pass" in message
+
+
+def split_convolution():
+    """y = conv(x), z = relu(y): the convolution's backward as a filter-gradient node (reads x and dz)
+    and a data-gradient node (reads dz only: the weights are fixed memory)."""
+    return [
+        node("x", output_bytes=100),
+        node("y", inputs=["x"], output_bytes=200),
+        node("z", inputs=["y"], output_bytes=200),
+        node("loss", kind="loss", inputs=["z"], output_bytes=200),
+        node("z:bwd", kind="backward", inputs=["loss", "z"], output_bytes=200, forward_node="z"),
+        node("y:bwd_filter", kind="backward", inputs=["z:bwd", "x"], output_bytes=0, forward_node="y"),
+        node("y:bwd_data", kind="backward", inputs=["z:bwd"], output_bytes=100, forward_node="y"),
+        node("x:bwd", kind="backward", inputs=["y:bwd_data", "x"], output_bytes=100, forward_node="x"),
+    ]
+
+
+def test_a_data_gradient_node_may_read_only_gradients_when_its_filter_gradient_reads_the_forward_pass():
+    profile = make_profile(split_convolution())
+    assert profile.order == ["x", "y", "z", "loss", "z:bwd", "y:bwd_filter", "y:bwd_data", "x:bwd"]
+    assert profile.consumers["x"] == ["y", "y:bwd_filter", "x:bwd"]
+    nodes = split_convolution()
+    nodes[5]["inputs"] = ["z:bwd"]  # now neither backward node of 'y' reads the forward pass
+    issues = issues_of(profile_data(nodes))
+    assert [path for path, _ in issues] == ["nodes[5].inputs", "nodes[6].inputs"]
+    assert all("claims to differentiate 'y'" in message for _, message in issues)
 
 
 @pytest.mark.parametrize(
