@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from planner.budget import check_budget, minimum_budget_bytes
+from planner.budget import check_budget, minimum_budget_bytes, node_floor_parts, nodes_over
 from planner.errors import BudgetError, ProfileError
 from planner.profile import GraphProfile, load_profile, parse_profile
 from planner.schedule import Schedule
@@ -169,6 +169,15 @@ def test_budget_below_any_plan_gives_the_minimum():
         check_budget(profile, 1349)
     assert caught.value.minimum_budget_bytes == 1350
     assert "1350 bytes" in str(caught.value) and "'y'" in str(caught.value)
+
+
+def test_nodes_over_a_budget_say_what_they_hold():
+    profile = make_profile(chain(), fixed_bytes=1000)
+    assert node_floor_parts(profile, "y") == [("input", "x", 100), ("output", "y", 200), ("workspace of default", "y", 50)]
+    assert node_floor_parts(profile, "y:bwd") == [("input", "loss", 4), ("input", "x", 100), ("output", "y:bwd", 200)]
+    assert nodes_over(profile, 1350) == []
+    assert nodes_over(profile, 1303) == [("y", 1350), ("y:bwd", 1304)]  # worst first
+    assert nodes_over(profile, 1304) == [("y", 1350)]
 
 
 def test_round_trip_and_schema():
