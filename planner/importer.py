@@ -102,13 +102,14 @@ def graph_to_profile_data(
     if issues:
         raise GraphImportError(issues, source)
     backward = {key: bool(node.get("backward", False)) for key, node in zip(keys, data["nodes"])}
-    nodes = []
+    nodes, costs = [], []
     for i, (key, node) in enumerate(zip(keys, data["nodes"])):
         kind = "forward"
         if backward[key]:
             reads_backward = any(backward.get(src, False) for src in inputs[key])
             kind = "backward" if reads_backward else "loss"
         time = _number(node, time_field, i, issues)
+        costs.append(time)
         nodes.append(
             {
                 "id": key,
@@ -122,7 +123,7 @@ def graph_to_profile_data(
         )
     if issues:
         raise GraphImportError(issues, source)
-    _check_time_unit(nodes, data["nodes"], time_field, time_unit_ms, source)
+    _check_time_unit(nodes, costs, time_field, time_unit_ms, source)
     order = (data.get("graph") or {}).get("order")
     if isinstance(order, list) and sorted(map(str, order)) == sorted(inputs):
         rank = {str(key): i for i, key in enumerate(order)}
@@ -154,17 +155,16 @@ def suggested_time_unit_ms(largest_cost: float) -> tuple[float, float]:
     return 10.0 ** math.floor(math.log10(fits)), fits
 
 
-def _check_time_unit(nodes: list[dict], raw_nodes: list, time_field: str, time_unit_ms: float, source: str | None) -> None:
+def _check_time_unit(nodes: list[dict], costs: list[float], time_field: str, time_unit_ms: float, source: str | None) -> None:
     """Costs that are no milliseconds (FLOP counts, say) overflow the bound on one operation: say which unit fits.
 
     Without this, every node past the bound would be reported on its own, none of them saying what to change.
     """
-    costs = [(node["implementations"][0]["time_ms"] / time_unit_ms, i) for i, node in enumerate(nodes)]
-    largest, index = max(costs, default=(0.0, 0))
+    largest, index = max(((cost, i) for i, cost in enumerate(costs)), default=(0.0, 0))
     if largest * time_unit_ms <= MAX_TIME_MS:
         return
     suggestion, fits = suggested_time_unit_ms(largest)
-    over = sum(cost * time_unit_ms > MAX_TIME_MS for cost, _ in costs)
+    over = sum(cost * time_unit_ms > MAX_TIME_MS for cost in costs)
     raise GraphImportError(
         [
             Issue(
