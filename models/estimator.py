@@ -405,9 +405,11 @@ SPLIT_SUFFIXES = (":bwd_filter", ":bwd_data")
 def fold_split_backward(nodes: list[Node]) -> list[Node]:
     """The nodes with each convolution's filter- and data-gradient nodes folded back into one `<id>:bwd` node.
 
-    For comparing with a profile that measures a convolution's backward as one node: the folded node reads
-    what either part reads, its size is theirs together and its one implementation takes both fastest times
-    one after the other with the larger workspace. Readers of a data-gradient node read the folded node.
+    What estimator v1.0 made, and what a profiler that measures a convolution's backward as one node sees:
+    the folded node reads what either part reads and makes what they make together; each (data, filter)
+    pair of their implementations runs one after the other (time = sum, workspace = max), and the
+    Pareto-optimal pairs are kept, named `data=<name>+filter=<name>`. Readers of a data-gradient node read
+    the folded node. For comparisons (the split's effect, measured profiles that do not split).
     """
     def base(node_id: str) -> str:
         for suffix in SPLIT_SUFFIXES:
@@ -416,23 +418,34 @@ def fold_split_backward(nodes: list[Node]) -> list[Node]:
         return node_id
 
     folded: dict[str, Node] = {}
+    parts: dict[str, dict[str, Node]] = {}
     for node in nodes:
         node_id = base(node.id)
         inputs = list(dict.fromkeys(base(source) for source in node.inputs))
-        previous = folded.get(node_id)
-        if previous is None:
-            folded[node_id] = node.model_copy(update={"id": node_id, "inputs": inputs})
+        if node_id == node.id:
+            folded[node_id] = node.model_copy(update={"inputs": inputs})
             continue
-        fastest = [previous.fastest, node.fastest]
-        folded[node_id] = previous.model_copy(update={
-            "inputs": list(dict.fromkeys(previous.inputs + inputs)),
-            "output_bytes": previous.output_bytes + node.output_bytes,
-            "op_type": previous.op_type.removesuffix("_filter").removesuffix("_data"),
-            "forward_node": previous.forward_node or node.forward_node,
-            "implementations": [Implementation(name="+".join(i.name for i in fastest),
-                                               time_ms=sum(i.time_ms for i in fastest),
-                                               workspace_bytes=max(i.workspace_bytes for i in fastest))],
+        parts.setdefault(node_id, {})[node.id.rsplit("_", 1)[1]] = node
+        previous = folded.get(node_id)
+        folded[node_id] = node.model_copy(update={
+            "id": node_id,
+            "name": node.name.replace(" backward filter", " backward").replace(" backward data", " backward"),
+            "op_type": node.op_type.removesuffix("_filter").removesuffix("_data"),
+            "inputs": list(dict.fromkeys((previous.inputs if previous else []) + inputs)),
+            "output_bytes": (previous.output_bytes if previous else 0) + node.output_bytes,
+            "forward_node": (previous.forward_node if previous else None) or node.forward_node,
         })
+    for node_id, pair in parts.items():
+        filters = [cudnn.Algorithm(i.name, i.time_ms, i.workspace_bytes) for i in pair["filter"].implementations]
+        if "data" in pair:
+            combined = [cudnn.Algorithm(f"data={d.name}+filter={f.family}", d.time_ms + f.time_ms,
+                                        max(d.workspace_bytes, f.workspace_bytes))
+                        for d in pair["data"].implementations for f in filters]
+        else:
+            combined = [cudnn.Algorithm(f"filter={f.family}", f.time_ms, f.workspace_bytes) for f in filters]
+        implementations = [Implementation(name=a.family, time_ms=round(a.time_ms, 4), workspace_bytes=a.workspace_bytes)
+                           for a in cudnn.pareto(combined)]
+        folded[node_id] = folded[node_id].model_copy(update={"implementations": implementations})
     return list(folded.values())
 
 

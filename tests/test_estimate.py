@@ -144,6 +144,11 @@ def test_folding_the_split_backward_gives_one_node_per_convolution():
     assert conv.output_bytes == nodes["features_2:bwd_data"].output_bytes
     assert conv.implementations[0].time_ms == pytest.approx(
         nodes["features_2:bwd_filter"].fastest.time_ms + nodes["features_2:bwd_data"].fastest.time_ms)
+    names = [i.name for i in conv.implementations]  # Pareto pairs of the two parts' algorithms, as v1.0 had
+    assert names and all(name.startswith("data=") and "+filter=" in name for name in names)
+    assert conv.implementations[-1].workspace_bytes == 0
+    assert [i.name for i in folded["features_0:bwd"].implementations] == [
+        f"filter={i.name}" for i in nodes["features_0:bwd_filter"].implementations]
     assert folded["features_1:bwd"].inputs == ["features_2:bwd", "features_1"]
     assert "features_0:bwd" in folded and not any(":bwd_" in node_id for node_id in folded)
     parse_profile({**json.loads(profile.to_json()), "nodes": [json.loads(n.model_dump_json()) for n in folded.values()]})
