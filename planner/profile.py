@@ -109,7 +109,9 @@ class Node(_Strict):
     )
     module: str | None = Field(default=None, description="Qualified name of the model module it came from.")
     forward_node: str | None = Field(
-        default=None, description="For a backward node: the forward node it differentiates."
+        default=None,
+        description="For a backward node: the forward node it differentiates. Several backward nodes may share one "
+        "(a convolution's filter-gradient and data-gradient nodes); between them they read a forward tensor.",
     )
     inputs: list[str] = Field(default_factory=list, description="Ids of the nodes whose tensors this node reads.")
     implementations: list[Implementation] = Field(description="At least one.")
@@ -287,6 +289,13 @@ def check_graph(nodes: list[Node]) -> list[Issue]:
         )
         return issues
     kinds = {node.id: node.kind for node in nodes}
+    # A forward node's backward may be several nodes (a convolution's filter and data gradients): between them
+    # they read the forward pass, though one of them alone (the data gradient: dy and the weights) may not.
+    reads_forward_pass: dict[str, bool] = {}
+    for node in nodes:
+        if node.forward_node is not None:
+            reads = any(kinds[source] != "backward" for source in node.inputs)
+            reads_forward_pass[node.forward_node] = reads_forward_pass.get(node.forward_node, False) or reads
     for i, node in enumerate(nodes):
         if node.forward_node is None:
             continue
@@ -296,12 +305,12 @@ def check_graph(nodes: list[Node]) -> list[Issue]:
             issues.append(Issue(f"nodes[{i}].forward_node", f"{node.forward_node!r} is not a node"))
         elif kinds[node.forward_node] == "backward":
             issues.append(Issue(f"nodes[{i}].forward_node", f"{node.forward_node!r} is a backward node, not a forward one"))
-        elif not any(kinds[source] != "backward" for source in node.inputs):
+        elif not reads_forward_pass[node.forward_node]:
             issues.append(
                 Issue(
                     f"nodes[{i}].inputs",
                     f"backward node {node.id!r} claims to differentiate {node.forward_node!r} "
-                    "but reads no tensor of the forward pass",
+                    "but neither it nor another backward node of that forward node reads a tensor of the forward pass",
                 )
             )
     return issues
