@@ -183,7 +183,7 @@ def _memory_axis(facts: PlanFacts, scale: MemoryScale) -> str:
         size_bytes = value * scale.unit_bytes
         y = scale.y(size_bytes)
         parts.append(
-            f'<line class="grid" x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" y1="{y:.2f}" y2="{y:.2f}"/>'
+            f'<line class="grid" data-bytes="{size_bytes:.0f}" x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" y1="{y:.2f}" y2="{y:.2f}"/>'
             f'<text class="tick" data-bytes="{size_bytes:.0f}" x="{LEFT - 8}" y="{y + 4:.2f}" text-anchor="end">'
             f"{value:,.{scale.decimals}f}</text>"
         )

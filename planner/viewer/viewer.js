@@ -312,21 +312,29 @@
     [function (n) { return nodes[n][N.computed]; }, function (td, n) { td.className = "num"; td.textContent = nodes[n][N.computed]; }],
     [function (n) { return nodes[n][N.chosen].join(", "); }, function (td, n) {
       td.className = changed(n) ? "changed" : "";
-      td.textContent = nodes[n][N.chosen].join(", ") || "—";
-      td.title = td.textContent;
+      algorithm(td, nodes[n][N.chosen].join(", ") || "—");
     }],
-    [function (n) { return nodes[n][N.fastest]; }, function (td, n) { td.textContent = nodes[n][N.fastest]; td.title = td.textContent; }],
+    [function (n) { return nodes[n][N.fastest]; }, function (td, n) { algorithm(td, nodes[n][N.fastest]); }],
     [function (n) { return nodes[n][N.ms]; }, function (td, n) { td.className = "num"; td.textContent = fmtMs(nodes[n][N.ms]); }],
     [slower, function (td, n) { td.className = "num"; td.textContent = slower(n) > 0 ? "+" + fmtMs(slower(n)) : "—"; }],
     [function (n) { return nodes[n][N.workspace]; }, function (td, n) {
       td.className = "num"; td.textContent = nodes[n][N.computed] ? fmtBytes(nodes[n][N.workspace]) : "—";
     }]
   ];
-  function twoLines(td, first, second) {
+  function twoLines(td, first, second, secondClass) {
     var top = document.createElement("div"), bottom = document.createElement("div");
     top.className = "line"; top.textContent = first; top.title = first;
-    bottom.className = "line sub"; bottom.textContent = second; bottom.title = second;
+    bottom.className = secondClass === undefined ? "line sub" : secondClass; bottom.textContent = second;
+    bottom.title = second;
     td.append(top, bottom);
+  }
+  // Two algorithms, or one with two parts ("data=winograd+filter=fft_tiling"), take a line each.
+  function algorithm(td, text) {
+    var comma = text.indexOf(", "), plus = text.indexOf("+");
+    var cut = comma >= 0 ? comma : plus >= 0 ? plus + 1 : -1;
+    if (cut < 0) { td.textContent = text; td.title = text; return; }
+    twoLines(td, text.slice(0, cut), text.slice(comma >= 0 ? cut + 2 : cut), "line");
+    td.title = text;
   }
   function spacer(height) {
     var tr = document.createElement("tr"), td = tr.insertCell();
