@@ -25,7 +25,9 @@ MEMORY_TOP = LANE_TOP + 3 * (LANE_HEIGHT + LANE_GAP) + 18
 MEMORY_HEIGHT = 240
 AXIS_Y = MEMORY_TOP + MEMORY_HEIGHT
 HEIGHT = AXIS_Y + 44
-TIME_TICKS = 10
+TIME_TICKS = 10  # drawn here for WIDTH; the script keeps about one tick per TICK_SPACING pixels
+TICK_SPACING = 105
+MIN_WIDTH = 760  # narrower windows scroll the chart sideways rather than squeeze it
 MAX_ZOOM = 1e5  # the narrowest window is the step / MAX_ZOOM
 CHUNK_ITEMS = 64
 CHUNKS_PER_DOMAIN = 512
@@ -59,10 +61,13 @@ def layout(facts: PlanFacts, scale: MemoryScale) -> dict:
     return {
         "left": LEFT,
         "plot_width": PLOT_WIDTH,
+        "right": RIGHT,
+        "height": HEIGHT,
+        "min_width": MIN_WIDTH,
+        "tick_spacing": TICK_SPACING,
         "lanes": {stream: [top, LANE_HEIGHT] for stream, top in LANES.items()},
         "memory": [MEMORY_TOP, MEMORY_HEIGHT],
         "axis_y": AXIS_Y,
-        "time_ticks": TIME_TICKS,
         "memory_top_bytes": scale.top_bytes,
         "memory_unit": [scale.unit_bytes, scale.unit],
         "max_zoom": MAX_ZOOM,
@@ -183,7 +188,8 @@ def _memory_axis(facts: PlanFacts, scale: MemoryScale) -> str:
         size_bytes = value * scale.unit_bytes
         y = scale.y(size_bytes)
         parts.append(
-            f'<line class="grid" data-bytes="{size_bytes:.0f}" x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" y1="{y:.2f}" y2="{y:.2f}"/>'
+            f'<line class="grid" data-bytes="{size_bytes:.0f}" data-stretch="x2" x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" '
+            f'y1="{y:.2f}" y2="{y:.2f}"/>'
             f'<text class="tick" data-bytes="{size_bytes:.0f}" x="{LEFT - 8}" y="{y + 4:.2f}" text-anchor="end">'
             f"{value:,.{scale.decimals}f}</text>"
         )
@@ -201,13 +207,14 @@ def _memory_lines(facts: PlanFacts, scale: MemoryScale) -> str:
     right = LEFT + PLOT_WIDTH
     parts = []
     fixed_y = scale.y(result.fixed_memory_bytes)
-    parts.append(f'<line id="fixed-line" x1="{LEFT}" x2="{right}" y1="{fixed_y:.2f}" y2="{fixed_y:.2f}"/>')
+    parts.append(f'<line id="fixed-line" data-stretch="x2" x1="{LEFT}" x2="{right}" y1="{fixed_y:.2f}" y2="{fixed_y:.2f}"/>')
     if result.budget_bytes is not None:
         y = scale.y(result.budget_bytes)
         parts.append(
-            f'<line id="budget-line" data-bytes="{result.budget_bytes}" x1="{LEFT}" x2="{right}" '
+            f'<line id="budget-line" data-bytes="{result.budget_bytes}" data-stretch="x2" x1="{LEFT}" x2="{right}" '
             f'y1="{y:.2f}" y2="{y:.2f}"/>'
-            f'<text id="budget-label" class="line-label" x="{right - 6}" y="{y - 5:.2f}" text-anchor="end">'
+            f'<text id="budget-label" class="line-label" data-stretch="right:6" x="{right - 6}" y="{y - 5:.2f}" '
+            f'text-anchor="end">'
             f"budget {result.budget_bytes / scale.unit_bytes:,.2f} {scale.unit}</text>"
         )
     return "".join(parts)
@@ -219,11 +226,12 @@ def chart_svg(facts: PlanFacts, scale: MemoryScale) -> str:
     peak_y = scale.y(result.peak_memory_bytes)
     lane_labels = "".join(
         f'<text class="lane-name" x="{LEFT - 8}" y="{top + LANE_HEIGHT / 2 + 4}" text-anchor="end">{escape(name)}</text>'
-        f'<rect class="lane-bg" x="{LEFT}" y="{top}" width="{PLOT_WIDTH}" height="{LANE_HEIGHT}"/>'
+        f'<rect class="lane-bg" data-stretch="width" x="{LEFT}" y="{top}" width="{PLOT_WIDTH}" height="{LANE_HEIGHT}"/>'
         for (stream, name), top in zip(LANE_NAMES.items(), LANES.values())
     )
     empty = "".join(
-        f'<text class="lane-empty" x="{LEFT + PLOT_WIDTH / 2}" y="{LANES[stream] + LANE_HEIGHT / 2 + 4}" '
+        f'<text class="lane-empty" data-stretch="center" x="{LEFT + PLOT_WIDTH / 2}" '
+        f'y="{LANES[stream] + LANE_HEIGHT / 2 + 4}" '
         f'text-anchor="middle">no {"offloads" if stream == "d2h" else "prefetches"}</text>'
         for stream in ("d2h", "h2d")
         if not facts.spans[stream]
@@ -232,9 +240,11 @@ def chart_svg(facts: PlanFacts, scale: MemoryScale) -> str:
         f'<svg id="chart" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" '
         f'data-t0="0" data-t1="{_number(domain)}" tabindex="0" role="img" '
         f'aria-label="streams and device memory over the step">'
-        f'<defs><clipPath id="plot-clip"><rect x="{LEFT}" y="0" width="{PLOT_WIDTH}" height="{HEIGHT}"/></clipPath></defs>'
+        f'<defs><clipPath id="plot-clip"><rect data-stretch="width" x="{LEFT}" y="0" width="{PLOT_WIDTH}" '
+        f'height="{HEIGHT}"/></clipPath></defs>'
         f"{lane_labels}"
-        f'<rect class="memory-bg" x="{LEFT}" y="{MEMORY_TOP}" width="{PLOT_WIDTH}" height="{MEMORY_HEIGHT}"/>'
+        f'<rect class="memory-bg" data-stretch="width" x="{LEFT}" y="{MEMORY_TOP}" width="{PLOT_WIDTH}" '
+        f'height="{MEMORY_HEIGHT}"/>'
         f'<g clip-path="url(#plot-clip)">'
         f'<g id="zoom">'
         f"{''.join(_lane(facts, stream) for stream in LANE_NAMES)}"
@@ -246,8 +256,9 @@ def chart_svg(facts: PlanFacts, scale: MemoryScale) -> str:
         f"</g>"
         f"{_memory_axis(facts, scale)}{_time_axis(facts)}"
         f"{_memory_lines(facts, scale)}{empty}"
-        f'<line id="axis-line" x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" y1="{AXIS_Y}" y2="{AXIS_Y}"/>'
-        f'<text class="axis-title" x="{LEFT + PLOT_WIDTH / 2}" y="{AXIS_Y + 38}" text-anchor="middle">time (ms)</text>'
+        f'<line id="axis-line" data-stretch="x2" x1="{LEFT}" x2="{LEFT + PLOT_WIDTH}" y1="{AXIS_Y}" y2="{AXIS_Y}"/>'
+        f'<text class="axis-title" data-stretch="center" x="{LEFT + PLOT_WIDTH / 2}" y="{AXIS_Y + 38}" '
+        f'text-anchor="middle">time (ms)</text>'
         f'<g id="hover-marks"></g>'
         f'<line id="cursor" x1="0" x2="0" y1="{LANE_TOP}" y2="{AXIS_Y}" visibility="hidden"/>'
         f"</svg>"

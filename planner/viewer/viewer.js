@@ -21,7 +21,8 @@
     return { el: g, base: +g.dataset.base, start: +g.dataset.start, end: +g.dataset.end, shown: true };
   });
   var domain = data.domain_ms, t0 = 0, t1 = domain, minWindow = domain / L.max_zoom;
-  var right = L.left + L.plot_width, pending = false, marked = -1, drag = null;
+  var right = L.left + L.plot_width, pending = false, marked = -1, drag = null, svgWidth = 0;
+  var stretched = Array.prototype.slice.call(svg.querySelectorAll("[data-stretch]"));
   var nodeSpans = nodes.map(function () { return []; });
   STREAMS.forEach(function (stream) {
     spans[stream].forEach(function (span, i) { nodeSpans[span[1]].push([stream, i]); });
@@ -65,7 +66,7 @@
     return lo;
   }
   function drawAxis() {
-    var step = niceStep(t1 - t0, L.time_ticks), decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+    var step = niceStep(t1 - t0, Math.max(3, Math.round(L.plot_width / L.tick_spacing))), decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
     var fragment = document.createDocumentFragment();
     for (var i = Math.ceil(t0 / step - 1e-9); i * step <= t1 + step * 1e-9; i++) {
       var x = xOf(i * step).toFixed(2);
@@ -75,14 +76,12 @@
     }
     axis.replaceChildren(fragment);
   }
-  // The name if it fits, else the id (often shorter: "features_2:bwd"), else the id cut in the middle, whose
-  // end tells neighbours apart ("f…34:bwd").
+  // The name if it fits, else the id (often shorter: "features_2:bwd"), else the id's end, which tells
+  // neighbours apart ("…_34:bwd").
   function shortName(node, room) {
     if (node[N.label].length <= room) return node[N.label];
     var id = node[N.id];
-    if (id.length <= room) return id;
-    var head = Math.max(1, Math.floor((room - 1) * 0.25));
-    return id.slice(0, head) + "…" + id.slice(id.length - (room - 1 - head));
+    return id.length <= room ? id : "…" + id.slice(id.length - room + 1);
   }
   function drawLabels() {
     var fragment = document.createDocumentFragment(), count = 0;
@@ -113,8 +112,27 @@
     }
     marks.replaceChildren(fragment);
   }
+  // The drawing is as wide as its box in CSS pixels (text keeps its size): what spans the plot follows.
+  function fitWidth() {
+    var width = Math.max(L.min_width, Math.floor(box.clientWidth));
+    if (width === svgWidth) return;
+    svgWidth = width;
+    L.plot_width = width - L.left - L.right;
+    right = L.left + L.plot_width;
+    svg.setAttribute("viewBox", "0 0 " + width + " " + L.height);
+    svg.style.width = width + "px";
+    svg.style.height = L.height + "px";
+    stretched.forEach(function (node) {
+      var how = node.dataset.stretch;
+      if (how === "width") node.setAttribute("width", L.plot_width);
+      else if (how === "x2") node.setAttribute("x2", right);
+      else if (how === "center") node.setAttribute("x", L.left + L.plot_width / 2);
+      else node.setAttribute("x", right - +how.split(":")[1]);
+    });
+  }
   function render() {
     pending = false;
+    fitWidth();
     var started = performance.now(), scale = k();
     chunks.forEach(function (chunk) {
       var shown = chunk.end >= t0 && chunk.start <= t1;
@@ -189,8 +207,10 @@
     heading.textContent = title;
     tip.replaceChildren(heading, table);
     tip.hidden = false;
-    var area = box.getBoundingClientRect(), x = event.clientX - area.left + 14, y = event.clientY - area.top + 14;
-    if (x + tip.offsetWidth > area.width) x = Math.max(0, event.clientX - area.left - tip.offsetWidth - 14);
+    // Fixed to the viewport, so the chart's box never clips it; it flips away from the window's edges.
+    var x = event.clientX + 14, y = event.clientY + 14;
+    if (x + tip.offsetWidth > window.innerWidth) x = Math.max(0, event.clientX - tip.offsetWidth - 14);
+    if (y + tip.offsetHeight > window.innerHeight) y = Math.max(0, event.clientY - tip.offsetHeight - 14);
     tip.style.left = x + "px";
     tip.style.top = y + "px";
   }
@@ -393,7 +413,7 @@
     setTimeout(function () { if (flashed === n) { flashed = -1; updateRows(); } }, 1500);
   }
   tableBox.addEventListener("scroll", updateRows);
-  window.addEventListener("resize", updateRows);
+  window.addEventListener("resize", function () { updateRows(); update(); });
   filter.addEventListener("input", applyFilter);
   tbody.addEventListener("click", function (event) {
     var row = event.target.closest("tr.row");
