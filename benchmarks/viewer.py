@@ -41,7 +41,7 @@ per plan (planner/viewer). Figures from headless Chromium (Debian's package) dri
 project's 2-core development machine, shared with other work: timings are noisy, the load average is given.
 
 The node table holds only the rows in view: a first version that laid out all of them made the 2,001-node page
-67,698 elements and 1.2-2.9 s of layout (Chrome's LayoutDuration from Performance.getMetrics, load average 7).
+67,698 DOM nodes and 1.2-2.9 s of layout (Chrome's LayoutDuration from Performance.getMetrics, load average 7).
 """
 
 
