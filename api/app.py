@@ -30,9 +30,16 @@ from api.store import Store
 from planner.errors import Issue
 from planner.strategies import load_all
 from planner.validation import issues_from_validation_error
+from planner.viewer import content_security_policy
 
 log = logging.getLogger("mosos.api")
 WAIT_POLL_S = 0.02
+# The viewer page runs only its own inline script and style (by hash), fetches nothing, and is never framed.
+VIEW_HEADERS = {
+    "Content-Security-Policy": content_security_policy(header=True),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def _error_responses(*codes: int) -> dict:
@@ -250,6 +257,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc = service(request)
         row, profile_json = await run_in_threadpool(svc.replay_inputs, plan_id)
         return Response(await svc.memory_png(row, profile_json), media_type="image/png")
+
+    @app.get("/v1/plans/{plan_id}/view", summary="The plan viewer: streams, memory and decisions on one page",
+             response_class=Response,
+             responses={200: {"content": {"text/html": {}}, "description": "A self-contained HTML page."},
+                        **_error_responses(401, 404, 409, 503)})
+    async def plan_view(request: Request, plan_id: str):
+        svc = service(request)
+        row, profile_json = await run_in_threadpool(svc.replay_inputs, plan_id)
+        return Response(await svc.view_html(row, profile_json), media_type="text/html; charset=utf-8",
+                        headers=VIEW_HEADERS)
 
     # Simulation ------------------------------------------------------------------
 

@@ -111,7 +111,7 @@ class Service:
             "minimum_budget_bytes": row.minimum_budget_bytes,
             "reason": row.reason,
             "solve_seconds": row.solve_seconds,
-            "links": {"self": base, "trace": f"{base}/trace", "memory_png": f"{base}/memory.png"},
+            "links": {"self": base, "trace": f"{base}/trace", "memory_png": f"{base}/memory.png", "view": f"{base}/view"},
         }
         if with_schedule:
             body["schedule"] = None
@@ -154,3 +154,7 @@ class Service:
     async def memory_png(self, row: PlanRow, profile_json: str | None) -> bytes:
         title = f"{row.profile_name}: device memory ({row.strategy})"
         return await self.pool.run(work.memory_png, profile_json, row.schedule_json, title)
+
+    async def view_html(self, row: PlanRow, profile_json: str | None) -> bytes:
+        title = f"{row.profile_name} ({row.strategy})"
+        return await self.pool.run(work.plan_view_html, profile_json, row.schedule_json, title)

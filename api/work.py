@@ -209,3 +209,12 @@ def memory_png(profile_json: str | None, schedule_json: str, title: str) -> byte
     buffer = io.BytesIO()
     plot_memory(_replay(profile_json, schedule_json), buffer, title=title)
     return buffer.getvalue()
+
+
+def plan_view_html(profile_json: str | None, schedule_json: str, title: str) -> bytes:
+    """The plan viewer page of a stored plan, as UTF-8 bytes."""
+    from planner.viewer import plan_view_html as render
+
+    profile = parse_profile(json.loads(profile_json or "null"))
+    schedule = parse_schedule(json.loads(schedule_json))
+    return render(profile, schedule, simulate(profile, schedule), title=title).encode("utf-8")

@@ -454,6 +454,23 @@ def test_trace_and_memory_picture_of_a_done_plan(client):
     assert client.get("/v1/plans/unknown/memory.png").status_code == 404
 
 
+def test_viewer_page_of_a_done_plan(client):
+    from planner.viewer import content_security_policy, plan_view_html
+
+    body = client.post("/v1/plans", json=plan_request(seed=81)).json()
+    assert body["links"]["view"] == f"/v1/plans/{body['id']}/view"
+    page = client.get(body["links"]["view"])
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.headers["content-security-policy"] == content_security_policy(header=True)
+    assert page.headers["x-content-type-options"] == "nosniff"
+    profile, schedule = parse_profile(shipped_profile()), parse_schedule(body["schedule"])
+    assert page.text == plan_view_html(profile, schedule, title=f"{profile.name} (keep-all)")
+    assert client.get("/v1/plans/unknown/view").status_code == 404
+    infeasible = client.post("/v1/plans", json=plan_request(budget_bytes=1, strategy="test-sleep", time_limit_s=0.1)).json()
+    refused = client.get(f"/v1/plans/{infeasible['id']}/view")
+    assert refused.status_code == 409 and "no schedule to replay" in refused.json()["message"]
+
+
 def test_health_metrics_and_docs(client):
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and "keep-all" in health["strategies"]
