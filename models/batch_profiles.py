@@ -7,16 +7,20 @@
   measured by `executor.profile_model` on this machine's device. A measurement
   costs seconds to minutes and the batches a search reaches may not even run
   without a plan, so only a few batches are measured (`measure_batches`,
-  default 2 and 4) and every other batch is scaled from them: each tensor
+  default 4 and 8) and every other batch is scaled from them: each tensor
   size, workspace and fixed-memory figure and each operation time is taken as
   linear in the batch, through the two measured batches around it (or the
   nearest two beyond them). Sizes of ordinary operations are exactly linear in
   the batch; times are not quite (per-call overheads, kernels that use the
-  device better at larger batches). `validate_batch` (default 8) is measured
+  device better at larger batches). `validate_batch` (default 16) is measured
   too, and compared with what scaling the others predicts for it, before it
   joins them: `report` says how far off the sizes, the keep-all peak and the
   step time were. A graph that differs between measured batches (control flow
-  on the batch size) cannot be scaled and is refused.
+  on the batch size) cannot be scaled and is refused. Sizes that step with the
+  batch rather than grow with it (the executor's im2col-chunked workspace
+  works on a quarter of the batch, rounded up) are exact only at batches
+  aligned with the steps: hence measured batches that are multiples of 4, and
+  the report's `size_underestimate_bytes`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Callable
 
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
-from planner.strategies.keep_all import keep_all_peak_bytes, keep_all_schedule
+from planner.auto_algorithms import with_smallest_workspaces
+from planner.strategies.keep_all import keep_all_schedule
 from planner.simulator import simulate
 
 
@@ -68,7 +73,8 @@ class ScalingReport:
     measured_batches: list[int]
     validate_batch: int | None
     size_error_bytes: int | None = None  # largest difference of any tensor, workspace or fixed-memory figure
-    peak_error: float | None = None  # keep-all peak, (scaled - measured) / measured
+    size_underestimate_bytes: int | None = None  # largest amount by which scaling predicted less than was measured
+    peak_error: float | None = None  # keep-all peak with the smallest workspaces, (scaled - measured) / measured
     step_time_error: float | None = None  # keep-all step time, the same
     node_time_error_median: float | None = None  # per node with time >= 1% of the step: |scaled - measured| / measured
     measure_seconds: float = 0.0
@@ -79,16 +85,20 @@ class ScalingReport:
                 "linearly in the batch from the two measured batches around it (or the nearest two)")
         if self.validate_batch is None or self.size_error_bytes is None:
             return base + "; not validated against a further measurement"
+        under = (f" (under by up to {self.size_underestimate_bytes} bytes: plans at scaled batches may need that much "
+                 "more)") if self.size_underestimate_bytes else ""
         return (
             f"{base}; checked at batch {self.validate_batch} before it joined them: sizes off by at most "
-            f"{self.size_error_bytes} bytes, keep-all peak {100 * self.peak_error:+.2f}%, keep-all step time "
+            f"{self.size_error_bytes} bytes{under}, keep-all peak (smallest workspaces) {100 * self.peak_error:+.2f}%, "
+            f"keep-all step time "
             f"{100 * self.step_time_error:+.1f}%, node times (median) {100 * self.node_time_error_median:.1f}%"
         )
 
     def as_dict(self) -> dict:
         return {
             "measured_batches": self.measured_batches, "validate_batch": self.validate_batch,
-            "size_error_bytes": self.size_error_bytes, "peak_error": self.peak_error,
+            "size_error_bytes": self.size_error_bytes, "size_underestimate_bytes": self.size_underestimate_bytes,
+            "peak_error": self.peak_error,
             "step_time_error": self.step_time_error, "node_time_error_median": self.node_time_error_median,
             "measure_seconds": self.measure_seconds, "notes": self.notes, "description": self.describe(),
         }
@@ -189,6 +199,12 @@ def scale_profile(low: GraphProfile, high: GraphProfile, a: int, b: int, batch: 
         raise BatchProfileError(f"the profile scaled to batch {batch} is out of bounds: {error}") from None
 
 
+def _memory_peak(profile: GraphProfile) -> int:
+    """Keep-all's peak with the smallest workspaces: sizes only (the fastest algorithm follows noisy timings)."""
+    schedule = with_smallest_workspaces(profile, keep_all_schedule(profile))
+    return simulate(profile, schedule, keep_timeline=False).peak_memory_bytes
+
+
 def _to(value, device):
     import torch
 
@@ -209,8 +225,9 @@ class MeasuredProfiles:
         spec: str,
         *,
         device: str = "cpu",
-        measure_batches: tuple[int, ...] = (2, 4),
-        validate_batch: int | None = 8,
+        measure_batches: tuple[int, ...] = (4, 8),
+        validate_batch: int | None = 16,
+        threads: int | None = None,
         optimizer: str = "sgd",
         repeats: int = 3,
         warmup: int = 1,
@@ -226,6 +243,12 @@ class MeasuredProfiles:
                                     f"measured batches {batches}")
         if device not in ("cpu", "cuda"):
             raise BatchProfileError(f"the device is cpu or cuda, not {device!r}")
+        if threads is not None:
+            if threads < 1:
+                raise BatchProfileError(f"threads must be at least 1, not {threads}")
+            import torch
+
+            torch.set_num_threads(threads)  # 1 avoids thread-barrier stalls that make CPU timings noisy under load
         self.spec, self.device = spec, device
         self.options = dict(optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
                             h2d_gb_per_s=h2d_gb_per_s)
@@ -288,15 +311,16 @@ class MeasuredProfiles:
         return self._scaled[batch_size]
 
     def _compare(self, predicted: GraphProfile, actual: GraphProfile) -> None:
-        errors = [abs(p.size_bytes - q.size_bytes) for p, q in zip(predicted.nodes, actual.nodes)]
-        errors += [
-            abs(i.workspace_bytes - actual.node_by_id[p.id].implementation(i.name).workspace_bytes)
+        differences = [p.size_bytes - q.size_bytes for p, q in zip(predicted.nodes, actual.nodes)]
+        differences += [
+            i.workspace_bytes - actual.node_by_id[p.id].implementation(i.name).workspace_bytes
             for p in predicted.nodes for i in p.implementations
         ]
-        errors.append(abs(predicted.fixed_bytes - actual.fixed_bytes))
-        self.report.size_error_bytes = max(errors)
-        measured_peak = keep_all_peak_bytes(actual)
-        self.report.peak_error = (keep_all_peak_bytes(predicted) - measured_peak) / measured_peak
+        differences.append(predicted.fixed_bytes - actual.fixed_bytes)
+        self.report.size_error_bytes = max(abs(d) for d in differences)
+        self.report.size_underestimate_bytes = max(0, -min(differences))
+        measured_peak = _memory_peak(actual)
+        self.report.peak_error = (_memory_peak(predicted) - measured_peak) / measured_peak
         step = simulate(actual, keep_all_schedule(actual), keep_timeline=False).step_time_ms
         scaled_step = simulate(predicted, keep_all_schedule(predicted), keep_timeline=False).step_time_ms
         self.report.step_time_error = (scaled_step - step) / step if step > 0 else 0.0

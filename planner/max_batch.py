@@ -64,7 +64,8 @@ MAX_BATCH_LIMIT = 1 << 24
 DEFAULT_THROUGHPUT_PROBES = 6
 MIN_SOLVE_S = 0.2  # below this a solve is not worth starting: the search stops and says the time ran out
 STOP_GRACE_S = 0.25  # a solve is asked to stop this long after its own limit
-_LADDER_S = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 450, 600, 900, 1200, 1800, 3600)
+_LADDER_S = (0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100, 120, 150, 200,
+             250, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000, 2500, 3000, 3600)  # steps at most 1.5x apart
 
 OverheadLimit = Union[float, Literal["forward"], None]
 Outcome = Literal["fits", "over-overhead", "infeasible", "below-floor", "error"]
@@ -141,6 +142,18 @@ class StrategyMaxBatch(BaseModel):
         """The certified plan at the largest batch (Python API only; not in the JSON)."""
         return self.at_max.schedule if self.at_max is not None else None
 
+    def unsettled_next(self) -> BatchProbe | None:
+        """The first failing batch's probe if a solver left it open (no proof, or a plan not proven optimal):
+        with more time the largest batch may be larger."""
+        probe = next((p for p in self.probes if p.batch_size == self.first_failing_batch_size), None)
+        if probe is None:
+            return None
+        if probe.outcome == "infeasible" and probe.proven is False:
+            return probe
+        if probe.outcome == "over-overhead" and probe.solver_status not in (None, "OPTIMAL"):
+            return probe
+        return None
+
 
 class MaxBatchResult(BaseModel):
     budget_bytes: int
@@ -174,6 +187,23 @@ def check_overhead(limit) -> OverheadLimit:
         raise MaxBatchError(
             f"the overhead limit is a fraction of the lower bound (0.1 for 10%), 'forward' or none, not {limit!r}")
     return float(limit)
+
+
+def parse_overhead(text: str) -> OverheadLimit:
+    """'10%' or '0.1' (a fraction of the lower bound), 'forward' (one extra forward pass) or 'none'."""
+    value = str(text).strip().lower()
+    if value in ("none", "off", "no", "unlimited"):
+        return None
+    if value in ("forward", "fwd", "one-forward"):
+        return "forward"
+    try:
+        number = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise MaxBatchError(
+            f"cannot read {text!r} as an overhead limit: write a percentage (10%), a fraction (0.1), 'forward' "
+            "(at most one extra forward pass) or 'none'"
+        ) from None
+    return check_overhead(number)
 
 
 def _quantized(limit_s: float) -> float:
