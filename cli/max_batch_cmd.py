@@ -25,6 +25,7 @@ from planner.planning import strategy_names
 from planner.units import format_bytes, parse_bytes
 
 MIN_SEARCH_S = 1.0  # what the search needs at least once the profiles are ready
+FINISH_S = 0.5  # kept from the search for the table, the JSON and the plot
 
 
 def _batches(text: str, option: str) -> tuple[int, ...]:
@@ -217,7 +218,7 @@ def max_batch_command(
             d2h=d2h_gb_per_s, h2d=h2d_gb_per_s, say=progress.say,
         )
         prepared_s = time.monotonic() - started
-        search_s = time_limit - prepared_s
+        search_s = time_limit - prepared_s - FINISH_S
         if search_s < MIN_SEARCH_S:
             raise MososError(f"making the profiles took {prepared_s:.1f} s of the {time_limit:g} s time limit, leaving "
                              "too little to search: give a longer --time-limit")

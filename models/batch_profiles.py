@@ -25,6 +25,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import statistics
 import time
@@ -55,15 +57,25 @@ class EstimatedProfiles:
                             memory_bytes=memory_bytes)
         self.model, self.gpu = model, gpu
         self._cache: dict[int, GraphProfile] = {}
-        self(1)  # a wrong model, GPU or option is an error now, before any search
+        try:
+            self(1)  # a wrong model, GPU or option is an error now, before any search
+        except MososError as error:
+            try:
+                self(2)  # some models cannot train at batch 1 (batch norm over a single value); the search starts at 2
+            except MososError:
+                raise error from None
 
     def __call__(self, batch_size: int) -> GraphProfile:
         if batch_size not in self._cache:
-            self._cache[batch_size] = self._estimate(self.model, batch_size, self.gpu, **self.options)
+            # torch.fx's shape propagation prints a traceback before raising (batch norm over one value at batch 1):
+            # the error that follows says it, so the printout is kept off the terminal
+            with contextlib.redirect_stderr(io.StringIO()):
+                self._cache[batch_size] = self._estimate(self.model, batch_size, self.gpu, **self.options)
         return self._cache[batch_size]
 
     def describe(self) -> str:
-        return f"estimated at every batch ({self._cache[1].provenance.estimator})"
+        estimator = next(iter(self._cache.values())).provenance.estimator if self._cache else "the estimator"
+        return f"estimated at every batch ({estimator})"
 
 
 @dataclass

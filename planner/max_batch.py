@@ -14,7 +14,8 @@ and, for each strategy, searches the batch sizes:
   needs (fixed memory plus the largest node with its inputs and smallest
   workspace, `planner.budget.minimum_budget_bytes`): a batch above that bound
   cannot fit whatever the strategy, so it is never solved;
-- the search tries batch 1, then doubles (2, 4, 8, ...) while the batch fits,
+- the search tries batch 1 (2 when no profile can be made at 1, as for batch
+  norm over a single value), then doubles (2, 4, 8, ...) while the batch fits,
   then bisects between the largest batch that fits and the smallest that does
   not. That is correct when fitting is monotone in the batch (true of every
   heuristic here, whose memory grows linearly with the batch; a solver under a
@@ -64,7 +65,7 @@ MAX_BATCH_LIMIT = 1 << 24
 DEFAULT_THROUGHPUT_PROBES = 6
 MIN_SOLVE_S = 0.2  # below this a solve is not worth starting: the search stops and says the time ran out
 STOP_GRACE_S = 0.25  # a solve is asked to stop this long after its own limit
-_LADDER_S = (0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100, 120, 150, 200,
+TIME_LADDER_S = (0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100, 120, 150, 200,
              250, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000, 2500, 3000, 3600)  # steps at most 1.5x apart
 
 OverheadLimit = Union[float, Literal["forward"], None]
@@ -131,8 +132,10 @@ class StrategyMaxBatch(BaseModel):
     best_throughput_samples_per_s: float | None = None
     monotone: bool = True
     violations: list[str] = Field(default_factory=list)
-    reason: str | None = Field(default=None, description="when no batch fits: why, with the smallest budget for batch 1")
-    batch1_minimum_budget_bytes: int | None = None
+    reason: str | None = Field(default=None, description="when no batch fits: why, with the smallest budget for the "
+                               "smallest batch")
+    first_batch_minimum_budget_bytes: int | None = Field(
+        default=None, description="when no batch fits: the smallest budget known to fit the smallest batch")
     time_share_s: float = 0.0
     wall_time_s: float = 0.0
     probes: list[BatchProbe] = Field(default_factory=list)
@@ -166,7 +169,10 @@ class MaxBatchResult(BaseModel):
     time_limit_s: float
     wall_time_s: float
     time_split: str
-    profile_name: str = Field(description="the profile at batch 1")
+    profile_name: str = Field(description="the profile at the smallest batch")
+    smallest_batch_size: int = Field(default=1, description="where the search starts: 1, or 2 when no profile can "
+                                     "be made at batch 1 (see smallest_batch_reason)")
+    smallest_batch_reason: str | None = None
     strategies: list[StrategyMaxBatch]
     best_throughput: dict | None = Field(default=None, description="strategy, batch_size, samples_per_s")
     stopped: bool = Field(default=False, description="a stop request (cancel) ended the search early")
@@ -208,7 +214,7 @@ def parse_overhead(text: str) -> OverheadLimit:
 
 def _quantized(limit_s: float) -> float:
     """The largest ladder step at or below `limit_s` (or `limit_s` itself below the first step)."""
-    fitting = [step for step in _LADDER_S if step <= limit_s + 1e-9]
+    fitting = [step for step in TIME_LADDER_S if step <= limit_s + 1e-9]
     return float(fitting[-1]) if fitting else limit_s
 
 
@@ -260,16 +266,16 @@ class _Batches:
         return None
 
 
-def floor_batch(batches: _Batches, budget: int, batch_limit: int) -> tuple[int, str]:
+def floor_batch(batches: _Batches, budget: int, batch_limit: int, smallest: int = 1) -> tuple[int, str]:
     """The largest batch <= batch_limit whose floor fits the budget (0 if none), and what stops the next one.
 
     Floors grow with the batch, so exponential then binary search finds it in about 2 log2(answer) profiles.
     """
-    reason = batches.below_floor(1, budget)
+    reason = batches.below_floor(smallest, budget)
     if reason is not None:
         return 0, reason
-    low, high = 1, None
-    batch = 2
+    low, high = smallest, None
+    batch = 2 * smallest
     while batch <= batch_limit:
         if batches.below_floor(batch, budget) is None:
             low, batch = batch, batch * 2
@@ -293,7 +299,7 @@ class _StrategySearch:
     """Exponential then binary search of one strategy's largest batch, then the throughput refinement."""
 
     def __init__(self, strategy: str, batches: _Batches, budget: int, overhead: OverheadLimit, ceiling: int,
-                 batch_limit: int, throughput_probes: int, deadline: float, solve: Solve, workers: int | None, seed: int,
+                 batch_limit: int, smallest: int, throughput_probes: int, deadline: float, solve: Solve, workers: int | None, seed: int,
                  should_stop: Callable[[], bool] | None, progress: Callable[[dict], None] | None):
         self.strategy = strategy
         self.batches = batches
@@ -301,6 +307,7 @@ class _StrategySearch:
         self.overhead = overhead
         self.ceiling = ceiling  # the floor's largest batch: nothing above it can fit
         self.batch_limit = batch_limit
+        self.smallest = smallest  # 1, or 2 when batch 1 cannot be profiled
         self.throughput_probes = throughput_probes
         self.deadline = deadline
         self.solve = solve
@@ -341,17 +348,19 @@ class _StrategySearch:
             self.stopped_by = "stopped on request"
             raise _OutOfTime
         started = time.monotonic()
+        if self.deadline - started < MIN_SOLVE_S:
+            self._out_of_time(started)
         floor = self.batches.below_floor(batch, self.budget)
         if floor is not None:
             return self._report(BatchProbe(batch_size=batch, outcome="below-floor", reason=floor, proven=True))
-        remaining = self.deadline - started
-        if remaining < MIN_SOLVE_S:
-            self.stopped_by = f"the time limit ran out ({max(remaining, 0):.2f} s of this strategy's share left)"
-            raise _OutOfTime
-        limit = min(max(_quantized(remaining / self.expected_remaining()), MIN_SOLVE_S), remaining)
         lower_ms, forward_ms = self.batches.bounds(batch)
         profile = self.batches.profile(batch)
-        stop_at = started + limit + STOP_GRACE_S
+        now = time.monotonic()  # making the profile and its lower bound took time too
+        remaining = self.deadline - now
+        if remaining < MIN_SOLVE_S:
+            self._out_of_time(now)
+        limit = min(max(_quantized(remaining / self.expected_remaining()), MIN_SOLVE_S), remaining)
+        stop_at = now + limit + STOP_GRACE_S
 
         def stop() -> bool:
             return time.monotonic() > stop_at or bool(self.should_stop and self.should_stop())
@@ -391,6 +400,10 @@ class _StrategySearch:
         probe.wall_time_s = time.monotonic() - started
         return self._report(probe)
 
+    def _out_of_time(self, now: float):
+        self.stopped_by = f"the time limit ran out ({max(self.deadline - now, 0):.2f} s of this strategy's share left)"
+        raise _OutOfTime
+
     def _limit_fraction(self, lower_ms: float, forward_ms: float) -> float | None:
         if self.overhead is None:
             return None
@@ -422,11 +435,11 @@ class _StrategySearch:
     def _largest(self) -> None:
         if self.ceiling < 1:
             return
-        if not self.fits(1):
-            self.high = 1
+        if not self.fits(self.smallest):
+            self.high = self.smallest
             return
-        self.low = 1
-        batch = 2
+        self.low = self.smallest
+        batch = 2 * self.smallest
         while batch <= self.ceiling:
             if self.fits(batch):
                 self.low, batch = batch, batch * 2
@@ -489,7 +502,7 @@ class _StrategySearch:
         first_failing = min(failing_above, default=None)
         complete = self.stopped_by is None and (
             (largest is not None and (largest == self.batch_limit or first_failing == largest + 1))
-            or (largest is None and first_failing == 1)
+            or (largest is None and first_failing == self.smallest)
         )
         best = self._best_throughput()
         at_max = self.probes.get(largest) if largest is not None else None
@@ -501,28 +514,30 @@ class _StrategySearch:
             wall_time_s=time.monotonic() - self.started, probes=probes,
         )
         if largest is None:
-            answer.reason, answer.batch1_minimum_budget_bytes = self._why_none()
+            answer.reason, answer.first_batch_minimum_budget_bytes = self._why_none()
         return answer
 
     def _why_none(self) -> tuple[str, int | None]:
-        first = self.probes.get(1)
+        smallest = self.smallest
+        first = self.probes.get(smallest)
         if first is None:
             if self.ceiling < 1:
-                return "no batch fits: " + (self.batches.below_floor(1, self.budget) or "batch 1 is above the batch limit"), \
-                    _floor_bytes(self.batches, 1)
-            return f"no batch fits: the search stopped before batch 1 was solved ({self.stopped_by})", None
+                floor = self.batches.below_floor(smallest, self.budget) or f"batch {smallest} is above the batch limit"
+                return f"no batch fits: {floor}", _floor_bytes(self.batches, smallest)
+            return f"no batch fits: the search stopped before batch {smallest} was solved ({self.stopped_by})", None
         if first.outcome == "below-floor":
-            return f"no batch fits: {first.reason}", _floor_bytes(self.batches, 1)
+            return f"no batch fits: {first.reason}", _floor_bytes(self.batches, smallest)
         if first.outcome == "infeasible":
             minimum = first.minimum_budget_bytes
-            need = f"; batch 1 needs {minimum} bytes ({format_bytes(minimum)}) with this strategy" if minimum else ""
+            need = (f"; batch {smallest} needs {minimum} bytes ({format_bytes(minimum)}) with this strategy"
+                    if minimum else "")
             return f"no batch fits the budget of {self.budget} bytes ({format_bytes(self.budget)}){need}", minimum
         if first.outcome == "over-overhead":
-            keep_all = self.batches.profile(1)
-            peak = simulate(keep_all, keep_all_schedule(keep_all), keep_timeline=False).peak_memory_bytes
-            return (f"no batch fits within the overhead limit: at batch 1 {first.reason}; keep-all runs batch 1 at the "
-                    f"lower bound in {peak} bytes ({format_bytes(peak)})"), peak
-        return f"no batch fits: batch 1 failed: {first.reason}", None
+            profile = self.batches.profile(smallest)
+            peak = simulate(profile, keep_all_schedule(profile), keep_timeline=False).peak_memory_bytes
+            return (f"no batch fits within the overhead limit: at batch {smallest} {first.reason}; keep-all runs batch "
+                    f"{smallest} at the lower bound in {peak} bytes ({format_bytes(peak)})"), peak
+        return f"no batch fits: batch {smallest} failed: {first.reason}", None
 
 
 def _floor_bytes(batches: _Batches, batch: int) -> int | None:
@@ -567,7 +582,15 @@ def max_batch(
     if unknown:
         raise MaxBatchError(f"unknown strategy {unknown[0]!r}; known: {', '.join(strategy_names())}")
     batches = _Batches(profile_for_batch)
-    first = batches.profile(1)  # a workload that cannot make even batch 1 is the caller's error: raised as is
+    smallest, smallest_note = 1, None
+    try:
+        first = batches.profile(1)
+    except MososError as error:  # e.g. batch norm over a single value per channel: training needs 2 samples or more
+        try:
+            first = batches.profile(2)
+        except MososError:
+            raise error from None  # a workload that cannot make batch 1 nor 2 is the caller's error
+        smallest, smallest_note = 2, str(error)
     budget = first.hardware.memory_capacity_bytes if budget_bytes is None else budget_bytes
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 0 < budget <= MAX_SIZE_BYTES:
         raise BudgetError(f"the budget is a whole number of bytes from 1 to {MAX_SIZE_BYTES}, not {budget!r}")
@@ -577,15 +600,15 @@ def max_batch(
                                 "transfer bandwidth; leave it out or give the profile a bandwidth")
         if not registry[name].uses_budget and name != "keep-all":
             raise MaxBatchError(f"strategy {name!r} plans without a budget, so it has no largest batch to find")
-    ceiling, floor_reason = floor_batch(batches, int(budget), int(batch_limit))
+    ceiling, floor_reason = floor_batch(batches, int(budget), int(batch_limit), smallest)
     deadline = started + float(time_limit_s)
     results: list[StrategyMaxBatch] = []
     stopped = False
     for index, name in enumerate(names):
         now = time.monotonic()
         share = max(0.0, (deadline - now) / (len(names) - index))
-        search = _StrategySearch(name, batches, int(budget), overhead, ceiling, int(batch_limit), int(throughput_probes),
-                                 now + share,
+        search = _StrategySearch(name, batches, int(budget), overhead, ceiling, int(batch_limit), smallest,
+                                 int(throughput_probes), now + share,
                                  solve or _plan_solve, workers, seed, should_stop, progress)
         if stopped:
             search.stopped_by = "stopped on request"
@@ -604,8 +627,10 @@ def max_batch(
         budget_bytes=int(budget), max_overhead=overhead, overhead_description=describe_overhead(overhead),
         batch_limit=int(batch_limit), floor_batch_size=ceiling, floor_reason=floor_reason,
         time_limit_s=float(time_limit_s), wall_time_s=time.monotonic() - started,
-        time_split=(f"{len(names)} strategies in turn, each with an equal share of the time left when it starts; each "
-                    "solve gets its strategy's remaining share over the evaluations its search still expects, rounded "
-                    "down to a ladder step, and is stopped at that limit"),
-        profile_name=first.name, strategies=results, best_throughput=best, stopped=stopped,
+        time_split=(("1 strategy with the whole time" if len(names) == 1 else
+                     f"{len(names)} strategies in turn, each with an equal share of the time left when it starts")
+                    + "; each solve gets its strategy's remaining share over the evaluations its search still expects, "
+                    "rounded down to a ladder step, and is stopped at that limit"),
+        profile_name=first.name, smallest_batch_size=smallest, smallest_batch_reason=smallest_note, strategies=results,
+        best_throughput=best, stopped=stopped,
     )

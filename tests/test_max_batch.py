@@ -130,7 +130,7 @@ def test_the_overhead_limit_is_over_each_batchs_own_lower_bound():
                         batch_limit=64, throughput_probes=0).strategies[0]
     assert limited.max_batch_size is None
     assert "no batch fits within the overhead limit" in limited.reason and "keep-all runs batch 1" in limited.reason
-    assert limited.batch1_minimum_budget_bytes > 0
+    assert limited.first_batch_minimum_budget_bytes > 0
     forward = max_batch(profiles, budget, strategies=["chen-sqrt"], max_overhead="forward", batch_limit=64,
                         throughput_probes=0).strategies[0]
     assert forward.at_max.overhead <= forward.at_max.overhead_limit + 1e-9
@@ -142,7 +142,7 @@ def test_a_budget_below_anything_says_what_batch_1_needs():
     assert result.floor_batch_size == 0 and "below what any plan needs at batch 1" in result.floor_reason
     for answer in result.strategies:
         assert answer.max_batch_size is None and answer.probes == []
-        assert "no batch fits" in answer.reason and answer.batch1_minimum_budget_bytes > 1000
+        assert "no batch fits" in answer.reason and answer.first_batch_minimum_budget_bytes > 1000
 
 
 def test_batches_above_the_floor_are_never_solved():
