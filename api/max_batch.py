@@ -2,13 +2,20 @@
 
 A search is `planner.max_batch` driven from a thread of the server, and every
 solve it asks for is an ordinary plan of this service: the estimated profile
-(made in a request process, where torch lives) is queued like any POSTed one,
+(made in an estimator process started with the first search: torch lives
+there, not in the server nor the request processes) is queued like any POSTed one,
 so it runs in the solve processes under the same limits (each solve at most
 `max_time_limit_s`, `max_solver_workers` threads), is answered from the store
 when the same profile, budget, strategy and limits were planned before (a
 repeated search costs little more than estimating its profiles), and is
 cancelled with the search. Each probe's plan id is in the answer, so its
 schedule, trace and memory picture are at `/v1/plans/{id}`.
+
+The request is checked before it is accepted, without torch (names, limits,
+strategies); what needs the model (its first profile: options it refuses, its
+node count against `max_nodes`) is checked as the search's first step, and
+answered as the request's 4xx when that happens within `wait_s` (else the
+search fails with the same `issues`).
 
 The search's own record (status, progress, result) is kept in memory, the
 last `KEPT_SEARCHES`; after a restart a repeated request runs again from the
@@ -19,13 +26,17 @@ code in the service.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import concurrent.futures.process
 import contextlib
 import hashlib
-import io
 import importlib.util
+import io
 import json
 import logging
 import math
+import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -100,6 +111,8 @@ class MaxBatchStatus(BaseModel):
     result: dict[str, Any] | None = Field(default=None, description="planner.max_batch's result; each probe carries "
                                           "the plan_id of its solve (GET /v1/plans/{plan_id}).")
     reason: str | None = None
+    issues: list[dict[str, str]] = Field(default_factory=list, description="A request found bad after it was "
+                                         "accepted (once its model was estimated): one path and sentence each.")
     links: dict[str, str]
 
 
@@ -135,6 +148,15 @@ def parse_request(raw: bytes) -> dict:
         if not info.uses_budget and name != "keep-all":
             raise invalid([Issue(f"strategies[{index}]", f"strategy {name!r} plans without a budget: it has no "
                                  "largest batch")])
+    from models.gpus import GPUS, get_gpu
+    from models.names import MODEL_NAMES
+
+    if request.model.lower().replace("-", "") not in MODEL_NAMES:
+        raise invalid([Issue("model", f"unknown model {request.model!r}; known: {', '.join(MODEL_NAMES)}")])
+    try:
+        get_gpu(request.gpu)
+    except KeyError:
+        raise invalid([Issue("gpu", f"unknown GPU {request.gpu!r}; known: {', '.join(GPUS)}")]) from None
     if importlib.util.find_spec("torch") is None:
         raise ApiError(501, "not_available", "this server cannot estimate models: torch is not installed where it "
                        "runs (pip install torch, a CPU build is enough)")
@@ -145,48 +167,27 @@ def parse_request(raw: bytes) -> dict:
         "image_size": request.image_size, "tokens": request.tokens, "small": request.small, "math": request.math,
         "optimizer": request.optimizer,
     }
-    try:
-        first = _estimate(options, 1)
-    except ApiError:
-        try:
-            first = _estimate(options, 2)  # some models cannot train at batch 1 (batch norm over a single value)
-        except ApiError:
-            raise
-    if len(first.nodes) > settings.max_nodes:
-        raise over_limit(413, "model", f"the estimated profile has {len(first.nodes)} nodes, above this server's limit "
-                         f"max_nodes = {settings.max_nodes}", "max_nodes", settings.max_nodes)
     canonical = json.dumps({"planner_version": planner.__version__, **options}, sort_keys=True, separators=(",", ":"))
-    return {"options": options, "wait_s": wait_s, "request_hash": hashlib.sha256(canonical.encode()).hexdigest(),
-            "profile_name": first.name}
+    return {"options": options, "wait_s": wait_s, "request_hash": hashlib.sha256(canonical.encode()).hexdigest()}
 
 
-def _estimate(options: dict, batch: int):
+def estimate_profile_json(options: dict, batch: int) -> str:
+    """The estimated profile at `batch`; the first batches' failures are the request's errors, at their path."""
     from models.estimator import estimate
-    from models.gpus import GPUS, get_gpu
-    from models.registry import list_models
 
-    try:
-        get_gpu(options["gpu"])
-    except KeyError:
-        raise invalid([Issue("gpu", f"unknown GPU {options['gpu']!r}; known: {', '.join(GPUS)}")]) from None
-    if options["model"].lower().replace("-", "") not in list_models():
-        raise invalid([Issue("model", f"unknown model {options['model']!r}; known: {', '.join(list_models())}")])
     try:
         # torch.fx prints a traceback before some failures it then raises: the error says it, the log need not
         with contextlib.redirect_stderr(io.StringIO()):
-            return estimate(options["model"], batch, options["gpu"], image_size=options["image_size"],
-                            tokens=options["tokens"], small=options["small"], math=options["math"],
-                            optimizer=options["optimizer"])
+            profile = estimate(options["model"], batch, options["gpu"], image_size=options["image_size"],
+                               tokens=options["tokens"], small=options["small"], math=options["math"],
+                               optimizer=options["optimizer"])
     except MososError as error:  # EstimateError, TraceFailure
         if batch > 2:
             raise  # a batch the search reached is out of the estimator's bounds: the search's business
         text = str(error)
         path = "image_size" if "image size" in text else ("tokens" if "token" in text else "model")
         raise invalid([Issue(path, f"cannot estimate batch {batch}: {text}")]) from None
-
-
-def estimate_profile_json(options: dict, batch: int) -> str:
-    return _estimate(options, batch).to_json(indent=None)
+    return profile.to_json(indent=None)
 
 
 # In the server --------------------------------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class Search:
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
     job_id: str | None = None
+    invalid: ApiError | None = None  # the request turned out bad once its first profile was estimated
     plan_ids: dict[tuple[str, str], str] = field(default_factory=dict)  # (strategy, profile digest) -> plan id
 
     def render(self, cached: bool = False) -> dict:
@@ -214,8 +216,54 @@ class Search:
             "id": self.id, "status": self.status, "cached": cached, "request": self.options,
             "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
             "progress": self.progress if self.status in ("queued", "running") else None, "result": self.result,
-            "reason": self.reason, "links": {"self": f"/v1/max-batch/{self.id}"},
+            "reason": self.reason, "issues": [{"path": i.path, "message": i.message} for i in self.invalid.issues]
+            if self.invalid is not None else [], "links": {"self": f"/v1/max-batch/{self.id}"},
         }
+
+
+class EstimatorProcess:
+    """One process, started on the first search, that estimates the searches' profiles (torch lives there).
+
+    Not the request processes: a first estimate imports torch and traces the model (seconds on a busy machine),
+    and requests queued behind it would wait. Lower priority than the server, dies with it.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._stopped = False
+
+    def _started(self) -> concurrent.futures.ProcessPoolExecutor:
+        with self._lock:
+            if self._stopped:
+                raise MososError("the server is stopping")
+            if self._executor is None:
+                from api.solver import become_child
+
+                self._executor = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=become_child,
+                    initargs=(os.getpid(), self.settings.request_nice))
+            return self._executor
+
+    def profile_json(self, options: dict, batch: int, timeout_s: float) -> str:
+        executor = self._started()
+        try:
+            return executor.submit(estimate_profile_json, options, batch).result(timeout=timeout_s)
+        except concurrent.futures.process.BrokenProcessPool:
+            with self._lock:
+                if self._executor is executor:
+                    self._executor = None  # a fresh one for the next estimate
+            raise MososError("the estimator process died while estimating this profile") from None
+        except concurrent.futures.TimeoutError:
+            raise MososError(f"estimating the profile at batch {batch} took more than {timeout_s:.0f} s") from None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 class MaxBatchSearches:
@@ -227,12 +275,12 @@ class MaxBatchSearches:
         self._lock = threading.Lock()
         self._searches: dict[str, Search] = {}
         self._stopping = False
+        self.estimator = EstimatorProcess(settings)
 
     # Requests ----------------------------------------------------------------------------------------
 
     async def start(self, raw: bytes) -> tuple[Search, bool, float]:
         parsed = await self.service.pool.run(parse_request, raw)
-        loop = asyncio.get_running_loop()
         with self._lock:
             if self._stopping:
                 raise ApiError(503, "stopping", "the server is stopping")
@@ -248,7 +296,7 @@ class MaxBatchSearches:
                             created_at=time.time())
             self._searches[search.id] = search
             self._forget_old()
-        threading.Thread(target=self._run, args=(search, loop), name=f"mosos-max-batch-{search.id[:8]}",
+        threading.Thread(target=self._run, args=(search,), name=f"mosos-max-batch-{search.id[:8]}",
                          daemon=True).start()
         return search, False, parsed["wait_s"]
 
@@ -277,6 +325,7 @@ class MaxBatchSearches:
             search.cancelled.set()
         for search in searches:
             search.finished.wait(timeout=2)
+        self.estimator.stop()
 
     def _forget_old(self) -> None:
         ended = [s for s in self._searches.values() if s.status in ("done", "failed", "cancelled")]
@@ -285,7 +334,7 @@ class MaxBatchSearches:
 
     # The search thread -------------------------------------------------------------------------------
 
-    def _run(self, search: Search, loop: asyncio.AbstractEventLoop) -> None:
+    def _run(self, search: Search) -> None:
         from planner.max_batch import max_batch
         from planner.profile import parse_profile
 
@@ -294,17 +343,46 @@ class MaxBatchSearches:
         deadline = time.monotonic() + options["time_limit_s"]
 
         digests: dict[int, str] = {}
+        first: dict[int, Any] = {}
 
-        def profile_for_batch(batch: int):
-            future = asyncio.run_coroutine_threadsafe(
-                self.service.pool.run(estimate_profile_json, options, batch), loop)
-            try:
-                text = future.result(timeout=max(10.0, deadline - time.monotonic() + STOP_GRACE_S))
-            except ApiError as error:
-                raise MososError(error.message) from None
+        def estimated(batch: int):
+            text = self.estimator.profile_json(options, batch, max(120.0, deadline - time.monotonic() + STOP_GRACE_S))
             profile = parse_profile(json.loads(text), f"estimated profile at batch {batch}")
             digests[batch] = profile.digest()
             return profile
+
+        def profile_for_batch(batch: int):
+            made = first.get(batch)
+            if isinstance(made, ApiError):
+                raise MososError(made.message)
+            if made is not None:
+                return made
+            try:
+                return estimated(batch)
+            except ApiError as error:
+                raise MososError(error.message) from None
+
+        # First the request's own checks that need the model: batch 1 (or 2: batch norm over one value) and its size
+        try:
+            try:
+                first[1] = estimated(1)
+            except ApiError as error:
+                first[1] = error
+                try:
+                    first[2] = estimated(2)
+                except ApiError:
+                    raise error from None
+            nodes = len(next(p for p in first.values() if not isinstance(p, ApiError)).nodes)
+            if nodes > self.settings.max_nodes:
+                raise over_limit(413, "model", f"the estimated profile has {nodes} nodes, above this server's limit "
+                                 f"max_nodes = {self.settings.max_nodes}", "max_nodes", self.settings.max_nodes)
+        except ApiError as error:
+            search.invalid = error
+            self._finish(search, "failed", reason=error.message)
+            return
+        except Exception as error:  # the request processes are gone (server stopping) or a bug
+            self._finish(search, "failed", reason=f"cannot estimate the model: {type(error).__name__}: {error}")
+            return
 
         def progress(event: dict) -> None:
             search.progress = {key: value for key, value in event.items() if isinstance(value, (str, int, float))
@@ -459,6 +537,8 @@ def add_routes(app, error_responses, json_body) -> None:
         deadline = time.monotonic() + wait_s
         while not search.finished.is_set() and time.monotonic() < deadline:
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if search.invalid is not None:  # found bad once the model was estimated, within wait_s: the request's error
+            raise search.invalid
         return answer(search, cached, 200 if search.finished.is_set() else 202)
 
     @app.get("/v1/max-batch/{search_id}", summary="A max-batch search: progress while running, the result when done",

@@ -116,12 +116,24 @@ def test_the_answer_is_the_planners_and_every_solve_is_a_stored_plan(client):
         (dict(time_limit_s=600), 422, "time_limit_s"),
         (dict(workers=4), 422, "workers"),
         (dict(model="resnet101"), 413, "model"),
+        (dict(model="unet", image_size=40), 422, "image_size"),
     ],
 )
 def test_bad_requests_are_refused_at_their_path(client, overrides, status, path):
     response = client.post("/v1/max-batch", json=request(**overrides))
     assert response.status_code == status, response.text
     assert path in [issue["path"] for issue in response.json()["issues"]]
+
+
+def test_a_request_found_bad_after_wait_s_is_a_failed_search_with_its_issues(client):
+    response = client.post("/v1/max-batch", json=request(model="unet", image_size=40, wait_s=0))
+    assert response.status_code == 202, response.text
+    deadline = time.monotonic() + 30
+    while (body := client.get(f"/v1/max-batch/{response.json()['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert body["status"] == "failed" and body["issues"][0]["path"] == "image_size"
+    assert "divisible by 16" in body["reason"]
 
 
 def test_cancel_stops_the_search_and_its_running_solve(client):
