@@ -391,10 +391,15 @@ class MaxBatchSearches:
         def stop_search() -> bool:
             return search.cancelled.is_set() or self._stopping
 
+        remaining = deadline - time.monotonic()  # estimating the first profile was part of the search's time
+        if remaining < 1.0:
+            self._finish(search, "failed", reason=f"estimating the model's first profile took the whole time limit "
+                         f"({options['time_limit_s']:g} s): give a longer time_limit_s")
+            return
         try:
             result = max_batch(
                 profile_for_batch, options["budget_bytes"], strategies=options["strategies"],
-                max_overhead=options["max_overhead"], time_limit_s=options["time_limit_s"],
+                max_overhead=options["max_overhead"], time_limit_s=remaining,
                 workers=options["workers"], seed=options["seed"], batch_limit=options["batch_limit"],
                 throughput_probes=options["throughput_probes"], progress=progress, should_stop=stop_search,
                 solve=lambda profile, budget, **solve_options: self._solve(search, deadline, profile, budget,

@@ -125,7 +125,8 @@ class StrategyMaxBatch(BaseModel):
     first_failing_batch_size: int | None = Field(
         default=None, description="the smallest batch above max_batch_size evaluated and found not to fit")
     complete: bool = Field(description="the search closed its bracket (first failing = max + 1, or the max is the "
-                           "largest batch any plan could fit or the batch limit) within its time")
+                           "largest batch any plan could fit or the batch limit) within its time, and the first "
+                           "failing batch was not merely left unsolved by a solver's time limit")
     stopped_by: str | None = Field(default=None, description="why the search stopped early, if it did")
     at_max: BatchProbe | None = None
     best_throughput_batch_size: int | None = None
@@ -500,7 +501,9 @@ class _StrategySearch:
         if self.ceiling < self.batch_limit:  # known not to fit without a solve: its floor is above the budget
             failing_above.append(self.ceiling + 1)
         first_failing = min(failing_above, default=None)
-        complete = self.stopped_by is None and (
+        settled = not (first_failing is not None and first_failing in self.probes
+                       and self.probes[first_failing].outcome == "infeasible" and self.probes[first_failing].proven is False)
+        complete = self.stopped_by is None and settled and (
             (largest is not None and (largest == self.batch_limit or first_failing == largest + 1))
             or (largest is None and first_failing == self.smallest)
         )
@@ -527,6 +530,9 @@ class _StrategySearch:
             return f"no batch fits: the search stopped before batch {smallest} was solved ({self.stopped_by})", None
         if first.outcome == "below-floor":
             return f"no batch fits: {first.reason}", _floor_bytes(self.batches, smallest)
+        if first.outcome == "infeasible" and first.proven is False:
+            return (f"no batch found to fit: batch {smallest} was not solved within its {first.time_limit_s:g} s "
+                    f"({first.reason}); more time may find a plan"), first.minimum_budget_bytes
         if first.outcome == "infeasible":
             minimum = first.minimum_budget_bytes
             need = (f"; batch {smallest} needs {minimum} bytes ({format_bytes(minimum)}) with this strategy"
