@@ -225,3 +225,24 @@ def test_offloading_beats_recomputing_where_the_link_hides_it():
     recompute, mosos = result.strategies
     assert mosos.max_batch_size > recompute.max_batch_size
     assert mosos.at_max.schedule.summary.offloaded_bytes > 0
+
+
+def test_a_batch_left_unsolved_by_a_time_limit_is_not_called_infeasible():
+    def unsolved(profile, budget_bytes, **options):
+        raise InfeasibleBudget("no plan found (UNKNOWN) within the time limit", proven=False)
+
+    answer = max_batch(small_chain, 10**8, strategies=["keep-all"], max_overhead=None, solve=unsolved,
+                       time_limit_s=5).strategies[0]
+    assert answer.max_batch_size is None and not answer.complete
+    assert answer.reason.startswith("no batch found to fit: batch 1 was not solved within its")
+
+    def up_to_ten(profile, budget_bytes, **options):
+        batch = int(profile.name.rsplit(" ", 1)[1])
+        if batch > 10:
+            raise InfeasibleBudget("no plan found (UNKNOWN) within the time limit", proven=False)
+        return certify(profile, keep_all_schedule(profile, budget_bytes), options["strategy"])
+
+    answer = max_batch(small_chain, 10**8, strategies=["keep-all"], max_overhead=None, solve=up_to_ten,
+                       time_limit_s=5, throughput_probes=0).strategies[0]
+    assert answer.max_batch_size == 10 and not answer.complete
+    assert answer.unsettled_next().batch_size == 11
