@@ -125,8 +125,8 @@ class StrategyMaxBatch(BaseModel):
     first_failing_batch_size: int | None = Field(
         default=None, description="the smallest batch above max_batch_size evaluated and found not to fit")
     complete: bool = Field(description="the search closed its bracket (first failing = max + 1, or the max is the "
-                           "largest batch any plan could fit or the batch limit) within its time, and the first "
-                           "failing batch was not merely left unsolved by a solver's time limit")
+                           "largest batch any plan could fit or the batch limit) within its time, and no solver's time "
+                           "limit left the first failing batch open (see unsettled_next)")
     stopped_by: str | None = Field(default=None, description="why the search stopped early, if it did")
     at_max: BatchProbe | None = None
     best_throughput_batch_size: int | None = None
@@ -150,13 +150,15 @@ class StrategyMaxBatch(BaseModel):
         """The first failing batch's probe if a solver left it open (no proof, or a plan not proven optimal):
         with more time the largest batch may be larger."""
         probe = next((p for p in self.probes if p.batch_size == self.first_failing_batch_size), None)
-        if probe is None:
-            return None
-        if probe.outcome == "infeasible" and probe.proven is False:
-            return probe
-        if probe.outcome == "over-overhead" and probe.solver_status not in (None, "OPTIMAL"):
-            return probe
-        return None
+        return probe if probe is not None and _unsettled(probe) else None
+
+
+def _unsettled(probe: BatchProbe) -> bool:
+    """A failing probe a solver's time limit left open: no plan found without a proof, or too slow a plan not proven
+    optimal."""
+    if probe.outcome == "infeasible":
+        return probe.proven is False
+    return probe.outcome == "over-overhead" and probe.solver_status not in (None, "OPTIMAL")
 
 
 class MaxBatchResult(BaseModel):
@@ -501,8 +503,7 @@ class _StrategySearch:
         if self.ceiling < self.batch_limit:  # known not to fit without a solve: its floor is above the budget
             failing_above.append(self.ceiling + 1)
         first_failing = min(failing_above, default=None)
-        settled = not (first_failing is not None and first_failing in self.probes
-                       and self.probes[first_failing].outcome == "infeasible" and self.probes[first_failing].proven is False)
+        settled = first_failing is None or first_failing not in self.probes or not _unsettled(self.probes[first_failing])
         complete = self.stopped_by is None and settled and (
             (largest is not None and (largest == self.batch_limit or first_failing == largest + 1))
             or (largest is None and first_failing == self.smallest)
