@@ -12,13 +12,13 @@ choice in the memory left (as chen-sqrt).
 
 This is the baseline that "checkpointing every node" names in the
 rematerialization literature, read as the issue defines it. Checkmate's own
-`solve_checkpoint_all` is the special case of a graph where every tensor a
-backward reads is read by its own node's backward: there it retains every
-forward tensor and recomputes nothing (its plan keeps them to the end of the
-step; this one frees each after its last backward reader, as autograd does).
-On the estimator's VGG networks the two coincide with keep-all: each tensor a
-backward reads is the output of a ReLU, a pooling or a dropout, whose own
-backward reads it.
+`solve_checkpoint_all` recomputes nothing and keeps every forward tensor until
+the step ends; this one keeps only what backward reads, each tensor until its
+last backward reader, as autograd does (on Checkmate's published VGG19 graph
+its literal plan fits batch 162 in 16 GB, this one 222:
+benchmarks/results/max_batch.md). On the estimator's VGG networks this one is
+keep-all: each tensor a backward reads is the output of a ReLU, a pooling or a
+dropout, whose own backward reads it.
 
 A backward node that names no `forward_node` (imported Checkmate graphs)
 cannot say whose backward it is, so what it reads is kept.
