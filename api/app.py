@@ -19,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
 from api.jobs import JobQueue, QueueFull, ServiceStopping
+from api.max_batch import MaxBatchRequest, MaxBatchSearches
+from api.max_batch import add_routes as add_max_batch_routes
 from api.metrics import Metrics
 from api.middleware import GuardMiddleware
 from api.pool import RequestPool
@@ -50,6 +52,7 @@ def _error_responses(*codes: int) -> dict:
         413: "Past a size limit (max_body_bytes or max_nodes); `limit` names it.",
         422: "Bad input: one issue (JSON path + sentence) per problem, or a limit named in `limit`.",
         429: "The plan queue is full; retry after `Retry-After` seconds.",
+        501: "This server cannot do it (e.g. estimate models without torch).",
         503: "The server is stopping, or a request process was lost while reading this request (retry).",
     }
     responses = {code: {"model": ErrorBody, "description": descriptions[code]} for code in codes}
@@ -115,9 +118,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise
         metrics.solves_running.set_function(lambda: queue.running)
         app.state.service = Service(settings, store, queue, metrics, pool)
+        app.state.max_batch = MaxBatchSearches(app.state.service, settings)
         try:
             yield
         finally:
+            await run_in_threadpool(app.state.max_batch.stop)
             await run_in_threadpool(pool.stop)
             await run_in_threadpool(queue.stop)
             store.close()
@@ -268,6 +273,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(await svc.view_html(row, profile_json), media_type="text/html; charset=utf-8",
                         headers=VIEW_HEADERS)
 
+    add_max_batch_routes(app, _error_responses, _json_body)
+
     # Simulation ------------------------------------------------------------------
 
     @app.post("/v1/simulate", summary="Replay a schedule: figures, or the first violation",
@@ -303,7 +310,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         _, definitions = models_json_schema(
-            [(PlanRequest, "validation"), (SimulateRequest, "validation")], ref_template="#/components/schemas/{model}"
+            [(PlanRequest, "validation"), (SimulateRequest, "validation"), (MaxBatchRequest, "validation")],
+            ref_template="#/components/schemas/{model}",
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, definition in definitions.get("$defs", {}).items():

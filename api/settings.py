@@ -44,6 +44,8 @@ class Settings(BaseModel):
     max_time_limit_s: float = Field(default=120.0, gt=0, description="Longest solver time limit a request may ask for.")
     default_time_limit_s: float = Field(default=30.0, gt=0)
     max_solver_workers: int = Field(default_factory=default_solver_threads, ge=1, description="Most solver threads per solve.")
+    max_search_time_s: float = Field(default=600.0, gt=0, description="Longest time limit a max-batch search may ask "
+                                     "for (the whole search; each of its solves is held to max_time_limit_s).")
     max_wait_s: float = Field(default=60.0, ge=0, description="Longest a POST may wait for its plan before answering 202.")
     default_wait_s: float = Field(default=5.0, ge=0)
     solver_nice: int = Field(

@@ -31,6 +31,7 @@ def serve_command(
     default_time_limit: float = typer.Option(30.0, help="solver time limit when a request gives none, seconds"),
     max_solver_workers: int = typer.Option(None, help="most solver threads per solve (default: half the cores, at most 4)"),
     max_wait: float = typer.Option(60.0, help="longest a POST may wait for its plan before answering 202, seconds"),
+    max_search_time: float = typer.Option(600.0, help="longest time limit of a whole max-batch search, seconds"),
     plugin: list[str] = typer.Option([], "--plugin", help="module or .py file to import in every process (extra strategies)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
@@ -53,7 +54,8 @@ def serve_command(
     values = dict(
         host=host, port=port, solve_processes=workers, request_processes=request_processes, queue_size=queue_size, token=token, insecure=insecure,
         max_body_bytes=max_body_bytes, max_nodes=max_nodes, max_time_limit_s=max_time_limit,
-        default_time_limit_s=default_time_limit, max_wait_s=max_wait, plugins=list(plugin),
+        default_time_limit_s=default_time_limit, max_wait_s=max_wait, max_search_time_s=max_search_time,
+        plugins=list(plugin),
     )
     if db is not None:
         values["db_path"] = db

@@ -13,7 +13,7 @@ from planner.strategies.keep_all import keep_all_peak_bytes
 from tests.conftest import make_profile, node
 
 MB = 1_000_000
-BASELINES = ["auto", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "swap-recompute-heuristic"]
+BASELINES = ["auto", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "checkpoint-all", "swap-recompute-heuristic"]
 OFFLOADING = ["vdnn-all", "vdnn-conv", "vdnn-dyn", "swap-recompute-heuristic"]
 
 
