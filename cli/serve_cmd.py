@@ -45,6 +45,8 @@ def serve_command(
         token = read_token(token_file)
     except OSError as error:
         raise ServeError(f"cannot read the token file {token_file}: {error.strerror}") from None
+    except ValueError as error:
+        raise ServeError(f"unusable token: {error}") from None
     if not is_loopback(host) and token is None and not insecure:
         raise ServeError(
             f"refusing to bind {host} without a token: set MOSOS_API_TOKEN or --token-file, "

@@ -1,0 +1,83 @@
+"""`mosos serve` mistakes an operator makes end with exit code 2 and a sentence, never a traceback.
+
+Each case runs the real command in a fresh process (`python -m cli serve`) and
+fails at start-up, before any port is bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("platformdirs")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def serve(*args: str, env: dict | None = None, preexec_fn=None, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """`mosos serve ARGS`, which must refuse to start (a server that starts is stopped after `timeout_s`)."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    for key, value in list(environment.items()):
+        if value is None:
+            del environment[key]
+    command = [sys.executable, "-m", "cli", "serve", "--port", "1", "--workers", "1", "--request-processes", "1", *args]
+    try:
+        return subprocess.run(command, cwd=REPO, env=environment, capture_output=True, timeout=timeout_s,
+                              preexec_fn=preexec_fn)
+    except subprocess.TimeoutExpired as expired:
+        output = (expired.stdout or b"") + (expired.stderr or b"")
+        raise AssertionError(f"mosos serve {' '.join(args)} started instead of refusing:\n{output.decode(errors='replace')}")
+
+
+def assert_refused(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    output = (result.stdout + result.stderr).decode("utf-8", "replace")
+    assert result.returncode == 2, output
+    assert "Traceback" not in output, output
+    flat = " ".join(output.split())
+    for fragment in fragments:
+        assert fragment in flat, output
+    return flat
+
+
+# Tokens --------------------------------------------------------------------------------------
+
+
+def test_a_token_file_that_is_not_utf8_is_refused(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_bytes(b"cl\xe9\n")  # latin-1
+    assert_refused(serve("--db", str(tmp_path / "p.sqlite3"), "--token-file", str(token_file)),
+                   f"the token file {token_file} is not valid UTF-8")
+
+
+def test_a_token_no_http_client_can_send_is_refused(tmp_path):
+    result = serve("--db", str(tmp_path / "p.sqlite3"), env={"MOSOS_API_TOKEN": "abc\x01def"})
+    assert_refused(result, "$MOSOS_API_TOKEN contains a control character", "position 3")
+
+
+def test_a_non_utf8_environment_token_is_refused(tmp_path):
+    environment = {**os.environ, "PYTHONPATH": str(REPO)}
+    environment.pop("MOSOS_API_TOKEN", None)
+    raw_environment = {key.encode(): value.encode() for key, value in environment.items()}
+    raw_environment[b"MOSOS_API_TOKEN"] = b"cl\xe9"
+    command = [sys.executable, "-m", "cli", "serve", "--port", "1", "--db", str(tmp_path / "p.sqlite3")]
+    result = subprocess.run(command, cwd=REPO, env=raw_environment, capture_output=True, timeout=60)
+    assert_refused(result, "$MOSOS_API_TOKEN is not valid UTF-8")
+
+
+def test_token_reading_keeps_non_ascii_tokens(tmp_path, monkeypatch):
+    from api.settings import TOKEN_ENV, read_token
+
+    token = "clé-секрет-🔑"
+    monkeypatch.setenv(TOKEN_ENV, f" {token}\n")
+    assert read_token(None) == token
+    token_file = tmp_path / "token"
+    token_file.write_bytes(f"{token}\n".encode())
+    assert read_token(token_file) == token
