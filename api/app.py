@@ -7,7 +7,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -18,11 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
+from api.http_rules import require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
 from api.metrics import Metrics
 from api.middleware import GuardMiddleware
 from api.pool import RequestPool
 from api.models import ErrorBody, Health, PlanList, PlanRequest, PlanStatus, SimulateRequest, SimulateResponse
+from api.openapi import refine_openapi
 from api.service import PLANNER_VERSION, Service
 from api.settings import Settings
 from api.solver import load_plugins
@@ -125,6 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ),
         lifespan=lifespan,
         separate_input_output_schemas=False,
+        dependencies=[Depends(require_json_body)],  # every route that takes a body: JSON only, else 415
     )
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
 
@@ -294,7 +297,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.token is not None:
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
-        app.openapi_schema = schema
+        app.openapi_schema = refine_openapi(schema)
         return schema
 
     app.openapi = openapi

@@ -60,3 +60,72 @@ def test_a_wrong_or_mis_encoded_token_is_refused(guarded):
     assert guarded.get("/v1/plans", headers=bearer(TOKEN, "utf-16")).status_code == 401
     assert guarded.get("/v1/plans", headers={"Authorization": b"Bearer \xff\xfe"}).status_code == 401
     assert guarded.get("/v1/plans", headers={"Authorization": b"Basic " + TOKEN.encode()}).status_code == 401
+
+
+# JSON bodies only ---------------------------------------------------------------------------
+
+
+def plan_body() -> dict:
+    return {"profile": EXAMPLE_PROFILE, "strategy": "keep-all", "workers": 1, "wait_s": 10}
+
+
+def stored_plans(client) -> int:
+    return len(client.get("/v1/plans", params={"limit": 100}).json()["plans"])
+
+
+def body_operations(client) -> list[tuple[str, str]]:
+    """(method, path) of every operation whose OpenAPI entry takes a request body: new routes are covered too."""
+    paths = client.get("/openapi.json").json()["paths"]
+    return [(method, path) for path, item in paths.items() for method, operation in item.items()
+            if "requestBody" in operation]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"content-type": "text/plain"},
+        {"content-type": "text/plain;charset=UTF-8"},  # what fetch() sends for a string body
+        {"content-type": "application/x-www-form-urlencoded"},
+        {"content-type": "multipart/form-data; boundary=x"},
+        {},  # no Content-Type at all
+    ],
+    ids=["text-plain", "text-plain-charset", "form-urlencoded", "multipart", "none"],
+)
+def test_a_cross_origin_simple_request_queues_nothing(client, headers):
+    """A page on another origin may POST these without a preflight and without a token: 415, nothing stored."""
+    import json
+
+    before = stored_plans(client)
+    queued = client.get("/healthz").json()["queue_depth"]
+    body = json.dumps(plan_body()).encode()
+    response = client.post("/v1/plans", content=body, headers={"origin": "https://attacker.example", **headers})
+    assert response.status_code == 415, response.text
+    answer = response.json()
+    assert answer["error"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in answer["message"]
+    assert (headers.get("content-type", "").split(";")[0] or "no Content-Type") in answer["message"]
+    assert "access-control-allow-origin" not in response.headers
+    assert stored_plans(client) == before
+    assert client.get("/healthz").json()["queue_depth"] == queued
+
+
+def test_every_operation_with_a_body_refuses_other_media_types(client):
+    operations = body_operations(client)
+    assert ("post", "/v1/plans") in operations and ("post", "/v1/simulate") in operations
+    schema = client.get("/openapi.json").json()
+    for method, path in operations:
+        url = re.sub(r"\{[^}]+\}", "x", path)
+        response = client.request(method.upper(), url, content=b"{}", headers={"content-type": "text/plain"})
+        assert response.status_code == 415, (method, path, response.text)
+        documented = schema["paths"][path][method]["responses"]
+        assert "415" in documented, (method, path)
+        assert list(schema["paths"][path][method]["requestBody"]["content"]) == ["application/json"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+def test_json_with_any_charset_parameter_is_accepted(client, content_type):
+    import json
+
+    response = client.post("/v1/plans", content=json.dumps(plan_body()).encode(), headers={"content-type": content_type})
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "done"
