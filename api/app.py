@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
-from api.http_rules import require_json_body
+from api.http_rules import method_not_allowed, require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
 from api.metrics import Metrics
 from api.middleware import GuardMiddleware
@@ -157,6 +157,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
+        if error.status_code == 405:  # Allow names every route's methods on the path; OPTIONS is answered
+            answer = method_not_allowed(request)
+            if answer is not None:
+                return answer
         names = {404: "not_found", 405: "method_not_allowed"}
         body = {"error": names.get(error.status_code, "http_error"), "message": str(error.detail), "issues": [],
                 "limit": None, "limit_value": None}

@@ -18,6 +18,8 @@ the same list.
 from __future__ import annotations
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import Match
 
 from api.errors import ApiError
 from planner.errors import Issue
@@ -46,3 +48,28 @@ async def require_json_body(request: Request) -> None:
     given = f"'{content_type.split(';', 1)[0].strip()}'" if content_type else "no Content-Type"
     message = f"send the request body as JSON with 'Content-Type: {JSON_MEDIA_TYPE}'; this request has {given}"
     raise ApiError(415, "unsupported_media_type", message, issues=[Issue("", message)])
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the request's path takes, and OPTIONS."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(request.scope)[0] != Match.NONE:
+            methods |= set(route_methods)
+    order = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]
+    return sorted(methods, key=lambda method: (order.index(method) if method in order else len(order), method)) + ["OPTIONS"]
+
+
+def method_not_allowed(request: Request) -> Response | None:
+    """The answer to a path's unsupported method: OPTIONS gets 204 with `Allow`, anything else 405 with it.
+    None when the path has no route at all (the caller answers 404)."""
+    allow = allowed_methods(request)
+    if allow == ["OPTIONS"]:
+        return None
+    headers = {"Allow": ", ".join(allow)}
+    if request.method == "OPTIONS":
+        return Response(status_code=204, headers=headers)
+    error = ApiError(405, "method_not_allowed", f"{request.method} is not a method of {request.url.path}; it takes "
+                     f"{', '.join(allow)}")
+    return JSONResponse(error.body(), status_code=405, headers=headers)

@@ -129,3 +129,35 @@ def test_json_with_any_charset_parameter_is_accepted(client, content_type):
     response = client.post("/v1/plans", content=json.dumps(plan_body()).encode(), headers={"content-type": content_type})
     assert response.status_code == 200, response.text
     assert response.json()["status"] == "done"
+
+
+# Allow names every method of a path --------------------------------------------------------
+
+
+def documented_methods(client) -> dict[str, set[str]]:
+    paths = client.get("/openapi.json").json()["paths"]
+    return {path: {method.upper() for method in item} for path, item in paths.items()}
+
+
+def test_options_and_405_list_every_method_of_every_path(client):
+    checked = 0
+    for path, methods in documented_methods(client).items():
+        url = re.sub(r"\{[^}]+\}", "0123456789abcdef", path)
+        expected = methods | {"OPTIONS"}
+        options = client.options(url)
+        assert options.status_code == 204, (path, options.text)
+        assert set(options.headers["allow"].split(", ")) == expected, (path, options.headers["allow"])
+        for unsupported in {"GET", "POST", "PUT", "PATCH", "DELETE"} - methods:
+            response = client.request(unsupported, url)
+            assert response.status_code == 405, (unsupported, path, response.text)
+            assert set(response.headers["allow"].split(", ")) == expected, (unsupported, path, response.headers["allow"])
+            assert response.json()["error"] == "method_not_allowed" and path.split("{")[0] in response.json()["message"]
+            checked += 1
+    assert checked >= 10
+    assert client.options("/v1/plans").headers["allow"] == "GET, POST, OPTIONS"
+    assert client.options("/v1/plans/x").headers["allow"] == "GET, DELETE, OPTIONS"
+
+
+def test_an_unknown_path_is_404_whatever_the_method(client):
+    for method in ("GET", "POST", "OPTIONS", "DELETE"):
+        assert client.request(method, "/v1/nothing-here").status_code == 404, method
