@@ -72,10 +72,7 @@ def serve_command(
         raise ServeError(f"bad setting: {issues}") from None
     from api.app import create_app
 
-    try:
-        application = create_app(settings)
-    except ImportError as error:
-        raise ServeError(f"cannot load a plugin: {error}") from None
+    application = create_app(settings)  # imports the plugins: a PluginError says which one failed, and how
     error_console.print(
         f"mosos serve: http://{host}:{port}  store {settings.db_path}  {workers} solve process(es)"
         f"{'  bearer token required' if token else ''}",

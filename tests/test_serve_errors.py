@@ -81,3 +81,35 @@ def test_token_reading_keeps_non_ascii_tokens(tmp_path, monkeypatch):
     token_file = tmp_path / "token"
     token_file.write_bytes(f"{token}\n".encode())
     assert read_token(token_file) == token
+
+
+# Plugins -------------------------------------------------------------------------------------
+
+
+def test_a_plugin_path_that_is_not_a_module_is_refused(tmp_path):
+    db = ["--db", str(tmp_path / "p.sqlite3")]
+    text_file = tmp_path / "strategies.txt"
+    text_file.write_text("not python\n")
+    assert_refused(serve(*db, "--plugin", str(text_file)), f"plugin {text_file}", "not a Python file")
+    missing = tmp_path / "missing.py"
+    assert_refused(serve(*db, "--plugin", str(missing)), f"plugin {missing}", "no such file")
+    assert_refused(serve(*db, "--plugin", str(tmp_path)), f"plugin {tmp_path}", "is a directory")
+    assert_refused(serve(*db, "--plugin", "no_such_module.strategies"), "plugin no_such_module.strategies",
+                   "no module named 'no_such_module'")
+
+
+@pytest.mark.parametrize(
+    "source, fragments",
+    [
+        ("raise RuntimeError('the licence server is down')\n", ["failed while it was imported",
+                                                                 "RuntimeError: the licence server is down", "line 1"]),
+        ("def broken(:\n", ["is not valid Python", "line 1"]),
+        ("import sys\nsys.exit(1)\n", ["exited (SystemExit: 1) while it was imported"]),
+        ("import module_nobody_has\n", ["failed while it was imported", "No module named 'module_nobody_has'"]),
+    ],
+    ids=["raises", "syntax-error", "exits", "imports-missing-module"],
+)
+def test_a_plugin_that_fails_to_import_is_refused(tmp_path, source, fragments):
+    plugin = tmp_path / "my_strategies.py"
+    plugin.write_text(source)
+    assert_refused(serve("--db", str(tmp_path / "p.sqlite3"), "--plugin", str(plugin)), f"plugin {plugin}", *fragments)
