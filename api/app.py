@@ -28,7 +28,7 @@ from api.openapi import refine_openapi
 from api.service import PLANNER_VERSION, Service
 from api.settings import Settings
 from api.solver import load_plugins
-from api.store import Store
+from api.ownership import OwnedStore
 from planner.errors import Issue
 from planner.strategies import load_all
 from planner.validation import issues_from_validation_error
@@ -70,7 +70,9 @@ class _Shim:
         return self._errors
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, owned_store: OwnedStore | None = None) -> FastAPI:
+    """The service; `owned_store` is the plan store already opened and locked by the caller (`mosos serve` does, so
+    that a store in use is refused before anything starts), else the app opens and locks it at start-up."""
     settings = settings or Settings()
     metrics = Metrics()
     load_plugins(settings.plugins)
@@ -88,8 +90,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = Store(settings.db_path)
-        interrupted = store.recover()
+        owned = owned_store or OwnedStore.open(settings)
+        store = owned.store
+        interrupted = store.recover()  # only with the store's lock held: no other live server has plans running here
         log.warning("mosos serve: plans are stored in %s", settings.db_path)
         if interrupted:
             log.warning("mosos serve: %d plan(s) left unfinished by the last run marked failed (interrupted by restart)", interrupted)
@@ -106,7 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except Exception:
             pool.stop()
             queue.stop()
-            store.close()
+            owned.close()
             raise
         metrics.solves_running.set_function(lambda: queue.running)
         app.state.service = Service(settings, store, queue, metrics, pool)
@@ -115,7 +118,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await run_in_threadpool(pool.stop)
             await run_in_threadpool(queue.stop)
-            store.close()
+            owned.close()
 
     app = FastAPI(
         title="mosos planning service",

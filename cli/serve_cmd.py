@@ -71,10 +71,19 @@ def serve_command(
         issues = "; ".join(str(issue) for issue in issues_from_validation_error(error))
         raise ServeError(f"bad setting: {issues}") from None
     from api.app import create_app
+    from api.ownership import OwnedStore
 
-    application = create_app(settings)  # imports the plugins: a PluginError says which one failed, and how
+    address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    # Before anything starts: a store another live server holds, or a path SQLite cannot use, is refused here
+    # with the reason (exit 2), never after recovery has touched the other server's plans.
+    owned = OwnedStore.open(settings, address)
+    try:
+        application = create_app(settings, owned)  # imports the plugins: a PluginError says which one failed, and how
+    except BaseException:
+        owned.close()
+        raise
     error_console.print(
-        f"mosos serve: http://{host}:{port}  store {settings.db_path}  {workers} solve process(es)"
+        f"mosos serve: {address}  store {owned.store.path}  {workers} solve process(es)"
         f"{'  bearer token required' if token else ''}",
         highlight=False,
     )

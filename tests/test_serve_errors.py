@@ -113,3 +113,77 @@ def test_a_plugin_that_fails_to_import_is_refused(tmp_path, source, fragments):
     plugin = tmp_path / "my_strategies.py"
     plugin.write_text(source)
     assert_refused(serve("--db", str(tmp_path / "p.sqlite3"), "--plugin", str(plugin)), f"plugin {plugin}", *fragments)
+
+
+# The plan store (--db) ---------------------------------------------------------------------------
+
+
+def test_db_in_a_missing_directory_is_refused_and_nothing_is_created(tmp_path):
+    missing = tmp_path / "not-mounted" / "mosos"
+    flat = assert_refused(serve("--db", str(missing / "plans.sqlite3")), f"the directory {missing}", "does not exist")
+    assert "--db" in flat
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_db_on_a_directory_is_refused(tmp_path):
+    assert_refused(serve("--db", str(tmp_path)), f"the plan store {tmp_path} is a directory",
+                   f"{tmp_path}/plans.sqlite3")
+
+
+def test_db_under_a_file_is_refused(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert_refused(serve("--db", str(a_file / "plans.sqlite3")), f"{a_file} is not a directory")
+
+
+def test_db_that_is_not_a_sqlite_file_is_refused_and_left_alone(tmp_path):
+    other = tmp_path / "notes.sqlite3"
+    other.write_bytes(b"these are someone's notes, not a database\n" * 100)
+    before = other.read_bytes()
+    assert_refused(serve("--db", str(other)), f"{other} is not a SQLite database")
+    assert other.read_bytes() == before
+
+
+def _without_root_overrides() -> None:
+    """preexec_fn: drop root's power to write anywhere (CAP_DAC_OVERRIDE), so file modes apply as to anyone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "cannot drop a capability")
+
+
+def _unprivileged_preexec():
+    if os.geteuid() != 0:
+        return None
+    if not sys.platform.startswith("linux"):
+        pytest.skip("running as root on a system where the test cannot give up root's file permissions")
+    try:  # check it can be done at all, in a child
+        subprocess.run([sys.executable, "-c", "pass"], preexec_fn=_without_root_overrides, check=True)
+    except (OSError, subprocess.SubprocessError) as error:
+        pytest.skip(f"running as root and cannot drop CAP_DAC_OVERRIDE here: {error}")
+    return _without_root_overrides
+
+
+def test_db_in_an_unwritable_directory_is_refused(tmp_path):
+    preexec = _unprivileged_preexec()
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert_refused(serve("--db", str(locked / "plans.sqlite3"), preexec_fn=preexec),
+                       f"cannot write in the directory {locked}", "-wal")
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_read_only_db_file_is_refused(tmp_path):
+    preexec = _unprivileged_preexec()
+    from api.store import Store
+
+    db = tmp_path / "plans.sqlite3"
+    Store(db).close()
+    db.chmod(0o444)
+    try:
+        assert_refused(serve("--db", str(db), preexec_fn=preexec), f"cannot write the plan store {db}")
+    finally:
+        db.chmod(0o644)
