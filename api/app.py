@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.docs import add_docs
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
 from api.http_rules import method_not_allowed, require_json_body
@@ -130,9 +131,13 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
         ),
         lifespan=lifespan,
         separate_input_output_schemas=False,
+        docs_url=None,  # served from the package's files by add_docs, not from a CDN
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
         dependencies=[Depends(require_json_body)],  # every route that takes a body: JSON only, else 415
     )
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    add_docs(app)
 
     def service(request: Request) -> Service:
         return request.app.state.service

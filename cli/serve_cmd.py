@@ -36,6 +36,7 @@ def serve_command(
 ) -> None:
     """Serve plans over HTTP: POST /v1/plans with a profile and a budget; OpenAPI at /docs."""
     try:
+        import fastapi_swagger  # noqa: F401  (Swagger UI's files for /docs)
         import uvicorn
 
         from api.settings import Settings, is_loopback, read_token

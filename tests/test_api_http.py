@@ -161,3 +161,33 @@ def test_options_and_405_list_every_method_of_every_path(client):
 def test_an_unknown_path_is_404_whatever_the_method(client):
     for method in ("GET", "POST", "OPTIONS", "DELETE"):
         assert client.request(method, "/v1/nothing-here").status_code == 404, method
+
+
+# /docs works offline ----------------------------------------------------------------------
+
+
+def test_the_docs_page_loads_every_asset_from_the_service_itself(client):
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert "cdn" not in html.lower()
+    assert not re.findall(r"(?:src|href|url)\s*[=:]\s*['\"](?:https?:)?//", html), html  # nothing from elsewhere
+    assets = re.findall(r"(?:src|href)\s*=\s*['\"]([^'\"]+)['\"]", html)
+    kinds = {}
+    for url in assets:
+        answer = client.get(url)
+        assert answer.status_code == 200 and answer.content, url
+        kinds[url.rsplit(".", 1)[-1]] = answer
+    assert set(kinds) == {"js", "css", "png"}, assets
+    assert "javascript" in kinds["js"].headers["content-type"] and b"SwaggerUIBundle" in kinds["js"].content
+    assert kinds["css"].headers["content-type"].startswith("text/css")
+    # Swagger UI 5 or later: earlier ones cannot read the OpenAPI 3.1 documents FastAPI writes.
+    version = re.search(rb'PACKAGE_VERSION:"(\d+)\.', kinds["js"].content)
+    assert version is not None and int(version.group(1)) >= 5
+    schema_url = re.search(r"url:\s*['\"]([^'\"]+)['\"]", html).group(1)
+    assert client.get(schema_url).json()["openapi"].startswith("3.1")
+    assert '"validatorUrl": null' in html  # no badge fetched from validator.swagger.io
+
+
+def test_no_documentation_page_that_needs_a_cdn_is_served(client):
+    assert client.get("/redoc").status_code == 404
