@@ -22,7 +22,7 @@ from api.examples import EXAMPLE_PROFILE
 from api.http_rules import method_not_allowed, require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
 from api.metrics import Metrics
-from api.middleware import GuardMiddleware
+from api.middleware import OPEN_PATHS, GuardMiddleware
 from api.pool import RequestPool
 from api.models import ErrorBody, Health, PlanList, PlanRequest, PlanStatus, SimulateRequest, SimulateResponse
 from api.openapi import refine_openapi
@@ -238,17 +238,18 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
         svc = service(request)
         return Response(svc.render_json(svc.get_row(plan_id)), media_type="application/json")
 
-    @app.delete("/v1/plans/{plan_id}", summary="Cancel a queued or running plan", response_model=PlanStatus,
-                responses=_error_responses(401, 404, 409))
+    @app.post("/v1/plans/{plan_id}/cancel", summary="Cancel a queued or running plan; it stays, as cancelled",
+              response_model=PlanStatus, responses=_error_responses(401, 404, 409))
     def cancel_plan(request: Request, plan_id: str):
         svc = service(request)
-        row = svc.get_row(plan_id)
-        if row.status in ("queued", "solving"):
-            svc.queue.cancel(plan_id)
-            row = svc.get_row(plan_id)
-        if row.status in ("done", "failed"):
-            raise ApiError(409, "conflict", f"plan {plan_id} has already ended ({row.status}); nothing to cancel")
-        return Response(svc.render_json(row), media_type="application/json")
+        return Response(svc.render_json(svc.cancel(plan_id)), media_type="application/json")
+
+    @app.delete("/v1/plans/{plan_id}", summary="Forget a plan (cancelled first if it runs): afterwards it is 404",
+                status_code=204, response_class=Response,
+                responses={204: {"description": "Deleted."}, **_error_responses(401, 404)})
+    def delete_plan(request: Request, plan_id: str):
+        service(request).delete(plan_id)
+        return Response(status_code=204)
 
     @app.get("/v1/plans/{plan_id}/trace", summary="Chrome trace of the plan's simulated step (Perfetto)",
              responses=_error_responses(401, 404, 409, 503))
@@ -309,7 +310,7 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
         if settings.token is not None:
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
-        app.openapi_schema = refine_openapi(schema)
+        app.openapi_schema = refine_openapi(schema, settings, load_all(), OPEN_PATHS)
         return schema
 
     app.openapi = openapi

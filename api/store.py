@@ -272,6 +272,19 @@ class Store:
             )
             return cursor.rowcount == 1
 
+    def delete(self, plan_id: str) -> bool:
+        """Forget a plan, and its profile when no other plan uses it; False if there was no such plan."""
+        with self._transaction() as db:
+            row = db.execute("SELECT profile_digest FROM plans WHERE id=?", (plan_id,)).fetchone()
+            if row is None:
+                return False
+            db.execute("DELETE FROM plans WHERE id=?", (plan_id,))
+            db.execute(
+                "DELETE FROM profiles WHERE digest=? AND NOT EXISTS (SELECT 1 FROM plans WHERE profile_digest=?)",
+                (row["profile_digest"], row["profile_digest"]),
+            )
+            return True
+
     # Reads ---------------------------------------------------------------
 
     def get(self, plan_id: str) -> PlanRow | None:
