@@ -26,10 +26,10 @@ from api.middleware import OPEN_PATHS, GuardMiddleware
 from api.pool import RequestPool
 from api.models import ErrorBody, Health, PlanList, PlanRequest, PlanStatus, SimulateRequest, SimulateResponse
 from api.openapi import refine_openapi
+from api.ownership import OwnedStore
 from api.service import PLANNER_VERSION, Service
 from api.settings import Settings
 from api.solver import load_plugins
-from api.ownership import OwnedStore
 from planner.errors import Issue
 from planner.strategies import load_all
 from planner.validation import issues_from_validation_error

@@ -46,6 +46,7 @@ SERVER_LIMITS = ["--workers", "1", "--request-processes", "1", "--queue-size", "
 REJECTION_STATUSES = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429", "5xx"]
 CONFIG = "[checks.negative_data_rejection]\nexpected-statuses = [" + ", ".join(f'"{s}"' for s in REJECTION_STATUSES) + "]\n"
 TOKEN = "schemathesis-token"
+REQUEST_TIMEOUT_S = 30
 
 
 def _server_statuses(base: str, headers: dict) -> dict[str, int]:
@@ -87,6 +88,8 @@ def run_schemathesis(workdir: Path, *, max_examples: int, seed: int, token: bool
             "--config-file", str(workdir / "schemathesis.toml"), "run", f"{base}/openapi.json",
             "--checks", "all", "--max-examples", str(max_examples), "--seed", str(seed), "--workers", "1",
             "--generation-database", "none", "--report", "json", "--report-json-path", str(report),
+            # No answer takes long here (plans wait at most --max-wait 1 s): a request left unanswered is an error.
+            "--request-timeout", str(REQUEST_TIMEOUT_S),
             "--no-color", "--output-truncate", "true",
         ]
         for name, value in headers.items():
