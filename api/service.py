@@ -77,6 +77,24 @@ class Service:
             raise ApiError(404, "not_found", f"no plan with id {plan_id!r}")
         return row
 
+    def cancel(self, plan_id: str) -> PlanRow:
+        """Stop a queued or running plan; it stays, as cancelled (409 if it had already ended)."""
+        row = self.get_row(plan_id)
+        if row.status in ("queued", "solving"):
+            self.queue.cancel(plan_id)
+            row = self.get_row(plan_id)
+        if row.status in ("done", "failed"):
+            raise ApiError(409, "conflict", f"plan {plan_id} has already ended ({row.status}); nothing to cancel")
+        return row
+
+    def delete(self, plan_id: str) -> None:
+        """Forget a plan, cancelling it first if it runs (its outcome is then ignored, never stored)."""
+        row = self.get_row(plan_id)
+        if row.status in ("queued", "solving"):
+            self.queue.cancel(plan_id)
+        if not self.store.delete(plan_id):
+            raise ApiError(404, "not_found", f"no plan with id {plan_id!r}")
+
     def render(self, row: PlanRow, *, cached: bool = False, with_schedule: bool = True) -> dict:
         """A plan as the API shows it; the in-memory job overrides the store while it runs."""
         job = self.queue.get(row.id) if row.status in ("queued", "solving") else None
