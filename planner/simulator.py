@@ -25,6 +25,7 @@ first violation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -35,12 +36,20 @@ from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 STREAMS = ("compute", "d2h", "h2d")
 
 
+SpanKind = Literal["compute", "recompute", "offload", "prefetch", "stall"]
+
+
 class Span(BaseModel):
+    """One interval on one stream; `node` is the node computed, or the tensor copied or waited for."""
+
     stream: str
     label: str
     start_ms: float
     end_ms: float
     stage: int
+    kind: SpanKind
+    node: str
+    implementation: str | None = None
 
 
 class MemoryPoint(BaseModel):
@@ -126,10 +135,12 @@ class _Replay:
     def memory(self, time_ms, delta, stage, index, operation, tensor, workspace=False):
         self.events.append(_MemoryEvent(time_ms, delta, len(self.events), stage, index, operation, tensor, workspace))
 
-    def span(self, stream: str, label, start_ms: float, end_ms: float, stage: int) -> None:
+    def span(self, stream: str, label, start_ms: float, end_ms: float, stage: int, kind: str, node: str,
+             implementation: str | None = None) -> None:
         """`label`: a callable, formatted only when spans are kept."""
         if self.keep_spans:
-            self.spans.append(Span(stream=stream, label=label(), start_ms=start_ms, end_ms=end_ms, stage=stage))
+            self.spans.append(Span(stream=stream, label=label(), start_ms=start_ms, end_ms=end_ms, stage=stage, kind=kind,
+                                   node=node, implementation=implementation))
 
 
 def _reject(reason: str, stage: int, index: int, operation, tensor: str | None = None, **extra) -> ScheduleRejected:
@@ -230,7 +241,8 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
     if implementation.workspace_bytes:
         replay.memory(start, implementation.workspace_bytes, stage, index, operation, node.id, workspace=True)
         replay.memory(end, -implementation.workspace_bytes, stage, index, operation, node.id, workspace=True)
-    if state.computed:
+    recomputed = state.computed
+    if recomputed:
         replay.recompute_ms += implementation.time_ms
     if implementation.name != node.fastest.name:
         replay.implementations_changed += 1
@@ -239,7 +251,8 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
     replay.compute_ms = end
     replay.compute_busy_ms += implementation.time_ms
     replay.computed_order.append(node.id)
-    replay.span("compute", lambda: f"{node.label} [{implementation.name}]", start, end, stage)
+    replay.span("compute", lambda: f"{node.label} [{implementation.name}]", start, end, stage,
+                "recompute" if recomputed else "compute", node.id, implementation.name)
 
 
 def _known_tensor(replay: _Replay, stage: int, index: int, operation, tensor: str) -> _TensorState:
@@ -267,7 +280,7 @@ def _offload(replay: _Replay, stage: int, index: int, operation: Offload) -> Non
     replay.offloaded_bytes += size
     state.offload_end_ms = end
     state.has_host_copy = True
-    replay.span("d2h", lambda: f"offload {operation.tensor}", start, end, stage)
+    replay.span("d2h", lambda: f"offload {operation.tensor}", start, end, stage, "offload", operation.tensor)
 
 
 def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> None:
@@ -289,7 +302,7 @@ def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> N
     replay.prefetched_bytes += size
     state.on_device = True
     state.prefetch_end_ms = end
-    replay.span("h2d", lambda: f"prefetch {operation.tensor}", start, end, stage)
+    replay.span("h2d", lambda: f"prefetch {operation.tensor}", start, end, stage, "prefetch", operation.tensor)
 
 
 def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
@@ -304,7 +317,8 @@ def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
             raise _reject(f"{operation.tensor!r} was never offloaded, so there is nothing to wait for", stage, index, operation, operation.tensor)
         end = state.offload_end_ms
     if end > replay.compute_ms:
-        replay.span("compute", lambda: f"stall: {operation.describe()}", replay.compute_ms, end, stage)
+        replay.span("compute", lambda: f"stall: {operation.describe()}", replay.compute_ms, end, stage, "stall",
+                    operation.tensor)
         replay.compute_ms = end
 
 
