@@ -8,8 +8,6 @@ when its parent dies (kill -9 of the server leaves no orphans solving).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import os
 import signal
@@ -17,26 +15,11 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
+from planner.plugins import load_plugins  # noqa: F401  (api.app and api.work import it from here)
+
 PROGRESS_INTERVAL_S = 0.2
-
-
-def load_plugins(plugins: list[str]) -> None:
-    """Import modules (or .py files) that register extra strategies."""
-    for plugin in plugins:
-        if plugin.endswith(".py"):
-            path = Path(plugin).resolve()
-            name = f"mosos_plugin_{path.stem}"  # executed every time, so that its strategies register again
-            spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot import plugin file {plugin}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        else:
-            importlib.import_module(plugin)
 
 
 def _json_safe(event: dict) -> dict[str, Any]:
