@@ -269,6 +269,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "status": "ok",
             "version": PLANNER_VERSION,
             "strategies": sorted(load_all()),
+            "backend": settings.backend,
             "solve_processes": settings.solve_processes,
             "solve_processes_ready": svc.queue.ready,
             "queue_depth": svc.queue.depth,
