@@ -66,7 +66,7 @@ def sweep_command(
     """
     if as_json and as_csv:
         raise MososError("give --json or --csv, not both")
-    from cluster.sweep_results import prepare_out_dir, write_results
+    from cluster.sweep_results import check_out_dir, prepare_out_dir, write_results
     from cluster.sweep_spec import load_spec
 
     if not dry_run:
@@ -74,16 +74,18 @@ def sweep_command(
 
         import_ray("mosos sweep")  # before any work: without Ray, say what to install
     out_dir = out if out is not None else Path(f"{spec_path.stem}-results")
+    if not dry_run:
+        check_out_dir(out_dir, force)
     loaded = load_spec(spec_path)
     if dry_run:
         _dry_run(loaded)
         return
-    schedules_dir = prepare_out_dir(out_dir, force)
     from cluster.runtime import connect
     from cluster.sweep import SweepRunner
 
     show = error_console.is_terminal
-    error_console.print(f"mosos sweep: {len(loaded.solves)} solves from {spec_path}; starting Ray...", highlight=False)
+    joining = f"joining the Ray cluster at {address}" if address else "starting Ray"
+    error_console.print(f"mosos sweep: {len(loaded.solves)} solves from {spec_path}; {joining}...", highlight=False)
     session = connect(address, what="mosos sweep")
     try:
         error_console.print(f"running on {session.where}", highlight=False)
@@ -92,6 +94,7 @@ def sweep_command(
                 f"workers: {loaded.spec.workers} solver threads per solve, but the largest Ray node has "
                 f"{session.largest_node_cpus():g} CPUs: no solve could ever start"
             )
+        schedules_dir = prepare_out_dir(out_dir, force)
         counts = {"done": 0, "infeasible": 0, "failed": 0, "timed_out": 0, "cancelled": 0}
         running = [0]
         with Progress(SpinnerColumn(), TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,6 +19,7 @@ from planner.errors import MososError
 
 INSTALL_HINT = "pip install 'mosos[ray]'"
 PROBE_TIMEOUT_S = 120.0
+REACH_TIMEOUT_S = 10.0
 MIB = 2**20
 
 
@@ -100,6 +102,8 @@ def connect(address: str | None, *, what: str, log_to_driver: bool = False) -> R
         check_workers(session, what)
         return session
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        check_reachable(address, what)
     options: dict[str, Any] = dict(logging_level=logging.WARNING, log_to_driver=log_to_driver)
     try:
         if address is None:
@@ -124,6 +128,26 @@ def connect(address: str | None, *, what: str, log_to_driver: bool = False) -> R
         session.close()
         raise
     return session
+
+
+def check_reachable(address: str, what: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Refuse at once an address nothing listens on (Ray itself would retry for many minutes)."""
+    target = address[len("ray://"):] if address.startswith("ray://") else address
+    if target in ("auto", "local") or ":" not in target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise RayUnavailable(f"{what}: cannot read the Ray address {address!r}: write host:port, ray://host:port or auto") from None
+    try:
+        with socket.create_connection((host.strip("[]"), number), timeout=timeout_s):
+            pass
+    except OSError as error:
+        raise RayUnavailable(
+            f"{what}: nothing answers at the Ray address {address} ({error.strerror or error}); "
+            "is the cluster started (ray start --head) and the address its GCS host:port?"
+        ) from None
 
 
 def connect_in_own_thread(address: str | None, *, what: str, log_to_driver: bool = False) -> RaySession:

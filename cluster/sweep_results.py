@@ -69,8 +69,8 @@ def write_results(out_dir: Path, result: SweepResult, loaded: LoadedSpec) -> tup
     return csv_path, json_path
 
 
-def prepare_out_dir(out_dir: Path, force: bool) -> Path:
-    """An empty or new folder, or with --force one that holds an earlier sweep's results (replaced)."""
+def check_out_dir(out_dir: Path, force: bool) -> None:
+    """Before any work: an empty or new folder, or with --force one that holds only an earlier sweep's results."""
     from planner.errors import MososError
 
     if out_dir.exists() and not out_dir.is_dir():
@@ -78,7 +78,6 @@ def prepare_out_dir(out_dir: Path, force: bool) -> Path:
     parent = out_dir.parent if str(out_dir.parent) else Path(".")
     if not parent.is_dir():
         raise MososError(f"--out {out_dir}: the folder {parent} does not exist")
-    schedules = out_dir / SCHEDULES
     if out_dir.is_dir() and any(out_dir.iterdir()):
         ours = {RESULTS_CSV, RESULTS_JSON, SCHEDULES}
         others = sorted(item.name for item in out_dir.iterdir() if item.name not in ours)
@@ -88,6 +87,13 @@ def prepare_out_dir(out_dir: Path, force: bool) -> Path:
         if others:
             raise MososError(f"--out {out_dir} holds files that are not a sweep's results ({', '.join(others[:3])}); "
                              "give another folder")
+
+
+def prepare_out_dir(out_dir: Path, force: bool) -> Path:
+    """Check the folder again (it may have changed while Ray started), clear an earlier sweep's results, make it."""
+    check_out_dir(out_dir, force)
+    schedules = out_dir / SCHEDULES
+    if out_dir.is_dir():
         for item in (out_dir / RESULTS_CSV, out_dir / RESULTS_JSON):
             item.unlink(missing_ok=True)
         if schedules.is_dir():
