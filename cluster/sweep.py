@@ -85,6 +85,7 @@ class SweepRunner:
         self.rows = [first_row(solve) for solve in loaded.solves]
         self._started: dict[int, tuple[int, float]] = {}  # index -> (attempt, when this driver saw it start)
         self._pending: dict[Any, int] = {}  # object ref -> index
+        self.control: Any = None  # the SolveControl actor while the sweep runs (its snapshot: who runs what, where)
 
     # Submitting ---------------------------------------------------------------------------
 
@@ -121,7 +122,7 @@ class SweepRunner:
 
     def run(self) -> SweepResult:
         started = time.monotonic()
-        control = new_control(self.ray)
+        control = self.control = new_control(self.ray)
         interrupted = False
         try:
             self._submit(control)
