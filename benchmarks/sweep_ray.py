@@ -296,6 +296,7 @@ def main() -> None:
                 f"{row['attempts']} ({row['pids']}) | {counts(result.rows)} of {len(result.rows)} | {result.wall_time_s:.1f} |"
             )
         for retries, run in kills.items():
+            lines.append("")
             result, killed = run["result"], run["killed"]
             answered = sum(1 for row in result.rows if row["status"] in ("done", "infeasible", "failed", "timed_out"))
             fate = result.rows[killed["index"]]["status"] if killed else "-"

@@ -300,3 +300,16 @@ def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(local_ray, tmp_path):
     }, "".join(lines)
     assert len(list((tmp_path / "out" / "schedules").glob("*.json"))) == 2
     _wait_for_free_cpus(local_ray)
+
+
+def test_the_readme_spec_is_valid(tmp_path):
+    """The README's sweep.yaml (paths relative to the repository) checks and expands as it says."""
+    from cluster.sweep_spec import load_spec
+
+    pytest.importorskip("torch")  # its estimated models are checked by name
+    text = (REPO / "README.md").read_text().split("# sweep.yaml (paths relative to this file)\n")[1].split("```")[0]
+    (tmp_path / "models").symlink_to(REPO / "models")
+    loaded = load_spec(write(tmp_path / "sweep.yaml", text))
+    # 2 files + vgg19 at 2 batches, x 3 strategies x (2 budgets + 2 ratios)
+    assert len(loaded.solves) == 4 * 3 * 4
+    assert {solve.budget_text for solve in loaded.solves} == {"device memory", "8.00 GiB", "ratio 0.6", "ratio 0.8"}
