@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from benchmarks.results_file import write_section  # noqa: E402
-from executor.local import distinct_bytes  # noqa: E402
+from executor.runtime import distinct_storage_bytes as distinct_bytes  # noqa: E402
 from executor.profiler import profile_model  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from models import get_model  # noqa: E402

@@ -222,12 +222,18 @@ def test_shipped_profiles_validate_and_plan_with_keep_all(file_name):
 
 
 @pytest.mark.parametrize("name", ["vgg16", "resnet18", "unet", "transformer"])
-def test_same_node_ids_as_the_measured_profiler(name):
-    """Estimated and measured (executor) profiles of one model name the same nodes."""
+def test_estimated_and_measured_profiles_describe_the_same_step(name):
+    """The estimator plans module by module, the measured profiler ATen planning node by node (other ids, other
+    granularity); both describe the same step: the same parameters and inputs, forward tensors of the same order."""
     profiler = pytest.importorskip("executor.profiler")
     spec = get_model(name, small=True)
     inputs, targets = spec.example_inputs(2)
-    measured = profiler.profile_model(spec.build(), inputs, spec.loss, targets, repeats=1, warmup=0)
+    measured = profiler.profile_model(spec.build(), inputs, spec.loss, targets, repeats=1, warmup=0,
+                                      algorithms=("native",))
     estimated = estimate(name, 2, "p40", small=True)
-    assert [n.id for n in measured.nodes] == [n.id for n in estimated.nodes]
-    assert [n.kind for n in measured.nodes] == [n.kind for n in estimated.nodes]
+    assert measured.fixed_memory.parameters_bytes == estimated.fixed_memory.parameters_bytes
+    assert measured.fixed_memory.inputs_bytes == estimated.fixed_memory.inputs_bytes
+    kinds = [n.kind for n in measured.nodes]
+    assert kinds.index("backward") > kinds.index("loss")
+    forward_bytes = [sum(n.size_bytes for n in p.nodes if n.kind != "backward") for p in (measured, estimated)]
+    assert 0.5 <= forward_bytes[0] / forward_bytes[1] <= 2.0, forward_bytes
