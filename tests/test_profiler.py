@@ -4,6 +4,7 @@ workspaces from the allocator."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -230,8 +231,20 @@ def test_profile_cli_measures_a_reference_network_and_a_users_workload(tmp_path)
     profile = parse_profile(json.loads(mine.read_text()))
     assert profile.provenance.input_signature == "float32[2,6]" and profile.provenance.target_signature == "int64[2]"
     assert any(n.id == "1/gelu" for n in profile.nodes)
+    # the same workload as package.module:build, importable from PYTHONPATH
+    module_output = tmp_path / "module.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-m", "cli", "profile", "mine:build", "--batch", "2", "--repeats", "1", "--warmup", "0",
+         "-o", str(module_output)], capture_output=True, text=True, timeout=600, cwd=REPO, env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert parse_profile(json.loads(module_output.read_text())).provenance.model_structure_sha256 == \
+        profile.provenance.model_structure_sha256
     for arguments, message in (
         (["--model", "vgg99", "--batch", "1"], "unknown model"),
+        (["not_a_module_anywhere:build"], "no module named 'not_a_module_anywhere'"),
+        (["mine.py"], "is not a workload spec"),
         ([f"{workload}:nope"], "defines no 'nope'"),
         ([f"{workload}:build", "--model", "vgg16"], "either a workload"),
     ):
