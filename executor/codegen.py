@@ -37,6 +37,9 @@ from executor import conv_algorithms
 from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph
 
 
+_IDENTITY_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
 @dataclass(frozen=True)
 class Op:
     """One operation of a program: compute (with an implementation), offload, prefetch, wait, free."""
@@ -53,6 +56,9 @@ class Modes:
     strict: bool = False
     timing: bool = False  # also reports each node's real output sizes
     memory: bool = False  # record_function scopes (CPU) or allocator statistics (CUDA) around each node
+    # mutations (by index) that may be written straight into their tensor, where nothing later reads it, instead
+    # of through a staging buffer and a copy at the end of the step (the replay: the model's own buffers)
+    direct_writes: frozenset = frozenset()
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Program:
     live_after: list[list[str]]  # names handed from one part to the next
     computes: int
     constants: dict[str, Any] = field(default_factory=dict)
+    direct: frozenset = frozenset()  # mutations written in place during the step (no write-back at its end)
 
 
 def _literal(value, constants: dict[str, Any]) -> str:
@@ -130,6 +137,9 @@ class CodeGenerator:
         self.mutation_index = {value: k for k, (value, _) in enumerate(self.step.mutations)}
         # graph outputs are handled inside the planning node that owns their storage; outputs that are views of
         # a graph input (a gradient that is the loss's own gradient, expanded) at the start of the backward part
+        self.direct: set[int] = set()
+        self._position = 0  # of the operation being generated
+        self._last_read: dict[fx.Node, int] = {}  # mutated placeholder -> position of the last compute reading it
         self.outputs_of: dict[int | None, list[fx.Node]] = {}
         for value in list(self.gradient_index) + list(self.mutation_index) + [self.step.loss]:
             owner = graph.group_of.get(graph.root_of[value])
@@ -202,7 +212,14 @@ class CodeGenerator:
                     tail.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
             elif value in self.mutation_index:
                 if first:
-                    tail.append(f"S.stage({self.mutation_index[value]}, {self.value(value)})")
+                    index = self.mutation_index[value]
+                    target = self.step.mutations[index][1]
+                    if index in self.modes.direct_writes and self._last_read.get(target, -1) <= self._position:
+                        # nothing after this point reads the tensor: update it now, as the eager step does
+                        tail.append(f"{self.value(target)}.copy_({self.value(value)})")
+                        self.direct.add(index)
+                    else:
+                        tail.append(f"S.stage({index}, {self.value(value)})")
             elif value is self.step.loss and first:
                 tail.append(f"v__loss = {self.value(value)}")
                 if self.modes.strict:
@@ -267,6 +284,10 @@ class CodeGenerator:
                 self._derive(argument, lines, derived, made)
             if node.target is operator.getitem:
                 lines.append(f"{local(node)} = {local(node.args[0])}[{node.args[1]}]")
+            elif node.target in _IDENTITY_VIEWS:
+                # the whole step runs without autograd, where detach/alias give the same tensor back in all but
+                # identity: reuse it and save a dispatcher call (AOTAutograd leaves two detaches per saved output)
+                lines.append(f"{local(node)} = {self.value(node.args[0])}")
             else:
                 args = ", ".join([self.argument(a) for a in node.args]
                                  + [f"{k}={self.argument(v)}" for k, v in node.kwargs.items()])
@@ -300,6 +321,7 @@ class CodeGenerator:
             else:
                 later_computes.append(0)
         later_computes.reverse()
+        self._last_read = self._last_reads(operations)
         cut = len(operations) if split is None else split
         parts_ops = [operations[:cut], operations[cut:]] if split is not None else [operations]
         source_lines: list[str] = []
@@ -332,6 +354,7 @@ class CodeGenerator:
                     first = op.group not in seen
                     seen.add(op.group)
                     rng_later = later_computes[offset + k] > 0
+                    self._position = offset + k
                     self.compute(w, group, op.implementation, first, rng_later)
                     on_device.add(op.group)
                     if self.modes.ledger or self.modes.strict or self.modes.timing:
@@ -375,7 +398,29 @@ class CodeGenerator:
         namespace: dict[str, Any] = dict(self.constants)
         exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
         parts = [namespace[f"part_{i}"] for i in range(len(parts_ops))]
-        return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants)
+        return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants,
+                       frozenset(self.direct))
+
+    def _last_reads(self, operations: list[Op]) -> dict[fx.Node, int]:
+        """For each mutated placeholder whose readers all belong to planning nodes: the position of the last
+        computation of such a node (absent: read elsewhere, so never written in place)."""
+        graph = self.planning
+        last: dict[fx.Node, int] = {}
+        for _, target in self.step.mutations:
+            readers: set[fx.Node] = set()
+            stack = [target]
+            while stack:
+                for user in stack.pop().users:
+                    if user in graph.facts.alias_of:
+                        stack.append(user)
+                    else:
+                        readers.add(user)
+            if any(user not in graph.group_of for user in readers):
+                continue
+            groups = {graph.group_of[user] for user in readers}
+            last[target] = max((k for k, op in enumerate(operations) if op.kind == "compute" and op.group in groups),
+                               default=-1)
+        return last
 
 
 def _tuple(names: list[str]) -> str:

@@ -78,10 +78,13 @@ class Feeder:
         """The parameters that receive gradients, in gradient order."""
         return [getattr(module, attribute) for module, attribute in self.gradient_owners]
 
-    def write_back(self, staging: list[torch.Tensor], leaves: list) -> None:
-        """Copy each written-back value (BatchNorm statistics, a mutated input) into its tensor, once a step."""
+    def write_back(self, staging: list[torch.Tensor], leaves: list, written: frozenset = frozenset()) -> None:
+        """Copy each written-back value (BatchNorm statistics, a mutated input) into its tensor, once a step;
+        `written`: those the step already wrote in place."""
         with torch.no_grad():
-            for (kind, where), value in zip(self.written_back, staging):
+            for index, ((kind, where), value) in enumerate(zip(self.written_back, staging)):
+                if index in written:
+                    continue
                 if kind == "input":
                     leaves[where].copy_(value)
                 elif kind == "constant":
@@ -89,6 +92,27 @@ class Feeder:
                 else:
                     module, attribute = where
                     getattr(module, attribute).copy_(value)
+
+    def in_place_candidates(self) -> frozenset:
+        """Mutations of the model's buffers (not of the user's inputs) whose tensor shares its storage with no
+        other graph input: writing them during the step cannot change what another input reads."""
+        values: list = [None] * self.size
+        for index, module, attribute in self.attributes:
+            values[index] = getattr(module, attribute)
+        for index, tensor in self.constants:
+            values[index] = tensor
+        storages: dict[int, int] = {}
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                key = value.untyped_storage().data_ptr()
+                storages[key] = storages.get(key, 0) + 1
+        candidates = set()
+        for index, (_, placeholder) in enumerate(self.step.mutations):
+            value = values[self.index_of[placeholder]]
+            if self.written_back[index][0] != "input" and isinstance(value, torch.Tensor) \
+                    and storages[value.untyped_storage().data_ptr()] == 1:
+                candidates.add(index)
+        return frozenset(candidates)
 
     def staging_buffers(self, device: torch.device) -> list[torch.Tensor]:
         """One buffer per written-back value, shaped like the tensor it goes into (allocated once: fixed memory)."""

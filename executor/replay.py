@@ -122,11 +122,12 @@ class _Prepared:
                            if op.kind == "compute" and kinds[op.group] == "backward"), len(self.operations))
         _check_random_order(self.operations, planning)
         self.device = planned.device
-        modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict)
-        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda")
-        self.program: Program = generator.program(self.operations, self.split, name="planned step")
         # the planned model's own tensors (the capture may have been made on another copy of the same model)
         self.feeder = feeder = Feeder(step, planned.model, planned.loss_fn)
+        modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict,
+                      direct_writes=feeder.in_place_candidates())
+        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda")
+        self.program: Program = generator.program(self.operations, self.split, name="planned step")
         self.runtime = StepRuntime(self.device, feeder.staging_buffers(self.device), [g.id for g in groups])
         nodes = profile.node_by_id
         implementations = {(g.index, impl.name): (impl.time_ms, impl.workspace_bytes)
@@ -243,12 +244,14 @@ class PlannedModule(nn.Module):
             if leaves[index] != value:
                 raise ProfileMismatch(f"input leaf {index} is {leaves[index]!r} here but was {value!r} when the model "
                                       "was captured (non-tensor inputs are part of the graph): capture it again")
-        parameters = [p for p in self.model.parameters() if p.requires_grad]
-        if not parameters:
+        # the parameters the graph computes gradients for (names resolved once: walking the module tree each step
+        # costs as much as a tenth of a small model's step)
+        parameters = prepared.feeder.parameters()
+        if not any(p.requires_grad for p in parameters):
             raise ReplayError("the model has no trainable parameters: there is nothing to plan a backward for")
         feed = prepared.feeder.feed(leaves)
         ledger = Accountant(self.profile, self.profile.fixed_bytes) if self.ledger_enabled else None
-        prepared.runtime.begin_step(prepared.feeder.parameters(), ledger)
+        prepared.runtime.begin_step(parameters, ledger)
         self.last_ledger = ledger
         state = _StepState(prepared, feed, leaves)
         return _StepFunction.apply(self, state, *parameters)
@@ -292,7 +295,7 @@ class _StepFunction(torch.autograd.Function):
                 if len(prepared.program.parts) > 1:
                     live, state.live = [state.live], ()
                     prepared.program.parts[1](state.feed, runtime, grad_loss, live)
-                prepared.feeder.write_back(runtime.staging, state.leaves)
+                prepared.feeder.write_back(runtime.staging, state.leaves, prepared.program.direct)
         finally:
             runtime.end_step()
             state.feed = []
