@@ -165,3 +165,31 @@ def test_an_input_mutated_in_place_is_written_back_once_like_plain_pytorch():
         assert torch.equal(mine, theirs) and bool((mine >= 0).all())
     for a, b in zip(planned_model.parameters(), plain_model.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_the_cli_refuses_a_model_it_cannot_capture_with_the_line_and_no_traceback(tmp_path):
+    """Through `mosos profile file.py:build` in a fresh process, as a user meets it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    workload = tmp_path / "branchy.py"
+    workload.write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        y = self.lin(x)\n"
+        "        if y.mean() > 0:\n"
+        "            y = y * 2\n"
+        "        return y\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(Branchy()), torch.randn(2, 4), None, lambda out: out.sum()\n"
+    )
+    result = subprocess.run([sys.executable, "-m", "cli", "profile", f"{workload}:build", "--repeats", "1",
+                             "--warmup", "0", "-o", str(tmp_path / "p.json")], capture_output=True, text=True,
+                            timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "if y.mean() > 0" in result.stderr and "0 (Branchy)" in result.stderr
