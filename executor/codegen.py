@@ -37,6 +37,8 @@ from executor import conv_algorithms
 from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph
 
 
+BATCH_NORM_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+BATCH_NORM_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
 _IDENTITY_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
@@ -138,6 +140,7 @@ class CodeGenerator:
         # graph outputs are handled inside the planning node that owns their storage; outputs that are views of
         # a graph input (a gradient that is the loss's own gradient, expanded) at the start of the backward part
         self.direct: set[int] = set()
+        self.in_place_values: set[fx.Node] = set()  # values an in-place operation left in their graph input
         self._position = 0  # of the operation being generated
         self._last_read: dict[fx.Node, int] = {}  # mutated placeholder -> position of the last compute reading it
         self.outputs_of: dict[int | None, list[fx.Node]] = {}
@@ -196,9 +199,18 @@ class CodeGenerator:
             lines: list[str] = []
             for argument in op.all_input_nodes:
                 self._derive(argument, lines, derived, made)
-            lines.extend(self._call(op, group, implementation))
+            in_place = first and self._batch_norm_in_place(op)
+            if in_place:
+                lines.append(f"{local(op)} = {self.op(BATCH_NORM_IN_PLACE)}({self._arguments(op)})")
+            else:
+                lines.extend(self._call(op, group, implementation))
             for item in sorted((u for u in op.users if u.target is operator.getitem), key=self.position.__getitem__):
-                if item in graph.facts.root_bytes or item in graph.facts.alias_of:
+                if in_place and item.args[1] in (3, 4):
+                    # the running statistics, updated in the model's buffers by the call itself
+                    lines.append(f"{local(item)} = {self.value(op.args[item.args[1]])}")
+                    self.in_place_values.add(item)
+                    made.add(item)
+                elif item in graph.facts.root_bytes or item in graph.facts.alias_of:
                     lines.append(f"{local(item)} = {local(op)}[{item.args[1]}]")
                     made.add(item)
             made.add(op)
@@ -214,7 +226,9 @@ class CodeGenerator:
                 if first:
                     index = self.mutation_index[value]
                     target = self.step.mutations[index][1]
-                    if index in self.modes.direct_writes and self._last_read.get(target, -1) <= self._position:
+                    if value in self.in_place_values:
+                        self.direct.add(index)  # the operation itself wrote it
+                    elif index in self.modes.direct_writes and self._last_read.get(target, -1) <= self._position:
                         # nothing after this point reads the tensor: update it now, as the eager step does
                         tail.append(f"{self.value(target)}.copy_({self.value(value)})")
                         self.direct.add(index)
@@ -295,8 +309,32 @@ class CodeGenerator:
             made.add(node)
             derived.append(node)
 
+    def _arguments(self, op: fx.Node) -> str:
+        return ", ".join([self.argument(a) for a in op.args] + [f"{k}={self.argument(v)}" for k, v in op.kwargs.items()])
+
+    def _batch_norm_in_place(self, op: fx.Node) -> bool:
+        """A functional batch norm (training) whose new running statistics go straight back into the buffers it
+        read, which nothing later reads: call the in-place form, as the eager step does (the functional form is
+        that call on clones of the buffers: the same arithmetic, two clones and two copies more). Readers of the new
+        statistics (the batch norm's backward) then read the buffers; the node's size still counts the clones the
+        profile measured (a few bytes over, never under)."""
+        if op.target is not BATCH_NORM_FUNCTIONAL:
+            return False
+        statistics = {u.args[1]: u for u in op.users if u.target is operator.getitem and u.args[1] in (3, 4)}
+        if len(statistics) != 2:
+            return False
+        for position, value in statistics.items():
+            if value not in self.mutation_index:
+                return False
+            index = self.mutation_index[value]
+            target = self.step.mutations[index][1]
+            if target is not op.args[position] or index not in self.modes.direct_writes \
+                    or self._last_read.get(target, -1) > self._position:
+                return False
+        return True
+
     def _call(self, op: fx.Node, group: Group, implementation: str) -> list[str]:
-        args = ", ".join([self.argument(a) for a in op.args] + [f"{k}={self.argument(v)}" for k, v in op.kwargs.items()])
+        args = self._arguments(op)
         if op is group.convolution and implementation not in ("native", "default"):
             if op.target is CONVOLUTION:
                 self.constants.setdefault("conv_forward", conv_algorithms.forward)
@@ -371,7 +409,9 @@ class CodeGenerator:
                     w(f"S.wait({op.group}, {op.transfer!r})")
                 elif op.kind == "free":
                     if self.modes.strict or self.modes.ledger or self.cuda:
-                        w(f"S.release({op.group}, {_tuple(outputs)})")
+                        # a buffer updated in place is the model's, not the node's: it stays when the node goes
+                        owned = [local(n) for n in group.outputs if n not in self.in_place_values]
+                        w(f"S.release({op.group}, {_tuple(owned)})")
                     if outputs:
                         w(" = ".join(outputs) + " = None")
                     if self.modes.strict:
