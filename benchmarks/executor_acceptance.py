@@ -380,10 +380,9 @@ INTRO = (
     "handle workspaces, which no profile counts); the budget check is on the peak less that. Gradient error: the largest difference from plain PyTorch's gradients, relative to the largest gradient "
     "(TF32 off on both sides). Copies: from one planned step under torch.profiler, the copy streams other than "
     "the compute stream, their copy time, and how much of it ran while the compute stream ran kernels.\n\n"
-    "On the CPU the executor's own work per node (a local autograd graph per node, saved-tensor hooks, the "
-    "ledger: about 0.1 ms a node on the development machine) runs in line with the arithmetic, so small CPU "
-    "models step slower than simulated; on a GPU kernels run asynchronously behind that work, and the GPU "
-    "sections say how much of it shows.\n"
+    "On the CPU the executor's own work per node (the generated step's Python and, by default there, the "
+    "ledger; `benchmarks/replay_speed.py` measures it) runs in line with the arithmetic; on a GPU kernels run "
+    "asynchronously behind that work, and the GPU sections say how much of it shows.\n"
 )
 
 

@@ -59,3 +59,8 @@ def resnet18_small(batch_size: int | None = None):
     from models.workload import reference_workload
 
     return reference_workload("resnet18", batch_size or 8, small=True)
+
+
+def resnet18_batch256(batch_size: int | None = None):
+    """ResNet-18-small at a batch whose activations (tens of MiB) dwarf the interpreter's own noise."""
+    return resnet18_small(batch_size or 256)
