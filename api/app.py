@@ -7,7 +7,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -16,23 +16,35 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.docs import add_docs
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
+from api.http_rules import method_not_allowed, require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
+from api.max_batch import MaxBatchRequest, MaxBatchSearches
+from api.max_batch import add_routes as add_max_batch_routes
 from api.metrics import Metrics
-from api.middleware import GuardMiddleware
+from api.middleware import OPEN_PATHS, GuardMiddleware
 from api.pool import RequestPool
 from api.models import ErrorBody, Health, PlanList, PlanRequest, PlanStatus, SimulateRequest, SimulateResponse
+from api.openapi import refine_openapi
+from api.ownership import OwnedStore
 from api.service import PLANNER_VERSION, Service
 from api.settings import Settings
 from api.solver import load_plugins
-from api.store import Store
 from planner.errors import Issue
 from planner.strategies import load_all
 from planner.validation import issues_from_validation_error
+from planner.viewer import content_security_policy
 
 log = logging.getLogger("mosos.api")
 WAIT_POLL_S = 0.02
+# The viewer page runs only its own inline script and style (by hash), fetches nothing, and is never framed.
+VIEW_HEADERS = {
+    "Content-Security-Policy": content_security_policy(header=True),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def _error_responses(*codes: int) -> dict:
@@ -43,6 +55,7 @@ def _error_responses(*codes: int) -> dict:
         413: "Past a size limit (max_body_bytes or max_nodes); `limit` names it.",
         422: "Bad input: one issue (JSON path + sentence) per problem, or a limit named in `limit`.",
         429: "The plan queue is full; retry after `Retry-After` seconds.",
+        501: "This server cannot do it (e.g. estimate models without torch).",
         503: "The server is stopping, or a request process was lost while reading this request (retry).",
     }
     responses = {code: {"model": ErrorBody, "description": descriptions[code]} for code in codes}
@@ -68,7 +81,9 @@ class _Shim:
         return self._errors
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, owned_store: OwnedStore | None = None) -> FastAPI:
+    """The service; `owned_store` is the plan store already opened and locked by the caller (`mosos serve` does, so
+    that a store in use is refused before anything starts), else the app opens and locks it at start-up."""
     settings = settings or Settings()
     metrics = Metrics()
     load_plugins(settings.plugins)
@@ -86,8 +101,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = Store(settings.db_path)
-        interrupted = store.recover()
+        owned = owned_store or OwnedStore.open(settings)
+        store = owned.store
+        interrupted = store.recover()  # only with the store's lock held: no other live server has plans running here
         log.warning("mosos serve: plans are stored in %s", settings.db_path)
         if interrupted:
             log.warning("mosos serve: %d plan(s) left unfinished by the last run marked failed (interrupted by restart)", interrupted)
@@ -104,16 +120,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except Exception:
             pool.stop()
             queue.stop()
-            store.close()
+            owned.close()
             raise
         metrics.solves_running.set_function(lambda: queue.running)
         app.state.service = Service(settings, store, queue, metrics, pool)
+        app.state.max_batch = MaxBatchSearches(app.state.service, settings)
         try:
             yield
         finally:
+            await run_in_threadpool(app.state.max_batch.stop)
             await run_in_threadpool(pool.stop)
             await run_in_threadpool(queue.stop)
-            store.close()
+            owned.close()
 
     app = FastAPI(
         title="mosos planning service",
@@ -125,8 +143,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ),
         lifespan=lifespan,
         separate_input_output_schemas=False,
+        docs_url=None,  # served from the package's files by add_docs, not from a CDN
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
+        dependencies=[Depends(require_json_body)],  # every route that takes a body: JSON only, else 415
     )
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
+    add_docs(app)
 
     def service(request: Request) -> Service:
         return request.app.state.service
@@ -154,6 +177,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
+        if error.status_code == 405:  # Allow names every route's methods on the path; OPTIONS is answered
+            answer = method_not_allowed(request)
+            if answer is not None:
+                return answer
         names = {404: "not_found", 405: "method_not_allowed"}
         body = {"error": names.get(error.status_code, "http_error"), "message": str(error.detail), "issues": [],
                 "limit": None, "limit_value": None}
@@ -223,17 +250,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc = service(request)
         return Response(svc.render_json(svc.get_row(plan_id)), media_type="application/json")
 
-    @app.delete("/v1/plans/{plan_id}", summary="Cancel a queued or running plan", response_model=PlanStatus,
-                responses=_error_responses(401, 404, 409))
+    @app.post("/v1/plans/{plan_id}/cancel", summary="Cancel a queued or running plan; it stays, as cancelled",
+              response_model=PlanStatus, responses=_error_responses(401, 404, 409))
     def cancel_plan(request: Request, plan_id: str):
         svc = service(request)
-        row = svc.get_row(plan_id)
-        if row.status in ("queued", "solving"):
-            svc.queue.cancel(plan_id)
-            row = svc.get_row(plan_id)
-        if row.status in ("done", "failed"):
-            raise ApiError(409, "conflict", f"plan {plan_id} has already ended ({row.status}); nothing to cancel")
-        return Response(svc.render_json(row), media_type="application/json")
+        return Response(svc.render_json(svc.cancel(plan_id)), media_type="application/json")
+
+    @app.delete("/v1/plans/{plan_id}", summary="Forget a plan (cancelled first if it runs): afterwards it is 404",
+                status_code=204, response_class=Response,
+                responses={204: {"description": "Deleted."}, **_error_responses(401, 404)})
+    def delete_plan(request: Request, plan_id: str):
+        service(request).delete(plan_id)
+        return Response(status_code=204)
 
     @app.get("/v1/plans/{plan_id}/trace", summary="Chrome trace of the plan's simulated step (Perfetto)",
              responses=_error_responses(401, 404, 409, 503))
@@ -250,6 +278,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc = service(request)
         row, profile_json = await run_in_threadpool(svc.replay_inputs, plan_id)
         return Response(await svc.memory_png(row, profile_json), media_type="image/png")
+
+    @app.get("/v1/plans/{plan_id}/view", summary="The plan viewer: streams, memory and decisions on one page",
+             response_class=Response,
+             responses={200: {"content": {"text/html": {}}, "description": "A self-contained HTML page."},
+                        **_error_responses(401, 404, 409, 503)})
+    async def plan_view(request: Request, plan_id: str):
+        svc = service(request)
+        row, profile_json = await run_in_threadpool(svc.replay_inputs, plan_id)
+        return Response(await svc.view_html(row, profile_json), media_type="text/html; charset=utf-8",
+                        headers=VIEW_HEADERS)
+
+    add_max_batch_routes(app, _error_responses, _json_body)
 
     # Simulation ------------------------------------------------------------------
 
@@ -286,7 +326,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         _, definitions = models_json_schema(
-            [(PlanRequest, "validation"), (SimulateRequest, "validation")], ref_template="#/components/schemas/{model}"
+            [(PlanRequest, "validation"), (SimulateRequest, "validation"), (MaxBatchRequest, "validation")],
+            ref_template="#/components/schemas/{model}",
         )
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name, definition in definitions.get("$defs", {}).items():
@@ -294,7 +335,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.token is not None:
             schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
-        app.openapi_schema = schema
+        app.openapi_schema = refine_openapi(schema, settings, load_all(), OPEN_PATHS)
         return schema
 
     app.openapi = openapi

@@ -313,12 +313,29 @@ class JobQueue:
         with self._lock:
             if job.finished.is_set():
                 return
-            self.store.finish(job.id, status, progress=job.progress, **fields)
+            if not self.store.finish(job.id, status, progress=job.progress, **fields):
+                self._not_stored(job, status, fields)
             job.status = status
             self._active.pop(job.id, None)
             job.finished.set()
             if status == "cancelled":
                 self.metrics.solves.labels(strategy=job.strategy, outcome="cancelled").inc()
+
+    def _not_stored(self, job: Job, status: str, fields: dict) -> None:
+        """An outcome whose row something else already ended (another server's recovery, a hand edit): never
+        dropped without a word. The row is left as it is (a plan is written once); the log says what was lost."""
+        row = self.store.get(job.id)
+        if row is None:
+            now = "deleted"
+        else:
+            now = row.status + (f": {row.reason}" if row.reason else "")
+        outcome = status + ("" if fields.get("feasible") is None else (", feasible" if fields["feasible"] else ", infeasible"))
+        log.error(
+            "plan %s ended here (%s) but was not stored: its row is no longer queued or solving (now %s). Another "
+            "server on this store, or a hand edit, ended it first; this outcome is lost",
+            job.id, outcome, now,
+        )
+        self.metrics.results_not_stored.inc()
 
     def _worker_died(self, worker: _Worker) -> None:
         job = worker.job

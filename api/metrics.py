@@ -37,5 +37,10 @@ class Metrics:
         self.cache_hits = Counter(
             "mosos_cache_hits", "Plan requests answered from the store without solving.", registry=self.registry
         )
+        self.results_not_stored = Counter(
+            "mosos_results_not_stored",
+            "Plans that ended in this server but whose row something else had already ended (logged with the id).",
+            registry=self.registry,
+        )
         self.queue_depth = Gauge("mosos_queue_depth", "Plans waiting for a solve process.", registry=self.registry)
         self.solves_running = Gauge("mosos_solves_running", "Solve processes busy with a plan.", registry=self.registry)

@@ -26,6 +26,7 @@ class GuardMiddleware:
         self.app = app
         self.settings = settings
         self.metrics = metrics
+        self._token_bytes = None if settings.token is None else settings.token.encode("utf-8")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -49,11 +50,11 @@ class GuardMiddleware:
 
     async def _guarded(self, scope, receive, send):
         headers = dict(scope.get("headers") or [])
-        token = self.settings.token
-        if token is not None and scope.get("path") not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            scheme, _, credentials = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(credentials.strip().encode(), token.encode()):
+        if self._token_bytes is not None and scope.get("path") not in OPEN_PATHS:
+            # Compared as bytes: the header is the client's UTF-8 bytes, and decoding it first (as latin-1, what
+            # ASGI servers assume) made a non-ASCII token impossible to present.
+            scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(credentials.strip(b" \t"), self._token_bytes):
                 await _send_json(
                     send,
                     401,

@@ -81,6 +81,7 @@ class PlanLinks(BaseModel):
     self: str
     trace: str
     memory_png: str
+    view: str = Field(description="The plan viewer: one self-contained HTML page.")
 
 
 class PlanStatus(BaseModel):

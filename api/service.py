@@ -77,6 +77,24 @@ class Service:
             raise ApiError(404, "not_found", f"no plan with id {plan_id!r}")
         return row
 
+    def cancel(self, plan_id: str) -> PlanRow:
+        """Stop a queued or running plan; it stays, as cancelled (409 if it had already ended)."""
+        row = self.get_row(plan_id)
+        if row.status in ("queued", "solving"):
+            self.queue.cancel(plan_id)
+            row = self.get_row(plan_id)
+        if row.status in ("done", "failed"):
+            raise ApiError(409, "conflict", f"plan {plan_id} has already ended ({row.status}); nothing to cancel")
+        return row
+
+    def delete(self, plan_id: str) -> None:
+        """Forget a plan, cancelling it first if it runs (its outcome is then ignored, never stored)."""
+        row = self.get_row(plan_id)
+        if row.status in ("queued", "solving"):
+            self.queue.cancel(plan_id)
+        if not self.store.delete(plan_id):
+            raise ApiError(404, "not_found", f"no plan with id {plan_id!r}")
+
     def render(self, row: PlanRow, *, cached: bool = False, with_schedule: bool = True) -> dict:
         """A plan as the API shows it; the in-memory job overrides the store while it runs."""
         job = self.queue.get(row.id) if row.status in ("queued", "solving") else None
@@ -111,7 +129,7 @@ class Service:
             "minimum_budget_bytes": row.minimum_budget_bytes,
             "reason": row.reason,
             "solve_seconds": row.solve_seconds,
-            "links": {"self": base, "trace": f"{base}/trace", "memory_png": f"{base}/memory.png"},
+            "links": {"self": base, "trace": f"{base}/trace", "memory_png": f"{base}/memory.png", "view": f"{base}/view"},
         }
         if with_schedule:
             body["schedule"] = None
@@ -154,3 +172,7 @@ class Service:
     async def memory_png(self, row: PlanRow, profile_json: str | None) -> bytes:
         title = f"{row.profile_name}: device memory ({row.strategy})"
         return await self.pool.run(work.memory_png, profile_json, row.schedule_json, title)
+
+    async def view_html(self, row: PlanRow, profile_json: str | None) -> bytes:
+        title = f"{row.profile_name} ({row.strategy})"
+        return await self.pool.run(work.plan_view_html, profile_json, row.schedule_json, title)

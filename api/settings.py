@@ -6,7 +6,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TOKEN_ENV = "MOSOS_API_TOKEN"
 
@@ -44,6 +44,8 @@ class Settings(BaseModel):
     max_time_limit_s: float = Field(default=120.0, gt=0, description="Longest solver time limit a request may ask for.")
     default_time_limit_s: float = Field(default=30.0, gt=0)
     max_solver_workers: int = Field(default_factory=default_solver_threads, ge=1, description="Most solver threads per solve.")
+    max_search_time_s: float = Field(default=600.0, gt=0, description="Longest time limit a max-batch search may ask "
+                                     "for (the whole search; each of its solves is held to max_time_limit_s).")
     max_wait_s: float = Field(default=60.0, ge=0, description="Longest a POST may wait for its plan before answering 202.")
     default_wait_s: float = Field(default=5.0, ge=0)
     solver_nice: int = Field(
@@ -61,6 +63,14 @@ class Settings(BaseModel):
         default_factory=list, description="Modules or .py files imported in every process, to register extra strategies."
     )
 
+    @field_validator("token")
+    @classmethod
+    def _presentable(cls, token: str | None) -> str | None:
+        problem = None if token is None else token_problem(token)
+        if problem is not None:
+            raise ValueError(f"the token {problem}")
+        return token
+
     def effective_default_time_limit_s(self) -> float:
         return min(self.default_time_limit_s, self.max_time_limit_s)
 
@@ -77,10 +87,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def token_problem(token: str) -> str | None:
+    """Why no HTTP client could present this token, if it cannot: clients send it as UTF-8 bytes in a header."""
+    try:
+        token.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    for position, character in enumerate(token):
+        if ord(character) < 0x20 or ord(character) == 0x7F:
+            return f"contains a control character ({character!r} at position {position}), which no HTTP header can carry"
+    return None
+
+
 def read_token(token_file: Path | None) -> str | None:
-    """The token file wins over the environment; blank means no token."""
+    """The token file (UTF-8) wins over the environment; blank means no token; a token no client could send is
+    refused with the reason (ValueError), rather than starting a server nobody can call."""
     if token_file is not None:
-        token = token_file.read_text().strip()
+        source = f"the token file {token_file}"
+        try:
+            token = token_file.read_bytes().decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f"{source} is not valid UTF-8") from None
     else:
+        source = f"${TOKEN_ENV}"
         token = os.environ.get(TOKEN_ENV, "").strip()
+    problem = token_problem(token)
+    if problem is not None:
+        raise ValueError(f"{source} {problem}")
     return token or None

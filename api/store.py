@@ -8,12 +8,15 @@ failed on startup, so no plan is ever stuck.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from planner.errors import MososError
 
 ACTIVE = ("queued", "solving")
 TERMINAL = ("done", "failed", "cancelled")
@@ -99,14 +102,52 @@ _SUMMARY_COLUMNS = (
 )
 
 
+class StoreError(MososError):
+    """The plan store cannot be used where it was asked for: which file, and why."""
+
+
+def check_store_path(path: Path, *, create_directory: bool = False) -> None:
+    """Refuse, with the reason, a path where SQLite could not keep the store (it also writes `-wal` and `-shm` files
+    beside it). A missing directory is created only when asked (the default location): an explicit path in a missing
+    directory is more often a typo or an unmounted disk than a wish."""
+    if path.is_dir():
+        raise StoreError(f"the plan store {path} is a directory; give the path of a file, e.g. {path / 'plans.sqlite3'}")
+    directory = path.parent
+    if not directory.exists():
+        if not create_directory:
+            raise StoreError(
+                f"the directory {directory} of the plan store {path} does not exist; create it, or give another --db"
+            )
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise StoreError(f"cannot create the directory {directory} for the plan store: {error.strerror}") from None
+    if not directory.is_dir():
+        raise StoreError(f"the plan store {path} cannot be kept there: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise StoreError(
+            f"cannot write in the directory {directory}: the plan store needs to create {path.name} there, "
+            "and SQLite its -wal and -shm files beside it"
+        )
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        raise StoreError(f"cannot write the plan store {path}: permission denied")
+
+
 class Store:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, create_directory: bool = True):
+        """Open (or create) the store; StoreError says why it cannot be used."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_store_path(self.path, create_directory=create_directory)
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
-        self._db().executescript(_SCHEMA)  # executescript manages its own transaction
+        try:
+            self._db().executescript(_SCHEMA)  # executescript manages its own transaction
+        except sqlite3.DatabaseError as error:
+            self.close()
+            if "not a database" in str(error) or "malformed" in str(error):
+                raise StoreError(f"{self.path} is not a SQLite database of plans ({error}); give another --db") from None
+            raise StoreError(f"cannot open the plan store {self.path}: {error}") from None
 
     # Connections -------------------------------------------------------
 
@@ -230,6 +271,19 @@ class Store:
                 ),
             )
             return cursor.rowcount == 1
+
+    def delete(self, plan_id: str) -> bool:
+        """Forget a plan, and its profile when no other plan uses it; False if there was no such plan."""
+        with self._transaction() as db:
+            row = db.execute("SELECT profile_digest FROM plans WHERE id=?", (plan_id,)).fetchone()
+            if row is None:
+                return False
+            db.execute("DELETE FROM plans WHERE id=?", (plan_id,))
+            db.execute(
+                "DELETE FROM profiles WHERE digest=? AND NOT EXISTS (SELECT 1 FROM plans WHERE profile_digest=?)",
+                (row["profile_digest"], row["profile_digest"]),
+            )
+            return True
 
     # Reads ---------------------------------------------------------------
 

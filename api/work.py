@@ -108,6 +108,16 @@ def check_node_count(settings: Settings, data: dict) -> None:
         )
 
 
+def plan_request_hash(profile_digest: str, options: dict[str, Any]) -> str:
+    """What identifies a plan request in the store: profile, budget, options and planner version."""
+    canonical = json.dumps(
+        {"planner_version": PLANNER_VERSION, "profile_digest": profile_digest, **options},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def parse_plan(raw: bytes) -> ParsedPlan:
     """A plan request checked against the schema and the server's limits, with its canonical hash."""
     settings = _current_settings()
@@ -153,13 +163,8 @@ def parse_plan(raw: bytes) -> ParsedPlan:
     }
     profile = request.profile
     digest = profile.digest()
-    canonical = json.dumps(
-        {"planner_version": PLANNER_VERSION, "profile_digest": digest, **options},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
     return ParsedPlan(
-        request_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+        request_hash=plan_request_hash(digest, options),
         options=options,
         wait_s=wait_s,
         profile_json=profile.to_json(indent=None),
@@ -209,3 +214,12 @@ def memory_png(profile_json: str | None, schedule_json: str, title: str) -> byte
     buffer = io.BytesIO()
     plot_memory(_replay(profile_json, schedule_json), buffer, title=title)
     return buffer.getvalue()
+
+
+def plan_view_html(profile_json: str | None, schedule_json: str, title: str) -> bytes:
+    """The plan viewer page of a stored plan, as UTF-8 bytes."""
+    from planner.viewer import plan_view_html as render
+
+    profile = parse_profile(json.loads(profile_json or "null"))
+    schedule = parse_schedule(json.loads(schedule_json))
+    return render(profile, schedule, simulate(profile, schedule), title=title).encode("utf-8")

@@ -102,10 +102,12 @@ def plan_command(
     seed: int = typer.Option(0, help="solver seed; with --workers 1 the plan is reproducible"),
     compare_with: str = typer.Option(None, "--compare", help="'all' or a comma-separated list of strategies to compare"),
     output: Path = typer.Option(None, "-o", "--output", help="write the schedule here"),
+    html: Path = typer.Option(None, "--html", help="write the plan viewer: one self-contained HTML page"),
     as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
 ) -> None:
     """Plan PROFILE within a budget, check it in the simulator, and compare strategies."""
     writable_output(output, "-o")
+    writable_output(html, "--html", (".html", ".htm"))
     positive_finite(time_limit, "--time-limit")
     whole_number_in(seed, "--seed", 0, 2**31 - 1)
     whole_number_in(workers, "--workers", 1, 1024)
@@ -142,6 +144,10 @@ def plan_command(
     lower_bound_ms = simulate(profile, keep_all_schedule(profile), keep_timeline=False).step_time_ms
     if output:
         write_output(output, chosen.to_json(), "-o")
+    if html:
+        from planner.viewer import plan_view_html
+
+        write_output(html, plan_view_html(profile, chosen).encode("utf-8"), "--html")
     if as_json:
         typer.echo(
             json.dumps(
@@ -151,6 +157,7 @@ def plan_command(
                     "lower_bound_ms": lower_bound_ms,
                     "strategies": [row.as_dict(lower_bound_ms) for row in rows],
                     "schedule_path": str(output) if output else None,
+                    "html_path": str(html) if html else None,
                 },
                 indent=2,
             )
@@ -161,5 +168,6 @@ def plan_command(
         budget_text += f" ({memory_ratio:g} of the keep-all peak)"
     console.print(_comparison_table(f"{profile.name}: {budget_text}", rows, lower_bound_ms, budget_bytes))
     console.print(f"lower bound (keep-all, fastest algorithms, no budget): {lower_bound_ms:.2f} ms")
-    if output:
-        console.print(f"wrote {output}")
+    for path in (output, html):
+        if path:
+            console.print(f"wrote {path}")

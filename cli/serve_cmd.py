@@ -31,11 +31,13 @@ def serve_command(
     default_time_limit: float = typer.Option(30.0, help="solver time limit when a request gives none, seconds"),
     max_solver_workers: int = typer.Option(None, help="most solver threads per solve (default: half the cores, at most 4)"),
     max_wait: float = typer.Option(60.0, help="longest a POST may wait for its plan before answering 202, seconds"),
+    max_search_time: float = typer.Option(600.0, help="longest time limit of a whole max-batch search, seconds"),
     plugin: list[str] = typer.Option([], "--plugin", help="module or .py file to import in every process (extra strategies)"),
     log_level: str = typer.Option("info", help="uvicorn log level"),
 ) -> None:
     """Serve plans over HTTP: POST /v1/plans with a profile and a budget; OpenAPI at /docs."""
     try:
+        import fastapi_swagger  # noqa: F401  (Swagger UI's files for /docs)
         import uvicorn
 
         from api.settings import Settings, is_loopback, read_token
@@ -45,6 +47,8 @@ def serve_command(
         token = read_token(token_file)
     except OSError as error:
         raise ServeError(f"cannot read the token file {token_file}: {error.strerror}") from None
+    except ValueError as error:
+        raise ServeError(f"unusable token: {error}") from None
     if not is_loopback(host) and token is None and not insecure:
         raise ServeError(
             f"refusing to bind {host} without a token: set MOSOS_API_TOKEN or --token-file, "
@@ -53,7 +57,8 @@ def serve_command(
     values = dict(
         host=host, port=port, solve_processes=workers, request_processes=request_processes, queue_size=queue_size, token=token, insecure=insecure,
         max_body_bytes=max_body_bytes, max_nodes=max_nodes, max_time_limit_s=max_time_limit,
-        default_time_limit_s=default_time_limit, max_wait_s=max_wait, plugins=list(plugin),
+        default_time_limit_s=default_time_limit, max_wait_s=max_wait, max_search_time_s=max_search_time,
+        plugins=list(plugin),
     )
     if db is not None:
         values["db_path"] = db
@@ -69,13 +74,19 @@ def serve_command(
         issues = "; ".join(str(issue) for issue in issues_from_validation_error(error))
         raise ServeError(f"bad setting: {issues}") from None
     from api.app import create_app
+    from api.ownership import OwnedStore
 
+    address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    # Before anything starts: a store another live server holds, or a path SQLite cannot use, is refused here
+    # with the reason (exit 2), never after recovery has touched the other server's plans.
+    owned = OwnedStore.open(settings, address)
     try:
-        application = create_app(settings)
-    except ImportError as error:
-        raise ServeError(f"cannot load a plugin: {error}") from None
+        application = create_app(settings, owned)  # imports the plugins: a PluginError says which one failed, and how
+    except BaseException:
+        owned.close()
+        raise
     error_console.print(
-        f"mosos serve: http://{host}:{port}  store {settings.db_path}  {workers} solve process(es)"
+        f"mosos serve: {address}  store {owned.store.path}  {workers} solve process(es)"
         f"{'  bearer token required' if token else ''}",
         highlight=False,
     )

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from cli.app import app, console, error_console, friendly
-from cli.checks import writable_output
+from cli.checks import writable_output, write_output
 from planner.errors import ScheduleRejected
 from planner.profile import load_profile
 from planner.schedule import load_schedule
@@ -28,10 +28,12 @@ def simulate_command(
     as_json: bool = typer.Option(False, "--json", help="print the figures as JSON"),
     trace: Path = typer.Option(None, help="write a Chrome trace (Perfetto, chrome://tracing)"),
     plot: Path = typer.Option(None, help="draw memory over time with the budget line (PNG)"),
+    html: Path = typer.Option(None, "--html", help="write the plan viewer: one self-contained HTML page"),
 ) -> None:
     """Replay SCHEDULE on PROFILE: step time, stalls, per-stream busy time and peak memory."""
     writable_output(trace, "--trace")
     writable_output(plot, "--plot", (".png", ".svg", ".pdf"))
+    writable_output(html, "--html", (".html", ".htm"))
     profile = load_profile(profile_path)
     schedule = load_schedule(schedule_path)
     try:
@@ -50,6 +52,10 @@ def simulate_command(
         from planner.plot import plot_memory
 
         plot_memory(result, plot, title=f"{profile.name}: device memory")
+    if html:
+        from planner.viewer import plan_view_html
+
+        write_output(html, plan_view_html(profile, schedule, result).encode("utf-8"), "--html")
     if as_json:
         typer.echo(json.dumps({"valid": True, **result.figures()}, indent=2))
         return
@@ -62,6 +68,6 @@ def simulate_command(
     table.add_row("budget", format_bytes(result.budget_bytes) if result.budget_bytes is not None else "none")
     table.add_row("offloaded / prefetched", f"{format_bytes(result.offloaded_bytes)} / {format_bytes(result.prefetched_bytes)}")
     console.print(table)
-    for path in (trace, plot):
+    for path in (trace, plot, html):
         if path:
             console.print(f"wrote {path}")

@@ -1,6 +1,9 @@
 """cuDNN convolution algorithm families: where each applies, its time model and its workspace.
 
-One estimate per family, for forward, backward-data and backward-filter. The
+One estimate per family, for forward, backward-data and backward-filter: a
+convolution's backward is two cuDNN calls (cudnnConvolutionBackwardFilter and
+cudnnConvolutionBackwardData), each with its own algorithm, time and
+workspace, and the estimator makes each one a node of its own. The
 workspace formulas reproduce the sizes cuDNN 7 reports (checked against the
 P100 measurements of MONeT's VGG16, see benchmarks/results/calibration.md):
 
@@ -216,41 +219,7 @@ def backward_data_algorithms(s: ConvShape, device: Device) -> list[Algorithm]:
 
 def backward_filter_algorithms(s: ConvShape, device: Device) -> list[Algorithm]:
     """Gradient w.r.t. the filters: same flops, reduction over N*OH*OW (long, so efficient)."""
-    found = []
-    for family in BACKWARD_FILTER_FAMILIES:
-        if not applies(family, s):
-            continue
-        workspace = workspace_bytes(family, s)
-        if workspace > device.gpu.memory_bytes:
-            continue
-        found.append(Algorithm(family, _time_ms(family, s, device, workspace), workspace))
-    return found
-
-
-def backward_algorithms(s: ConvShape, device: Device, needs_input_grad: bool = True) -> list[Algorithm]:
-    """The implementations of a convolution's one backward node (see `combine_backward`)."""
-    data = backward_data_algorithms(s, device) if needs_input_grad else None
-    return combine_backward(data, backward_filter_algorithms(s, device))
-
-
-def combine_backward(data: list[Algorithm] | None, filters: list[Algorithm]) -> list[Algorithm]:
-    """One backward node = backward-data then backward-filter, one after the other.
-
-    Every (data, filter) pair is a candidate: its time is the sum, its workspace
-    the larger of the two (the first workspace is released before the second
-    kernel starts). Only the Pareto-optimal pairs (no other pair both faster and
-    smaller) are kept, named 'data=<family>+filter=<family>'. Without an input
-    gradient (the first layer) only the filter algorithms remain.
-    """
-    if data is None:
-        pairs = [Algorithm(f"filter={f.family}", f.time_ms, f.workspace_bytes) for f in filters]
-    else:
-        pairs = [
-            Algorithm(f"data={d.family}+filter={f.family}", d.time_ms + f.time_ms, max(d.workspace_bytes, f.workspace_bytes))
-            for d in data
-            for f in filters
-        ]
-    return pareto(pairs)
+    return _family_estimates(BACKWARD_FILTER_FAMILIES, s, device)
 
 
 def pareto(algorithms: list[Algorithm]) -> list[Algorithm]:

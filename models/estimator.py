@@ -3,7 +3,13 @@
 The graph comes from torch.fx (see `models.trace`): one forward node per fx
 node that produces a tensor (id = the fx name), one `loss` node, then one
 backward node per forward node that does gradient work (id = `<fx name>:bwd`),
-in reverse order. Which forward tensors a backward node reads follows what
+in reverse order, except convolutions (plain and transposed), whose backward
+is cuDNN's two calls as two nodes: `<fx name>:bwd_filter` (the filter and bias
+gradients: reads the output gradient and the input, makes nothing the graph
+reads, as parameter gradients are fixed memory), then `<fx name>:bwd_data`
+(the input gradient: reads the output gradient only, the weights being fixed
+memory), absent when the input needs no gradient. Both name the convolution
+as `forward_node`. Which forward tensors a backward node reads follows what
 PyTorch's autograd saves for that operator (conv/linear/GELU: the input; ReLU:
 its output; max-pooling: the input and its own indices; batch/layer norm: the
 input and its statistics; dropout: its mask; attention: q, k, v, its output
@@ -16,7 +22,8 @@ autograd makes of the gradients reaching the add's output from its readers
 (a residual stream): one tensor, handed to both inputs.
 
 Times: the roofline model of `models.roofline`; convolutions get one
-implementation per applicable cuDNN algorithm family (`models.cudnn`).
+implementation per applicable cuDNN algorithm family (`models.cudnn`), their
+filter- and data-gradient nodes the Pareto-optimal ones of theirs.
 Constant memory: inputs and targets, parameters, gradients, buffers and the
 optimizer's state (SGD with momentum by default: one buffer per parameter).
 """
@@ -39,7 +46,7 @@ from planner.profile import FixedMemory, GraphProfile, Hardware, Implementation,
 from planner.validation import issues_from_validation_error
 
 ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
-ESTIMATOR_VERSION = "1.0"
+ESTIMATOR_VERSION = "1.1"  # 1.1: a convolution's backward is two nodes (filter gradient, data gradient)
 TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
 OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
 ALIAS_BACKWARD = {"view", "cat"}  # backward hands on (slices of) the incoming gradient: no work, no new memory
@@ -105,17 +112,57 @@ def _default(time_ms: float) -> list[Implementation]:
     return [Implementation(name="default", time_ms=round(time_ms, 4), workspace_bytes=0)]
 
 
-def _op_implementations(op: TracedOp, device: Device, input_grad: bool) -> tuple[list[Implementation], list[Implementation]]:
-    """Forward and backward implementations of one operator."""
+@dataclass
+class _BackwardPart:
+    """One backward node of an operator: most have one, a convolution two (filter gradient, then data gradient)."""
+
+    suffix: str  # node id = <forward id><suffix>
+    op_type: str
+    implementations: list[Implementation]
+    reads_saved: bool  # reads what autograd saves for the op (a convolution's input: the filter gradient does)
+    input_gradient: bool  # produces the gradient of the op's inputs, which the backward of its producers reads
+
+
+def _convolution_backward(kind: str, data: list[cudnn.Algorithm] | None, filters: list[cudnn.Algorithm]) -> list[_BackwardPart]:
+    """cuDNN's two backward calls as two nodes, filter gradient first.
+
+    The filter gradient reads the input x and the output gradient dy; the data
+    gradient reads dy and the weights (fixed memory) and makes dx. In this order
+    x can be freed before dx is allocated (MONeT's P100 profile runs them in the
+    same order). The first convolution has no data gradient (its input needs none).
+    Each keeps its Pareto-optimal algorithms (no other both faster and smaller).
+    """
+    parts = [_BackwardPart(":bwd_filter", f"{kind}_backward_filter", _implementations(cudnn.pareto(filters)), True, False)]
+    if data is not None:
+        parts.append(_BackwardPart(":bwd_data", f"{kind}_backward_data", _implementations(cudnn.pareto(data)), False, True))
+    return parts
+
+
+def _single(kind: str, implementations: list[Implementation]) -> list[_BackwardPart]:
+    return [_BackwardPart(":bwd", f"{kind}_backward", implementations, True, True)]
+
+
+def _op_implementations(op: TracedOp, device: Device, input_grad: bool) -> tuple[list[Implementation], list[_BackwardPart]]:
+    """Forward implementations of one operator, and its backward nodes in execution order."""
+    forward, backward = _forward_and_backward(op, device, input_grad)
+    if all(isinstance(item, Implementation) for item in backward):
+        backward = _single(op.op_type, backward)  # one backward node with these implementations
+    return forward, backward
+
+
+def _forward_and_backward(op: TracedOp, device: Device, input_grad: bool) -> tuple[list[Implementation], list]:
+    """Forward implementations, and either the backward nodes (convolutions) or the one backward node's implementations."""
     kind = op.op_type
     out = op.output_bytes
     inp = sum(_numel(s) for s in op.input_shapes) * op.element_bytes
     if kind == "conv2d":
         shape = _conv_shape(op)
+        data = cudnn.backward_data_algorithms(shape, device) if input_grad else None
         return (_implementations(cudnn.forward_algorithms(shape, device)),
-                _implementations(cudnn.backward_algorithms(shape, device, input_grad)))
+                _convolution_backward(kind, data, cudnn.backward_filter_algorithms(shape, device)))
     if kind == "conv_transpose2d":
-        # the mirrored convolution maps this op's output back to its input: our forward is its backward-data
+        # the mirrored convolution maps this op's output back to its input: our forward is its backward-data,
+        # our data gradient its forward, our filter gradient its filter gradient
         n, c, h, w = op.input_shapes[0]
         _, k, oh, ow = op.output_shape
         base = _conv_shape(op)
@@ -123,8 +170,8 @@ def _op_implementations(op: TracedOp, device: Device, input_grad: bool) -> tuple
                                  base.groups, op.element_bytes)
         forward = cudnn.backward_data_algorithms(mirror, device)
         data = cudnn.forward_algorithms(mirror, device) if input_grad else None
-        backward = cudnn.combine_backward(data, cudnn.backward_filter_algorithms(mirror, device))
-        return _implementations(cudnn.pareto(forward)), _implementations(backward)
+        return (_implementations(cudnn.pareto(forward)),
+                _convolution_backward(kind, data, cudnn.backward_filter_algorithms(mirror, device)))
     if kind in ("linear", "matmul"):
         if kind == "linear":
             reduction, columns = op.input_shapes[0][-1], op.output_shape[-1]
@@ -215,13 +262,23 @@ def build_profile(
             if source in consumers:
                 consumers[source].append(op.name)
 
-    # Which ops get a backward node: those on the gradient path whose output reaches the loss.
+    input_grad = {op.name: any(requires_grad.get(source, False) for source in op.inputs) for op in traced.ops}
+    implementations = {op.name: _op_implementations(op, device, input_grad[op.name]) for op in traced.ops}
+    # The backward node that makes the gradient of an op's inputs (a convolution's data gradient), and back.
+    input_gradient_node: dict[str, str] = {}
+    for op in traced.ops:
+        for part in implementations[op.name][1]:
+            if part.input_gradient:
+                input_gradient_node[op.name] = op.name + part.suffix
+    forward_of_gradient = {node_id: forward_id for forward_id, node_id in input_gradient_node.items()}
+
+    # Which ops get backward nodes: those on the gradient path whose output reaches the loss.
     gradients_of: dict[str, list[str]] = {}
     for op in reversed(traced.ops):
         found: list[str] = ["loss"] if op.name == traced.output else []
         for consumer in consumers[op.name]:
-            if gradients_of.get(consumer):
-                found.append(f"{consumer}:bwd")
+            if gradients_of.get(consumer) and consumer in input_gradient_node:
+                found.append(input_gradient_node[consumer])
         gradients_of[op.name] = found if requires_grad[op.name] else []
 
     grad_storage_cache: dict[str, list[str]] = {}
@@ -229,8 +286,8 @@ def build_profile(
     def grad_storage(node_id: str) -> list[str]:
         """The gradient producers whose memory a backward node's output shows (itself, unless an alias)."""
         if node_id not in grad_storage_cache:
-            forward_id = node_id.removesuffix(":bwd")
-            if node_id == "loss" or ops[forward_id].op_type not in ALIAS_BACKWARD:
+            forward_id = forward_of_gradient.get(node_id)
+            if forward_id is None or ops[forward_id].op_type not in ALIAS_BACKWARD:
                 grad_storage_cache[node_id] = [node_id]
             else:
                 found: list[str] = []
@@ -252,8 +309,7 @@ def build_profile(
     for op in traced.ops:
         gradients = gradients_of[op.name]
         saved = _saved(op) if gradients else _Saved()
-        input_grad = any(requires_grad.get(source, False) for source in op.inputs)
-        forward_impls, backward_impls = _op_implementations(op, device, input_grad)
+        forward_impls, backward_parts = implementations[op.name]
         label = op.module_path or op.name
         forward_nodes.append(
             Node(
@@ -284,19 +340,22 @@ def build_profile(
             grad_bytes = min(grad_bytes, op.output_bytes)  # one gradient tensor, handed to both inputs
         if op.op_type in ALIAS_BACKWARD:
             grad_bytes = 0  # (slices of) the incoming gradient: whoever reads it also reads that gradient
-        backward_nodes.append(
-            Node(
-                id=f"{op.name}:bwd",
-                name=f"{label} ({op.op_type} backward)",
-                kind="backward",
-                op_type=f"{op.op_type}_backward",
-                output_bytes=grad_bytes,
-                module=op.module_path,
-                forward_node=op.name if forward_reads else None,
-                inputs=grad_reads(gradients) + forward_reads,
-                implementations=backward_impls,
+        reads_forward = bool(forward_reads)
+        for part in reversed(backward_parts):  # the list is reversed below: parts end up in execution order
+            backward_nodes.append(
+                Node(
+                    id=op.name + part.suffix,
+                    name=f"{label} ({op.op_type} {part.op_type.removeprefix(op.op_type + '_').replace('_', ' ')})",
+                    kind="backward",
+                    op_type=part.op_type,
+                    output_bytes=grad_bytes if part.input_gradient else 0,  # parameter gradients: fixed memory
+                    module=op.module_path,
+                    # every part differentiates the op, provided one of them reads a forward tensor (the contract)
+                    forward_node=op.name if reads_forward else None,
+                    inputs=grad_reads(gradients) + (forward_reads if part.reads_saved else []),
+                    implementations=part.implementations,
+                )
             )
-        )
     output_op = ops[traced.output]
     output_bytes = output_op.output_bytes
     loss = Node(
@@ -338,6 +397,56 @@ def build_profile(
     )
     return GraphProfile(name=name, hardware=hardware, fixed_memory=fixed, nodes=forward_nodes + [loss] + backward_nodes,
                         provenance=provenance)
+
+
+SPLIT_SUFFIXES = (":bwd_filter", ":bwd_data")
+
+
+def fold_split_backward(nodes: list[Node]) -> list[Node]:
+    """The nodes with each convolution's filter- and data-gradient nodes folded back into one `<id>:bwd` node.
+
+    What estimator v1.0 made, and what a profiler that measures a convolution's backward as one node sees:
+    the folded node reads what either part reads and makes what they make together; each (data, filter)
+    pair of their implementations runs one after the other (time = sum, workspace = max), and the
+    Pareto-optimal pairs are kept, named `data=<name>+filter=<name>`. Readers of a data-gradient node read
+    the folded node. For comparisons (the split's effect, measured profiles that do not split).
+    """
+    def base(node_id: str) -> str:
+        for suffix in SPLIT_SUFFIXES:
+            if node_id.endswith(suffix):
+                return node_id.removesuffix(suffix) + ":bwd"
+        return node_id
+
+    folded: dict[str, Node] = {}
+    parts: dict[str, dict[str, Node]] = {}
+    for node in nodes:
+        node_id = base(node.id)
+        inputs = list(dict.fromkeys(base(source) for source in node.inputs))
+        if node_id == node.id:
+            folded[node_id] = node.model_copy(update={"inputs": inputs})
+            continue
+        parts.setdefault(node_id, {})[node.id.rsplit("_", 1)[1]] = node
+        previous = folded.get(node_id)
+        folded[node_id] = node.model_copy(update={
+            "id": node_id,
+            "name": node.name.replace(" backward filter", " backward").replace(" backward data", " backward"),
+            "op_type": node.op_type.removesuffix("_filter").removesuffix("_data"),
+            "inputs": list(dict.fromkeys((previous.inputs if previous else []) + inputs)),
+            "output_bytes": (previous.output_bytes if previous else 0) + node.output_bytes,
+            "forward_node": (previous.forward_node if previous else None) or node.forward_node,
+        })
+    for node_id, pair in parts.items():
+        filters = [cudnn.Algorithm(i.name, i.time_ms, i.workspace_bytes) for i in pair["filter"].implementations]
+        if "data" in pair:
+            combined = [cudnn.Algorithm(f"data={d.name}+filter={f.family}", d.time_ms + f.time_ms,
+                                        max(d.workspace_bytes, f.workspace_bytes))
+                        for d in pair["data"].implementations for f in filters]
+        else:
+            combined = [cudnn.Algorithm(f"filter={f.family}", f.time_ms, f.workspace_bytes) for f in filters]
+        implementations = [Implementation(name=a.family, time_ms=round(a.time_ms, 4), workspace_bytes=a.workspace_bytes)
+                           for a in cudnn.pareto(combined)]
+        folded[node_id] = folded[node_id].model_copy(update={"implementations": implementations})
+    return list(folded.values())
 
 
 def estimate_module(
@@ -420,4 +529,4 @@ def _gpu(gpu: str | GPU) -> GPU:
         raise EstimateError(str(error.args[0])) from None
 
 
-__all__ = ["estimate", "estimate_module", "build_profile", "EstimateError", "TraceFailure"]
+__all__ = ["estimate", "estimate_module", "build_profile", "fold_split_backward", "EstimateError", "TraceFailure"]

@@ -85,6 +85,18 @@ class GraphFacts:
         return [t for t in self.forward if self.backward_readers[t]]
 
     @cached_property
+    def backward_of(self) -> dict[str, list[str]]:
+        """For each forward node that backward nodes name as `forward_node`, those nodes in execution order.
+
+        Usually one; a convolution's backward may be two (filter gradient, then data gradient)."""
+        found: dict[str, list[str]] = {}
+        for node_id in self.profile.order:
+            forward_node = self.profile.node_by_id[node_id].forward_node
+            if forward_node is not None:
+                found.setdefault(forward_node, []).append(node_id)
+        return found
+
+    @cached_property
     def first_backward_position(self) -> int:
         positions = [self.profile.position[n] for n in self.profile.order if self.profile.node_by_id[n].kind == "backward"]
         return min(positions) if positions else len(self.profile.order)
@@ -161,8 +173,14 @@ class AttributeProgram:
                 pending.append((source, False))
 
     def window_prefetches(self, node_id: str) -> list[str]:
-        """Tensors to prefetch while `node_id` computes, waited for at its end (vDNN). None by default."""
+        """Tensors to prefetch while `node_id` computes, waited for at the end of `window_end(node_id)` (vDNN).
+
+        None by default."""
         return []
+
+    def window_end(self, node_id: str) -> str:
+        """The node after whose compute the prefetches issued with `node_id` are waited for: itself by default."""
+        return node_id
 
     def build_steps(self) -> list[Step]:
         profile, facts = self.profile, self.facts
@@ -173,6 +191,7 @@ class AttributeProgram:
             attribute = self.attribute(t)
             if attribute != "keep":
                 drop_after.setdefault(facts.last_forward_reader[t], []).append(t)
+        window_waits: dict[str, list[str]] = {}  # node -> prefetches to wait for at its end
         for stage, node_id in enumerate(profile.order):
             node = profile.node_by_id[node_id]
             for source in dict.fromkeys(node.inputs):
@@ -180,6 +199,8 @@ class AttributeProgram:
             window = [t for t in self.window_prefetches(node_id) if t not in self.resident and t in self.on_host]
             for t in window:
                 self.prefetch(stage, t)
+            if window:
+                window_waits.setdefault(self.window_end(node_id), []).extend(window)
             leaving = drop_after.get(node_id, [])
             with_reader = [t for t in leaving if self.attribute(t) == "swap" and self.offload_style == "with_last_reader" and t != node_id]
             for t in with_reader:
@@ -196,7 +217,7 @@ class AttributeProgram:
                     self.on_host.add(t)
                     self.offloaded_at.setdefault(node_id, []).append(t)
                 self.resident.discard(t)
-            for t in window:
+            for t in window_waits.pop(node_id, []):
                 self.wait(stage, t)
         return self.steps
 

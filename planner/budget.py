@@ -16,6 +16,23 @@ def node_floor_bytes(profile: GraphProfile, node_id: str) -> int:
     return inputs + node.size_bytes + node.smallest_workspace.workspace_bytes
 
 
+def node_floor_parts(profile: GraphProfile, node_id: str) -> list[tuple[str, str, int]]:
+    """What `node_floor_bytes` adds up, as (role, tensor, bytes): each input, the output, the smallest workspace."""
+    node = profile.node_by_id[node_id]
+    parts = [("input", source, profile.node_by_id[source].size_bytes) for source in dict.fromkeys(node.inputs)]
+    parts.append(("output", node_id, node.size_bytes))
+    smallest = node.smallest_workspace
+    if smallest.workspace_bytes:
+        parts.append((f"workspace of {smallest.name}", node_id, smallest.workspace_bytes))
+    return parts
+
+
+def nodes_over(profile: GraphProfile, budget_bytes: int) -> list[tuple[str, int]]:
+    """The nodes that cannot run within `budget_bytes` in any plan, as (node, bytes it needs with fixed memory), worst first."""
+    needs = [(node_id, profile.fixed_bytes + node_floor_bytes(profile, node_id)) for node_id in profile.order]
+    return sorted([item for item in needs if item[1] > budget_bytes], key=lambda item: (-item[1], profile.position[item[0]]))
+
+
 def minimum_budget_bytes(profile: GraphProfile) -> int:
     """No plan of any strategy fits below this: fixed memory plus the largest single node."""
     return profile.fixed_bytes + max(node_floor_bytes(profile, node_id) for node_id in profile.order)

@@ -3,7 +3,11 @@
 Two dialects: Checkmate graphs (`backward`, `cost_cpu`, `cost_ram`, links with
 `source`/`target`) and random layered graphs (`out_cost`, `duration`, links
 with keys "0"/"1", `graph.order`). An imported graph has one implementation
-per node and no transfer bandwidth unless one is given.
+per node and no transfer bandwidth unless one is given. Costs become
+milliseconds through `time_unit_ms`; a graph whose costs would exceed the
+profile's bound on one operation (FLOP counts, say) is refused with one issue
+that names a unit that fits. Backward nodes stay as published (one per layer,
+one cost): a convolution's filter/data split would have to invent their shares.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.errors import Issue, ProfileError
-from planner.profile import PROFILE_SCHEMA_VERSION, GraphProfile, parse_profile, read_json
+from planner.profile import MAX_TIME_MS, PROFILE_SCHEMA_VERSION, GraphProfile, parse_profile, read_json
 
 
 class GraphImportError(ProfileError):
@@ -98,13 +102,14 @@ def graph_to_profile_data(
     if issues:
         raise GraphImportError(issues, source)
     backward = {key: bool(node.get("backward", False)) for key, node in zip(keys, data["nodes"])}
-    nodes = []
+    nodes, costs = [], []
     for i, (key, node) in enumerate(zip(keys, data["nodes"])):
         kind = "forward"
         if backward[key]:
             reads_backward = any(backward.get(src, False) for src in inputs[key])
             kind = "backward" if reads_backward else "loss"
         time = _number(node, time_field, i, issues)
+        costs.append(time)
         nodes.append(
             {
                 "id": key,
@@ -118,6 +123,7 @@ def graph_to_profile_data(
         )
     if issues:
         raise GraphImportError(issues, source)
+    _check_time_unit(nodes, costs, time_field, time_unit_ms, source)
     order = (data.get("graph") or {}).get("order")
     if isinstance(order, list) and sorted(map(str, order)) == sorted(inputs):
         rank = {str(key): i for i, key in enumerate(order)}
@@ -141,6 +147,42 @@ def graph_to_profile_data(
             + f"; time_ms = cost x {time_unit_ms}",
         },
     }
+
+
+def suggested_time_unit_ms(largest_cost: float) -> tuple[float, float]:
+    """(a round milliseconds-per-unit that fits the profile's bound on one operation, the largest that fits)."""
+    fits = MAX_TIME_MS / largest_cost
+    return 10.0 ** math.floor(math.log10(fits)), fits
+
+
+def _check_time_unit(nodes: list[dict], costs: list[float], time_field: str, time_unit_ms: float, source: str | None) -> None:
+    """Costs that are no milliseconds (FLOP counts, say) overflow the bound on one operation: say which unit fits.
+
+    Without this, every node past the bound would be reported on its own, none of them saying what to change.
+    """
+    largest, index = max(((cost, i) for i, cost in enumerate(costs)), default=(0.0, 0))
+    if largest * time_unit_ms <= MAX_TIME_MS:
+        return
+    suggestion, fits = suggested_time_unit_ms(largest)
+    over = sum(cost * time_unit_ms > MAX_TIME_MS for cost in costs)
+    raise GraphImportError(
+        [
+            Issue(
+                f"nodes[{index}].{time_field}",
+                f"compute costs are in the graph's own units and reach {largest:.12g} (node {_label(nodes[index])}; "
+                f"{over} of {len(nodes)} nodes are over): at --time-unit-ms {time_unit_ms:g} that is "
+                f"{largest * time_unit_ms:g} ms for one operation, beyond the {MAX_TIME_MS:g} ms a profile allows. "
+                f"Give the milliseconds per unit of cost with --time-unit-ms (time_unit_ms in Python): "
+                f"--time-unit-ms {suggestion:g} fits (any value up to {fits:.3g} does); costs that count "
+                "floating-point operations take the device's milliseconds per FLOP, e.g. 1e-10 at 10 TFLOP/s",
+            )
+        ],
+        source,
+    )
+
+
+def _label(node: dict) -> str:
+    return repr(node["id"]) if node["name"] == node["id"] else f"{node['id']!r}, {node['name']!r}"
 
 
 def import_graph(path: str | Path, **options) -> GraphProfile:

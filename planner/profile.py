@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +32,7 @@ MAX_BYTES = 2**50  # 1 PiB for one tensor, workspace or memory figure
 MAX_TIME_MS = 1e7  # about 2.8 hours for one operation or transfer latency
 MIN_BANDWIDTH_GB_PER_S = 1e-3  # 1 MB/s
 MAX_BANDWIDTH_GB_PER_S = 1e6
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 
 class _Strict(NumbersAreNumbers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=False)
@@ -109,10 +111,18 @@ class Node(_Strict):
     )
     module: str | None = Field(default=None, description="Qualified name of the model module it came from.")
     forward_node: str | None = Field(
-        default=None, description="For a backward node: the forward node it differentiates."
+        default=None,
+        description="For a backward node: the forward (or loss) node of this profile it differentiates. Several "
+        "backward nodes may share one (a convolution's filter-gradient and data-gradient nodes); between them they "
+        "read at least one tensor of the forward pass.",
     )
-    inputs: list[str] = Field(default_factory=list, description="Ids of the nodes whose tensors this node reads.")
-    implementations: list[Implementation] = Field(description="At least one.")
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="Ids of the other nodes of this profile whose tensors this node reads; the graph has no cycles.",
+    )
+    implementations: list[Implementation] = Field(
+        description="At least one; names unique within the node.", json_schema_extra={"minItems": 1}
+    )
 
     @field_validator("implementations")
     @classmethod
@@ -154,7 +164,7 @@ class Provenance(_Strict):
 
     source: Literal["measured", "estimated", "imported", "handmade"]
     device: str | None = None
-    measured_at: datetime | None = None
+    measured_at: datetime | None = Field(default=None, description="When it was measured: RFC 3339, with its offset.")
     estimator: str | None = Field(default=None, description="Model and version that estimated the figures.")
     repeats: int | None = Field(default=None, ge=1)
     spread_percent: float | None = Field(default=None, ge=0)
@@ -165,6 +175,17 @@ class Provenance(_Strict):
     input_signature: str | None = Field(default=None, description="Dtypes and shapes of the inputs it was measured with.")
     target_signature: str | None = Field(default=None, description="Dtypes and shapes of the targets, if any.")
     notes: str | None = None
+
+    @field_validator("measured_at", mode="before")
+    @classmethod
+    def _rfc3339(cls, value: Any) -> Any:
+        """What the schema's `date-time` promises and nothing else: not a number of seconds, not a bare date, not a
+        time without its offset (pydantic would read all three)."""
+        if value is None or isinstance(value, datetime):
+            return value
+        if not isinstance(value, str) or not _RFC3339.match(value):
+            raise ValueError(f"must be a date and time with its offset (RFC 3339), e.g. 2024-05-01T12:00:00Z, not {value!r}")
+        return value
 
 
 class GraphValidationError(ValueError):
@@ -180,7 +201,10 @@ class GraphProfile(_Strict):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"title": "GraphProfile"})
 
-    schema_version: str = Field(default=PROFILE_SCHEMA_VERSION, description="Version of this contract.")
+    schema_version: str = Field(
+        default=PROFILE_SCHEMA_VERSION, description="Version of this contract.",
+        json_schema_extra={"enum": list(SUPPORTED_PROFILE_VERSIONS)},
+    )
     name: str = Field(min_length=1, description="What was profiled, e.g. 'vgg19 batch 144 on P40'.")
     hardware: Hardware
     fixed_memory: FixedMemory = Field(default_factory=FixedMemory)
@@ -287,6 +311,13 @@ def check_graph(nodes: list[Node]) -> list[Issue]:
         )
         return issues
     kinds = {node.id: node.kind for node in nodes}
+    # A forward node's backward may be several nodes (a convolution's filter and data gradients): between them
+    # they read the forward pass, though one of them alone (the data gradient: dy and the weights) may not.
+    reads_forward_pass: dict[str, bool] = {}
+    for node in nodes:
+        if node.forward_node is not None:
+            reads = any(kinds[source] != "backward" for source in node.inputs)
+            reads_forward_pass[node.forward_node] = reads_forward_pass.get(node.forward_node, False) or reads
     for i, node in enumerate(nodes):
         if node.forward_node is None:
             continue
@@ -296,12 +327,12 @@ def check_graph(nodes: list[Node]) -> list[Issue]:
             issues.append(Issue(f"nodes[{i}].forward_node", f"{node.forward_node!r} is not a node"))
         elif kinds[node.forward_node] == "backward":
             issues.append(Issue(f"nodes[{i}].forward_node", f"{node.forward_node!r} is a backward node, not a forward one"))
-        elif not any(kinds[source] != "backward" for source in node.inputs):
+        elif not reads_forward_pass[node.forward_node]:
             issues.append(
                 Issue(
                     f"nodes[{i}].inputs",
                     f"backward node {node.id!r} claims to differentiate {node.forward_node!r} "
-                    "but reads no tensor of the forward pass",
+                    "but neither it nor another backward node of that forward node reads a tensor of the forward pass",
                 )
             )
     return issues

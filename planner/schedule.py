@@ -14,17 +14,28 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from planner.errors import Issue, ScheduleError
-from planner.validation import issues_from_validation_error
+from planner.validation import NumbersAreNumbers, issues_from_validation_error
 
 SCHEDULE_SCHEMA_VERSION = "1.0"
 SUPPORTED_SCHEDULE_VERSIONS = ("1.0",)
 
 
-class _Strict(BaseModel):
+class _Strict(NumbersAreNumbers):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class Compute(_Strict):
+def _op_required(schema: dict[str, Any]) -> None:
+    """`op` has a default for code that builds operations, but a document must name it: it is the union's tag."""
+    schema["required"] = ["op", *(name for name in schema.get("required", []) if name != "op")]
+
+
+class _Operation(BaseModel):
+    """No numbers here (so no NumbersAreNumbers, whose validator would run on the union's tag)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_op_required)
+
+
+class Compute(_Operation):
     """Compute node `node` with implementation `implementation` on the compute stream."""
 
     op: Literal["compute"] = "compute"
@@ -35,7 +46,7 @@ class Compute(_Strict):
         return f"compute {self.node} with {self.implementation}"
 
 
-class Offload(_Strict):
+class Offload(_Operation):
     """Start copying `tensor` to host memory on the device-to-host stream."""
 
     op: Literal["offload"] = "offload"
@@ -45,7 +56,7 @@ class Offload(_Strict):
         return f"offload {self.tensor}"
 
 
-class Prefetch(_Strict):
+class Prefetch(_Operation):
     """Allocate `tensor` on the device and start copying it back on the host-to-device stream."""
 
     op: Literal["prefetch"] = "prefetch"
@@ -55,7 +66,7 @@ class Prefetch(_Strict):
         return f"prefetch {self.tensor}"
 
 
-class Wait(_Strict):
+class Wait(_Operation):
     """Make the compute stream wait until the latest `transfer` of `tensor` has finished."""
 
     op: Literal["wait"] = "wait"
@@ -66,7 +77,7 @@ class Wait(_Strict):
         return f"wait for {self.transfer} of {self.tensor}"
 
 
-class Free(_Strict):
+class Free(_Operation):
     """Release the device copy of `tensor` (once any offload reading it has finished)."""
 
     op: Literal["free"] = "free"
@@ -82,7 +93,7 @@ Operation = Annotated[Union[Compute, Offload, Prefetch, Wait, Free], Field(discr
 class Stage(_Strict):
     """Operations issued while computing `node` for the first time (MO-SOS stage t)."""
 
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, description="Its position in `stages`: 0, 1, 2, ... in order.")
     node: str | None = Field(default=None, description="The node first computed in this stage, if any.")
     operations: list[Operation] = Field(default_factory=list)
 
@@ -117,7 +128,9 @@ class Summary(_Strict):
 
 
 class Schedule(_Strict):
-    schema_version: str = SCHEDULE_SCHEMA_VERSION
+    schema_version: str = Field(
+        default=SCHEDULE_SCHEMA_VERSION, json_schema_extra={"enum": list(SUPPORTED_SCHEDULE_VERSIONS)}
+    )
     profile_name: str
     profile_digest: str = Field(description="GraphProfile.digest() of the profile it was made for.")
     budget_bytes: int | None = Field(default=None, ge=0, description="None: no memory limit.")

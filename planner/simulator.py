@@ -25,6 +25,7 @@ first violation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -35,12 +36,20 @@ from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 STREAMS = ("compute", "d2h", "h2d")
 
 
+SpanKind = Literal["compute", "recompute", "offload", "prefetch", "stall"]
+
+
 class Span(BaseModel):
+    """One interval on one stream; `node` is the node computed, or the tensor copied or waited for."""
+
     stream: str
     label: str
     start_ms: float
     end_ms: float
     stage: int
+    kind: SpanKind
+    node: str
+    implementation: str | None = None
 
 
 class MemoryPoint(BaseModel):
@@ -217,7 +226,8 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
     if implementation.workspace_bytes:
         replay.memory(start, implementation.workspace_bytes, stage, index, description + " (workspace)", node.id)
         replay.memory(end, -implementation.workspace_bytes, stage, index, description + " (workspace)", node.id)
-    if state.computed:
+    recomputed = state.computed
+    if recomputed:
         replay.recompute_ms += implementation.time_ms
     if implementation.name != node.fastest.name:
         replay.implementations_changed += 1
@@ -226,7 +236,10 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
     replay.compute_ms = end
     replay.compute_busy_ms += implementation.time_ms
     replay.computed_order.append(node.id)
-    replay.spans.append(Span(stream="compute", label=f"{node.label} [{implementation.name}]", start_ms=start, end_ms=end, stage=stage))
+    replay.spans.append(
+        Span(stream="compute", label=f"{node.label} [{implementation.name}]", start_ms=start, end_ms=end, stage=stage,
+             kind="recompute" if recomputed else "compute", node=node.id, implementation=implementation.name)
+    )
 
 
 def _known_tensor(replay: _Replay, stage: int, index: int, operation, tensor: str) -> _TensorState:
@@ -254,7 +267,10 @@ def _offload(replay: _Replay, stage: int, index: int, operation: Offload) -> Non
     replay.offloaded_bytes += size
     state.offload_end_ms = end
     state.has_host_copy = True
-    replay.spans.append(Span(stream="d2h", label=f"offload {operation.tensor}", start_ms=start, end_ms=end, stage=stage))
+    replay.spans.append(
+        Span(stream="d2h", label=f"offload {operation.tensor}", start_ms=start, end_ms=end, stage=stage, kind="offload",
+             node=operation.tensor)
+    )
 
 
 def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> None:
@@ -276,7 +292,10 @@ def _prefetch(replay: _Replay, stage: int, index: int, operation: Prefetch) -> N
     replay.prefetched_bytes += size
     state.on_device = True
     state.prefetch_end_ms = end
-    replay.spans.append(Span(stream="h2d", label=f"prefetch {operation.tensor}", start_ms=start, end_ms=end, stage=stage))
+    replay.spans.append(
+        Span(stream="h2d", label=f"prefetch {operation.tensor}", start_ms=start, end_ms=end, stage=stage, kind="prefetch",
+             node=operation.tensor)
+    )
 
 
 def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
@@ -291,7 +310,10 @@ def _wait(replay: _Replay, stage: int, index: int, operation: Wait) -> None:
             raise _reject(f"{operation.tensor!r} was never offloaded, so there is nothing to wait for", stage, index, operation, operation.tensor)
         end = state.offload_end_ms
     if end > replay.compute_ms:
-        replay.spans.append(Span(stream="compute", label=f"stall: {operation.describe()}", start_ms=replay.compute_ms, end_ms=end, stage=stage))
+        replay.spans.append(
+            Span(stream="compute", label=f"stall: {operation.describe()}", start_ms=replay.compute_ms, end_ms=end,
+                 stage=stage, kind="stall", node=operation.tensor)
+        )
         replay.compute_ms = end
 
 

@@ -235,23 +235,49 @@ def test_cancel_a_running_solve_and_a_queued_one(client):
     running = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=20, wait_s=0, seed=21)).json()
     wait_for(client, running["id"], ("solving",))
     started = time.monotonic()
-    cancelled = client.delete(f"/v1/plans/{running['id']}")
+    cancelled = client.post(f"/v1/plans/{running['id']}/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert client.get(f"/v1/plans/{running['id']}").json()["status"] == "cancelled"
-    assert client.delete(f"/v1/plans/{running['id']}").status_code == 200  # idempotent
+    assert client.post(f"/v1/plans/{running['id']}/cancel").status_code == 200  # idempotent
     # The worker stops and takes the next plan long before the 20 s limit.
     after = client.post("/v1/plans", json=plan_request(seed=22, wait_s=15))
     assert after.status_code == 200 and time.monotonic() - started < 10
     assert metric(client, "mosos_solves_total", strategy="test-sleep", outcome="cancelled") >= 1
     done = client.post("/v1/plans", json=plan_request(seed=23)).json()
-    assert client.delete(f"/v1/plans/{done['id']}").status_code == 409
-    assert client.delete("/v1/plans/no-such-plan").status_code == 404
+    assert client.post(f"/v1/plans/{done['id']}/cancel").status_code == 409
+    assert client.post("/v1/plans/no-such-plan/cancel").status_code == 404
+
+
+def test_delete_forgets_a_plan_running_or_done(client, caplog):
+    """DELETE means what HTTP says: the plan is gone (404 after), cancelled first if it runs. Cancelling and keeping
+    the record is POST .../cancel."""
+    import logging
+
+    request = plan_request(seed=26)
+    done = client.post("/v1/plans", json=request).json()
+    assert done["status"] == "done"
+    answer = client.delete(f"/v1/plans/{done['id']}")
+    assert answer.status_code == 204 and answer.content == b""
+    assert client.get(f"/v1/plans/{done['id']}").status_code == 404
+    assert client.get(f"/v1/plans/{done['id']}/trace").status_code == 404
+    assert client.delete(f"/v1/plans/{done['id']}").status_code == 404
+    assert done["id"] not in [plan["id"] for plan in client.get("/v1/plans", params={"limit": 100}).json()["plans"]]
+    again = client.post("/v1/plans", json=request).json()  # forgotten: solved anew, not answered from the store
+    assert again["cached"] is False and again["id"] != done["id"] and again["status"] == "done"
+    with caplog.at_level(logging.ERROR, logger="mosos.api"):
+        running = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=20, wait_s=0, seed=27)).json()
+        wait_for(client, running["id"], ("solving",))
+        assert client.delete(f"/v1/plans/{running['id']}").status_code == 204
+        assert client.get(f"/v1/plans/{running['id']}").status_code == 404
+        after = client.post("/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=0.2, seed=28, wait_s=15))
+        assert after.status_code == 200 and after.json()["status"] == "done"  # its solve process was freed
+    assert not [record for record in caplog.records if running["id"] in record.getMessage()]
 
 
 def test_a_solve_that_ignores_cancel_is_killed_and_its_process_replaced(client):
     stubborn = client.post("/v1/plans", json=plan_request(strategy="test-stubborn", time_limit_s=25, wait_s=0)).json()
     wait_for(client, stubborn["id"], ("solving",))
-    assert client.delete(f"/v1/plans/{stubborn['id']}").json()["status"] == "cancelled"
+    assert client.post(f"/v1/plans/{stubborn['id']}/cancel").json()["status"] == "cancelled"
     seeds = iter(range(100, 200))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # both processes serve plans again
@@ -312,7 +338,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_stores_nothing(client):
         assert metric(client, "mosos_queue_depth") == 2
     finally:
         for plan in busy:
-            client.delete(f"/v1/plans/{plan['id']}")
+            client.post(f"/v1/plans/{plan['id']}/cancel")
     assert wait_for(client, busy[0]["id"], ("cancelled",))
 
 
@@ -452,6 +478,23 @@ def test_trace_and_memory_picture_of_a_done_plan(client):
     assert picture.status_code == 200 and picture.headers["content-type"] == "image/png"
     assert picture.content.startswith(b"\x89PNG")
     assert client.get("/v1/plans/unknown/memory.png").status_code == 404
+
+
+def test_viewer_page_of_a_done_plan(client):
+    from planner.viewer import content_security_policy, plan_view_html
+
+    body = client.post("/v1/plans", json=plan_request(seed=81)).json()
+    assert body["links"]["view"] == f"/v1/plans/{body['id']}/view"
+    page = client.get(body["links"]["view"])
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.headers["content-security-policy"] == content_security_policy(header=True)
+    assert page.headers["x-content-type-options"] == "nosniff"
+    profile, schedule = parse_profile(shipped_profile()), parse_schedule(body["schedule"])
+    assert page.text == plan_view_html(profile, schedule, title=f"{profile.name} (keep-all)")
+    assert client.get("/v1/plans/unknown/view").status_code == 404
+    infeasible = client.post("/v1/plans", json=plan_request(budget_bytes=1, strategy="test-sleep", time_limit_s=0.1)).json()
+    refused = client.get(f"/v1/plans/{infeasible['id']}/view")
+    assert refused.status_code == 409 and "no schedule to replay" in refused.json()["message"]
 
 
 def test_health_metrics_and_docs(client):

@@ -160,3 +160,28 @@ def test_status_calls_stay_fast_while_heavy_simulations_are_in_flight(tmp_path):
     assert status_p50 < 0.2 * simulate_p50, (status, simulate)
     assert status_p50 < 0.3, (status, simulate)
     assert len(status) >= 3, (status, simulate)
+
+
+def test_a_real_server_takes_a_non_ascii_token_and_refuses_cross_origin_text_bodies(tmp_path):
+    """Through uvicorn and httptools: the token's UTF-8 bytes reach the check untouched, and a text/plain body
+    from another origin (no preflight, no token needed on loopback) is refused before anything is queued."""
+    token = "clé-секрет-🔑"
+    token_file = tmp_path / "token"
+    token_file.write_bytes(f"{token}\n".encode())
+    profile = bench.chain_profile(4)
+    with bench.serve(tmp_path, extra=["--token-file", str(token_file)]) as (_, base, _log):
+        good = {"Authorization": b"Bearer " + token.encode("utf-8")}
+        assert httpx.get(f"{base}/v1/plans", headers=good, timeout=10).status_code == 200
+        assert httpx.get(f"{base}/v1/plans", headers={"Authorization": b"Bearer " + token.encode("latin-1", "replace")},
+                         timeout=10).status_code == 401
+        import json
+
+        body = json.dumps({"profile": profile, "strategy": "keep-all", "wait_s": 10}).encode()
+        for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+            refused = httpx.post(f"{base}/v1/plans", content=body, timeout=30,
+                                 headers={**good, "Content-Type": content_type, "Origin": "https://attacker.example"})
+            assert refused.status_code == 415, refused.text
+        assert httpx.get(f"{base}/v1/plans", headers=good, timeout=10).json()["plans"] == []
+        accepted = httpx.post(f"{base}/v1/plans", content=body, timeout=30,
+                              headers={**good, "Content-Type": "application/json; charset=utf-8"})
+        assert accepted.status_code == 200 and accepted.json()["status"] == "done", accepted.text

@@ -13,7 +13,7 @@ from planner.strategies.keep_all import keep_all_peak_bytes
 from tests.conftest import make_profile, node
 
 MB = 1_000_000
-BASELINES = ["auto", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "swap-recompute-heuristic"]
+BASELINES = ["auto", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "checkpoint-all", "swap-recompute-heuristic"]
 OFFLOADING = ["vdnn-all", "vdnn-conv", "vdnn-dyn", "swap-recompute-heuristic"]
 
 
@@ -26,8 +26,12 @@ def algorithms(fast_ms=1.0, workspace=6 * MB):
     ]
 
 
-def conv_net(layers=9, bandwidth=1.0, fast_ms=1.0):
-    """x -> conv, conv, relu, conv, conv, relu ... -> loss, and a backward node per layer reading what it needs."""
+def conv_net(layers=9, bandwidth=1.0, fast_ms=1.0, split=False):
+    """x -> conv, conv, relu, conv, conv, relu ... -> loss, and a backward node per layer reading what it needs.
+
+    With `split`, a convolution's backward is two nodes, as in estimated profiles: the filter gradient (reads the
+    gradient and the layer's input, makes nothing the graph reads) then the data gradient (reads the gradient only);
+    the first convolution has no data gradient."""
     nodes = [node("x", output_bytes=2 * MB, time_ms=0.5, op_type="input")]
     previous = "x"
     for i in range(layers):
@@ -42,6 +46,15 @@ def conv_net(layers=9, bandwidth=1.0, fast_ms=1.0):
         source = f"l{i - 1}" if i else "x"
         if i % 3 == 2:
             nodes.append(node(f"l{i}:bwd", kind="backward", inputs=[gradient, f"l{i}"], output_bytes=3 * MB, time_ms=0.1, forward_node=f"l{i}"))
+        elif split:
+            nodes.append(node(f"l{i}:bwd_filter", kind="backward", inputs=[gradient, source], output_bytes=0,
+                              forward_node=f"l{i}", implementations=algorithms(fast_ms / 2)))
+            if i == 0:
+                break
+            nodes.append(node(f"l{i}:bwd_data", kind="backward", inputs=[gradient], output_bytes=3 * MB,
+                              forward_node=f"l{i}", implementations=algorithms(fast_ms / 2)))
+            gradient = f"l{i}:bwd_data"
+            continue
         else:
             nodes.append(
                 node(f"l{i}:bwd", kind="backward", inputs=[gradient, source], output_bytes=3 * MB, forward_node=f"l{i}", implementations=algorithms(fast_ms))
@@ -86,17 +99,17 @@ def operations(schedule, kind):
 
 
 @pytest.mark.parametrize("strategy", BASELINES)
-@pytest.mark.parametrize("make", [conv_net, skip_net])
+@pytest.mark.parametrize("make", [conv_net, skip_net, "split_conv_net"])
 def test_plan_validates_at_a_budget_where_it_fits(strategy, make):
-    profile = make()
+    profile = conv_net(split=True) if make == "split_conv_net" else make()
     budget = keep_all_peak_bytes(profile)
     valid(profile, plan(profile, budget, strategy=strategy), budget, strategy)
 
 
 @pytest.mark.parametrize("strategy", BASELINES)
-@pytest.mark.parametrize("make", [conv_net, skip_net, "expand_net"])
+@pytest.mark.parametrize("make", [conv_net, skip_net, "expand_net", "split_conv_net"])
 def test_too_small_a_budget_gives_a_minimum_that_really_is_feasible(strategy, make):
-    profile = expand_net() if make == "expand_net" else make()
+    profile = {"expand_net": expand_net, "split_conv_net": lambda: conv_net(split=True)}.get(make, make)()
     floor = minimum_budget_bytes(profile)  # no plan of any strategy fits below this
     try:
         schedule = plan(profile, floor, strategy=strategy)
@@ -167,6 +180,54 @@ def test_vdnn_offloads_in_forward_and_prefetches_one_layer_ahead(strategy):
             source for n in profile.nodes if n.kind == "forward" and "conv" in n.op_type for source in n.inputs
         }
         assert {op.tensor for _, op in offloads} <= conv_inputs
+
+
+def pooled_net(split: bool):
+    """x -> c0 (conv) -> a1, a2 (pooling-like: their backward reads their input) -> c3 (conv) -> loss."""
+    conv = dict(op_type="conv2d", implementations=algorithms())
+    nodes = [
+        node("x", output_bytes=2 * MB, time_ms=0.5, op_type="input"),
+        node("c0", inputs=["x"], output_bytes=3 * MB, **conv),
+        node("a1", inputs=["c0"], output_bytes=3 * MB, time_ms=2.0, op_type="max_pool2d"),
+        node("a2", inputs=["a1"], output_bytes=3 * MB, time_ms=2.0, op_type="max_pool2d"),
+        node("c3", inputs=["a2"], output_bytes=3 * MB, **conv),
+        node("loss", kind="loss", inputs=["c3"], output_bytes=10, time_ms=0.1),
+    ]
+    if split:
+        nodes += [
+            node("c3:bwd_filter", kind="backward", inputs=["loss", "a2"], output_bytes=0, forward_node="c3", **conv),
+            node("c3:bwd_data", kind="backward", inputs=["loss"], output_bytes=3 * MB, forward_node="c3", **conv),
+        ]
+        gradient = "c3:bwd_data"
+    else:
+        nodes.append(node("c3:bwd", kind="backward", inputs=["loss", "a2"], output_bytes=3 * MB, forward_node="c3", **conv))
+        gradient = "c3:bwd"
+    nodes += [
+        node("a2:bwd", kind="backward", inputs=[gradient, "a1"], output_bytes=3 * MB, time_ms=2.0, forward_node="a2"),
+        node("a1:bwd", kind="backward", inputs=["a2:bwd", "c0"], output_bytes=3 * MB, time_ms=2.0, forward_node="a1"),
+        node("c0:bwd_filter" if split else "c0:bwd", kind="backward", inputs=["a1:bwd", "x"], output_bytes=0,
+             forward_node="c0", **conv),
+    ]
+    return make_profile(nodes, fixed_bytes=MB, d2h=10.0, h2d=10.0)
+
+
+def test_vdnn_opens_one_prefetch_window_per_layer_when_a_convolution_backward_is_two_nodes():
+    """findPrefetchLayer runs once per layer: with the first of its backward nodes, waited for after the last."""
+    windows = {}
+    for split in (False, True):
+        profile = pooled_net(split)
+        budget = keep_all_peak_bytes(profile)
+        schedule = plan(profile, budget, strategy="vdnn-all")
+        valid(profile, schedule, budget, "vdnn-all")
+        by_id = profile.node_by_id
+        ahead = [(stage, op.tensor) for stage, op in operations(schedule, Prefetch) if op.tensor not in by_id[stage].inputs]
+        waits = {op.tensor: stage for stage, op in operations(schedule, Wait) if op.transfer == "prefetch"}
+        windows[split] = [(by_id[stage].forward_node, tensor, by_id[waits[tensor]].forward_node) for stage, tensor in ahead]
+        if split:  # issued with c3's filter gradient, waited for once its data gradient has run
+            assert [(stage, waits[tensor]) for stage, tensor in ahead if by_id[stage].forward_node == "c3"] == [
+                ("c3:bwd_filter", "c3:bwd_data")
+            ]
+    assert windows[True] == windows[False] == [("c3", "a1", "c3"), ("a2", "c0", "a2"), ("a1", "x", "a1")]
 
 
 def test_vdnn_static_policies_fall_back_to_memory_optimal_algorithms():

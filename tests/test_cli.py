@@ -87,6 +87,21 @@ def test_import_graph_command(tmp_path):
     assert json.loads(result.output)["strategies"][0]["peak_memory_bytes"] == 15_825_108_992
 
 
+def test_import_graph_with_flop_counts_names_the_time_unit_that_fits(tmp_path):
+    graph = tmp_path / "flops.json"
+    nodes = [{"id": i, "name": f"layer{i}", "backward": i > 1, "cost_cpu": cost, "cost_ram": 1 << 20}
+             for i, cost in enumerate([3.1e11, 2.0e10, 1.0e3, 6.2e11])]
+    links = [{"source": 0, "target": 1}, {"source": 1, "target": 2}, {"source": 2, "target": 3}, {"source": 0, "target": 3}]
+    graph.write_text(json.dumps({"graph": {"name": "flops"}, "nodes": nodes, "links": links}))
+    out = tmp_path / "p.json"
+    result = invoke("import-graph", graph, "-o", out)
+    assert result.exit_code == 2 and "Traceback" not in result.output and not out.exists()
+    assert "nodes[3].cost_cpu" in result.output and "--time-unit-ms 1e-05 fits" in result.output
+    result = invoke("import-graph", graph, "-o", out, "--time-unit-ms", "1e-05")
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["nodes"][3]["implementations"][0]["time_ms"] == pytest.approx(6.2e6)
+
+
 def test_output_mistakes_are_refused_before_any_work(tmp_path, offload_profile, monkeypatch):
     good = tmp_path / "good.json"
     good.write_text(offload_profile.to_json())

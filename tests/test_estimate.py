@@ -13,7 +13,7 @@ from torch import nn  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from models import cudnn, get_model, list_models  # noqa: E402
-from models.estimator import EstimateError, estimate, estimate_module  # noqa: E402
+from models.estimator import EstimateError, estimate, estimate_module, fold_split_backward  # noqa: E402
 from models.gpus import GPUS, get_gpu  # noqa: E402
 from models.make_profiles import PROFILE_DIR, SHIPPED  # noqa: E402
 from models.roofline import Device  # noqa: E402
@@ -33,14 +33,23 @@ def test_small_models_give_valid_profiles_that_keep_all_can_run(name):
     again = parse_profile(json.loads(profile.to_json()))  # the JSON round trip validates
     assert again.digest() == profile.digest()
     assert profile.provenance.source == "estimated"
-    assert "v1.0" in profile.provenance.estimator and profile.provenance.device == "Tesla P40"
+    assert "v1.1" in profile.provenance.estimator and profile.provenance.device == "Tesla P40"
     kinds = [node.kind for node in profile.nodes]
     assert kinds.count("loss") == 1
     loss_at = kinds.index("loss")
     assert set(kinds[:loss_at]) == {"forward"} and set(kinds[loss_at + 1 :]) == {"backward"}
-    ids = {node.id for node in profile.nodes}
-    for node in profile.nodes[loss_at + 1 :]:
-        assert node.id.endswith(":bwd") and node.id.removesuffix(":bwd") in ids
+    by_id = profile.node_by_id
+    backward = profile.nodes[loss_at + 1 :]
+    for i, node in enumerate(backward):
+        forward_id, suffix = node.id.rsplit(":", 1)
+        assert forward_id in by_id and by_id[forward_id].kind == "forward"
+        assert node.forward_node in (forward_id, None)
+        if by_id[forward_id].op_type in ("conv2d", "conv_transpose2d"):  # two nodes: filter, then data gradient
+            assert suffix in ("bwd_filter", "bwd_data") and node.op_type == f"{by_id[forward_id].op_type}_{suffix.replace('bwd', 'backward')}"
+            if suffix == "bwd_data":
+                assert backward[i - 1].id == f"{forward_id}:bwd_filter"
+        else:
+            assert suffix == "bwd"
     result = simulate(profile, keep_all_schedule(profile))
     assert result.peak_memory_bytes > profile.fixed_bytes
 
@@ -52,9 +61,16 @@ def test_node_ids_follow_the_fx_graph():
     profile = estimate("resnet18", 2, "v100", small=True)
     forward = [node.id for node in profile.nodes if node.kind == "forward"]
     assert forward == work
-    # one backward node per forward node (all are on the gradient path here), in reverse order
-    backward = [node.id.removesuffix(":bwd") for node in profile.nodes if node.kind == "backward"]
-    assert backward == list(reversed(work))
+    # backward nodes per forward node (all are on the gradient path here), in reverse order: one each, except
+    # a convolution's filter gradient then data gradient (none for the stem, whose input needs no gradient)
+    backward = [node.id for node in profile.nodes if node.kind == "backward"]
+    expected = []
+    for name in reversed(work):
+        if profile.node_by_id[name].op_type == "conv2d":
+            expected += [f"{name}:bwd_filter"] + ([f"{name}:bwd_data"] if name != "conv1" else [])
+        else:
+            expected.append(f"{name}:bwd")
+    assert backward == expected
     flatten = profile.node_by_id["flatten:bwd"]  # a view's backward: 0 bytes, shows the fc's gradient
     assert flatten.output_bytes == 0 and flatten.inputs == ["fc:bwd"]
     assert profile.node_by_id["avgpool:bwd"].inputs == ["flatten:bwd", "fc:bwd"]
@@ -67,16 +83,22 @@ def test_sizes_and_saved_tensors_of_vgg16():
     conv1 = nodes["features_0"]
     assert conv1.op_type == "conv2d" and conv1.output_bytes == batch * 64 * 224 * 224 * FLOAT
     relu1 = nodes["features_1"]
-    assert nodes["features_1:bwd"].inputs == ["features_2:bwd", "features_1"]  # ReLU backward reads its output
+    assert nodes["features_1:bwd"].inputs == ["features_2:bwd_data", "features_1"]  # ReLU backward reads its output
     pool = nodes["features_4"]
     assert pool.extra_saved_bytes == batch * 64 * 112 * 112 * 8  # int64 indices
-    assert set(nodes["features_4:bwd"].inputs) == {"features_5:bwd", "features_3", "features_4"}
-    # a convolution's backward reads its input; the first one has no input gradient to produce
-    assert nodes["features_2:bwd"].inputs == ["features_3:bwd", "features_1"]
-    assert nodes["features_2:bwd"].output_bytes == relu1.output_bytes
-    assert nodes["features_0:bwd"].output_bytes == 0
-    assert nodes["features_0:bwd"].forward_node is None  # it reads only gradients and the model input
-    assert all(i.name.startswith("filter=") for i in nodes["features_0:bwd"].implementations)
+    assert set(nodes["features_4:bwd"].inputs) == {"features_5:bwd_data", "features_3", "features_4"}
+    # a convolution's backward is two nodes: the filter gradient reads the output gradient and the input,
+    # then the data gradient reads the output gradient only (and the weights: fixed memory) and makes dx
+    filter2, data2 = nodes["features_2:bwd_filter"], nodes["features_2:bwd_data"]
+    assert profile.order.index(filter2.id) + 1 == profile.order.index(data2.id)
+    assert filter2.inputs == ["features_3:bwd", "features_1"] and filter2.output_bytes == 0
+    assert data2.inputs == ["features_3:bwd"] and data2.output_bytes == relu1.output_bytes
+    assert filter2.forward_node == data2.forward_node == "features_2"
+    assert (filter2.op_type, data2.op_type) == ("conv2d_backward_filter", "conv2d_backward_data")
+    # the first one has no input gradient to produce: no data-gradient node
+    assert "features_0:bwd_data" not in nodes and "features_0:bwd" not in nodes
+    assert nodes["features_0:bwd_filter"].forward_node is None  # it reads only gradients and the model input
+    assert nodes["features_0:bwd_filter"].inputs == ["features_1:bwd"]
     dropout = next(n for n in profile.nodes if n.op_type == "dropout")
     assert dropout.extra_saved_bytes == batch * 4096  # bool mask
     flatten = nodes["flatten"]
@@ -99,11 +121,37 @@ def test_convolutions_get_one_implementation_per_applicable_family():
     three = profile.node_by_id["layer1_0_conv2"]  # 3x3, stride 1
     assert {"winograd", "winograd_nonfused", "fft", "fft_tiling"} <= {i.name for i in three.implementations}
     assert three.smallest_workspace.workspace_bytes == 0  # a zero-workspace algorithm always exists
-    backward = profile.node_by_id["layer1_0_conv2:bwd"].implementations
-    times = [i.time_ms for i in backward]
-    workspaces = [i.workspace_bytes for i in backward]
-    assert times == sorted(times) and workspaces == sorted(workspaces, reverse=True)  # a Pareto front
-    assert all(i.name.startswith("data=") and "+filter=" in i.name for i in backward)
+    families = {
+        "bwd_filter": {"implicit_gemm", "gemm", "fft", "fft_tiling", "winograd_nonfused"},
+        "bwd_data": {"implicit_gemm", "fft", "fft_tiling", "winograd", "winograd_nonfused"},
+    }
+    for part, allowed in families.items():  # each its own cuDNN algorithms, times and workspaces
+        backward = profile.node_by_id[f"layer1_0_conv2:{part}"].implementations
+        times = [i.time_ms for i in backward]
+        workspaces = [i.workspace_bytes for i in backward]
+        assert times == sorted(times) and workspaces == sorted(workspaces, reverse=True)  # a Pareto front
+        assert {i.name for i in backward} <= allowed and workspaces[-1] == 0
+    # strided: only the implicit algorithms compute the data gradient
+    assert [i.name for i in profile.node_by_id["layer2_0_conv2:bwd_data"].implementations] == ["implicit_gemm"]
+
+
+def test_folding_the_split_backward_gives_one_node_per_convolution():
+    profile = estimate("vgg16", 2, "p40", small=True)
+    folded = {n.id: n for n in fold_split_backward(profile.nodes)}
+    nodes = profile.node_by_id
+    conv = folded["features_2:bwd"]
+    assert set(conv.inputs) == {"features_3:bwd", "features_1"}
+    assert conv.output_bytes == nodes["features_2:bwd_data"].output_bytes
+    assert conv.implementations[0].time_ms == pytest.approx(
+        nodes["features_2:bwd_filter"].fastest.time_ms + nodes["features_2:bwd_data"].fastest.time_ms)
+    names = [i.name for i in conv.implementations]  # Pareto pairs of the two parts' algorithms, as v1.0 had
+    assert names and all(name.startswith("data=") and "+filter=" in name for name in names)
+    assert conv.implementations[-1].workspace_bytes == 0
+    assert [i.name for i in folded["features_0:bwd"].implementations] == [
+        f"filter={i.name}" for i in nodes["features_0:bwd_filter"].implementations]
+    assert folded["features_1:bwd"].inputs == ["features_2:bwd", "features_1"]
+    assert "features_0:bwd" in folded and not any(":bwd_" in node_id for node_id in folded)
+    parse_profile({**json.loads(profile.to_json()), "nodes": [json.loads(n.model_dump_json()) for n in folded.values()]})
 
 
 def test_transformer_has_attention_and_residual_gradient_nodes():

@@ -69,3 +69,26 @@ def test_odd_graph_shapes_are_explained_at_their_place_in_the_graph(document, pa
     with pytest.raises(GraphImportError) as caught:
         graph_to_profile_data(document)
     assert caught.value.issues[0].path == path and fragment in caught.value.issues[0].message
+
+
+def flop_graph(flops=(2.2e11, 4.0e9, 5.1e8)):
+    """A Checkmate-dialect chain whose costs count floating-point operations, as some published graphs do."""
+    nodes = [{"id": i, "name": f"conv{i}", "backward": False, "cost_cpu": cost, "cost_ram": 1 << 20}
+             for i, cost in enumerate(flops)]
+    links = [{"source": i, "target": i + 1} for i in range(len(flops) - 1)]
+    return {"directed": True, "multigraph": False, "graph": {"name": "flops"}, "nodes": nodes, "links": links}
+
+
+def test_costs_beyond_the_time_bound_ask_for_a_time_unit_that_fits():
+    with pytest.raises(GraphImportError) as caught:
+        graph_to_profile_data(flop_graph())
+    [issue] = caught.value.issues  # one issue that says what to change, not one per node
+    assert issue.path == "nodes[0].cost_cpu"
+    assert "220000000000" in issue.message and "'conv0'" in issue.message and "3 of 3 nodes are over" in issue.message
+    assert "--time-unit-ms 1e-05 fits" in issue.message and "4.55e-05" in issue.message
+    with pytest.raises(GraphImportError, match="at --time-unit-ms 0.0001 that is 2.2e\\+07 ms"):
+        graph_to_profile_data(flop_graph(), time_unit_ms=1e-4)
+    data = graph_to_profile_data(flop_graph(), time_unit_ms=1e-5)
+    assert [n["implementations"][0]["time_ms"] for n in data["nodes"]] == pytest.approx([2.2e6, 4.0e4, 5.1e3])
+    # the bound itself still fits
+    graph_to_profile_data(flop_graph((1e7,)))

@@ -48,3 +48,12 @@ def test_the_same_algorithms_need_more_than_one_gib(comparisons):
 
 def test_no_problem_reported(comparisons):
     assert [c.problems for c in comparisons] == [[]] * 13
+
+
+def test_backward_filter_and_data_each_within_a_factor_2(comparisons):
+    """Each backward node alone against its measured cuDNN call (the estimator's first layers are optimistic)."""
+    filters = [(c.layer, c.estimated_filter_ms / c.measured_filter_ms) for c in comparisons]
+    datas = [(c.layer, c.estimated_data_ms / c.measured_data_ms) for c in comparisons[1:]]
+    assert comparisons[0].measured_data_ms is None and comparisons[0].estimated_data_ms is None  # first layer
+    assert len(filters) == 13 and len(datas) == 12
+    assert all(0.5 <= ratio <= 2.0 for _, ratio in filters + datas), filters + datas

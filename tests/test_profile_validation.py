@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from planner.budget import check_budget, minimum_budget_bytes
+from planner.budget import check_budget, minimum_budget_bytes, node_floor_parts, nodes_over
 from planner.errors import BudgetError, ProfileError
 from planner.profile import GraphProfile, load_profile, parse_profile
 from planner.schedule import Schedule
@@ -61,7 +61,34 @@ def test_backward_node_reading_nothing_from_forward():
     nodes[3]["inputs"] = []
     [(path, message)] = issues_of(profile_data(nodes))
     assert path == "nodes[3].inputs"
-    assert "claims to differentiate 'y' but reads no tensor of the forward pass" in message
+    assert "claims to differentiate 'y' but neither it nor another backward node" in message
+    assert "reads a tensor of the forward pass" in message
+
+
+def split_convolution():
+    """y = conv(x), z = relu(y): the convolution's backward as a filter-gradient node (reads x and dz)
+    and a data-gradient node (reads dz only: the weights are fixed memory)."""
+    return [
+        node("x", output_bytes=100),
+        node("y", inputs=["x"], output_bytes=200),
+        node("z", inputs=["y"], output_bytes=200),
+        node("loss", kind="loss", inputs=["z"], output_bytes=200),
+        node("z:bwd", kind="backward", inputs=["loss", "z"], output_bytes=200, forward_node="z"),
+        node("y:bwd_filter", kind="backward", inputs=["z:bwd", "x"], output_bytes=0, forward_node="y"),
+        node("y:bwd_data", kind="backward", inputs=["z:bwd"], output_bytes=100, forward_node="y"),
+        node("x:bwd", kind="backward", inputs=["y:bwd_data", "x"], output_bytes=100, forward_node="x"),
+    ]
+
+
+def test_a_data_gradient_node_may_read_only_gradients_when_its_filter_gradient_reads_the_forward_pass():
+    profile = make_profile(split_convolution())
+    assert profile.order == ["x", "y", "z", "loss", "z:bwd", "y:bwd_filter", "y:bwd_data", "x:bwd"]
+    assert profile.consumers["x"] == ["y", "y:bwd_filter", "x:bwd"]
+    nodes = split_convolution()
+    nodes[5]["inputs"] = ["z:bwd"]  # now neither backward node of 'y' reads the forward pass
+    issues = issues_of(profile_data(nodes))
+    assert [path for path, _ in issues] == ["nodes[5].inputs", "nodes[6].inputs"]
+    assert all("claims to differentiate 'y'" in message for _, message in issues)
 
 
 @pytest.mark.parametrize(
@@ -142,6 +169,15 @@ def test_budget_below_any_plan_gives_the_minimum():
         check_budget(profile, 1349)
     assert caught.value.minimum_budget_bytes == 1350
     assert "1350 bytes" in str(caught.value) and "'y'" in str(caught.value)
+
+
+def test_nodes_over_a_budget_say_what_they_hold():
+    profile = make_profile(chain(), fixed_bytes=1000)
+    assert node_floor_parts(profile, "y") == [("input", "x", 100), ("output", "y", 200), ("workspace of default", "y", 50)]
+    assert node_floor_parts(profile, "y:bwd") == [("input", "loss", 4), ("input", "x", 100), ("output", "y:bwd", 200)]
+    assert nodes_over(profile, 1350) == []
+    assert nodes_over(profile, 1303) == [("y", 1350), ("y:bwd", 1304)]  # worst first
+    assert nodes_over(profile, 1304) == [("y", 1350)]
 
 
 def test_round_trip_and_schema():

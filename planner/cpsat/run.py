@@ -51,6 +51,7 @@ def infeasible(
         f"strategy {strategy!r}: no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}), {reason}; "
         + minimum.describe(),
         minimum_budget_bytes=minimum.budget_bytes,
+        proven=status == "INFEASIBLE",
     )
 
 

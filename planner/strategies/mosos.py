@@ -29,7 +29,9 @@ MOSOS = Features(recompute=True, transfers=True, implementations="all", max_reco
 
 # The project's own heuristic baselines that start (and compete with) the joint model, cheapest first.
 # An explicit list, not the registry: a strategy a plugin registers must not slow down or break mosos.
-BASELINE_STRATEGIES = ("keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "swap-recompute-heuristic", "auto")
+BASELINE_STRATEGIES = (
+    "keep-all", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "checkpoint-all", "swap-recompute-heuristic", "auto",
+)
 
 # The CP-SAT strategies solved inside mosos, with their share of its time limit.
 SOLVED_INSIDE = {"recompute-only": 0.1, "checkmate-auto": 0.1, "str-auto": 0.15}
@@ -40,6 +42,7 @@ JOINT_PHASE = "joint model"
 def _baseline_functions() -> dict:
     """Imported directly, so that a plugin registering one of these names cannot replace it here."""
     from planner.strategies.auto import plan_auto
+    from planner.strategies.checkpoint_all import plan_checkpoint_all
     from planner.strategies.chen_sqrt import plan_chen_sqrt
     from planner.strategies.keep_all import plan_keep_all
     from planner.strategies.swap_recompute import plan_swap_recompute
@@ -47,7 +50,8 @@ def _baseline_functions() -> dict:
 
     functions = {
         "keep-all": plan_keep_all, "vdnn-all": plan_vdnn_all, "vdnn-conv": plan_vdnn_conv, "vdnn-dyn": plan_vdnn_dyn,
-        "chen-sqrt": plan_chen_sqrt, "swap-recompute-heuristic": plan_swap_recompute, "auto": plan_auto,
+        "chen-sqrt": plan_chen_sqrt, "checkpoint-all": plan_checkpoint_all,
+        "swap-recompute-heuristic": plan_swap_recompute, "auto": plan_auto,
     }
     return {name: functions[name] for name in BASELINE_STRATEGIES}
 

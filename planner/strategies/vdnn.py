@@ -8,7 +8,9 @@
   searches the earlier layers, nearest first, for one whose input was
   offloaded and not yet prefetched, stopping at the first convolution layer;
   the copy overlaps the current layer's backward and the compute stream waits
-  for it at the end of that layer. Anything still on the host when a layer
+  for it at the end of that layer. A layer's backward may be several nodes
+  naming it as `forward_node` (a convolution's filter and data gradients):
+  the window opens with the first and closes after the last. Anything still on the host when a layer
   needs it is fetched on demand.
 - vdnn-all offloads the inputs of every layer, vdnn-conv only those of
   convolutions (op_type containing "conv"). As static policies they use
@@ -57,8 +59,12 @@ class VdnnProgram(AttributeProgram):
     offload_style = "with_last_reader"
 
     def window_prefetches(self, node_id: str) -> list[str]:
+        """A layer's window opens with its first backward node (its filter gradient, when a convolution's
+        backward is two nodes), once per layer."""
         node = self.profile.node_by_id[node_id]
         if node.kind != "backward" or node.forward_node is None:
+            return []
+        if self.facts.backward_of[node.forward_node][0] != node_id:
             return []
         here = self.profile.position[node.forward_node]
         earlier = [layer for layer in self.facts.forward if self.profile.position[layer] < here]
@@ -69,6 +75,11 @@ class VdnnProgram(AttributeProgram):
             if is_convolution(self.profile, layer):
                 return []
         return []
+
+    def window_end(self, node_id: str) -> str:
+        """The layer's window closes at the end of its last backward node (its data gradient)."""
+        forward_node = self.profile.node_by_id[node_id].forward_node
+        return self.facts.backward_of[forward_node][-1] if forward_node is not None else node_id
 
 
 def implementations(profile: GraphProfile, algorithms: Algorithms) -> dict[str, str]:

@@ -1,0 +1,346 @@
+"""Profiles at any batch size, for `mosos max-batch` and `planner.max_batch`: estimated, or measured and scaled.
+
+- `EstimatedProfiles(model, gpu)`: the estimator (`models.estimator`) at each
+  batch asked for. An estimate costs tens of milliseconds, so every batch is
+  estimated exactly, and kept for the rest of the search.
+- `MeasuredProfiles(spec)`: a user's `file.py:build(batch_size=...)` workload
+  measured by `executor.profile_model` on this machine's device. A measurement
+  costs seconds to minutes and the batches a search reaches may not even run
+  without a plan, so only a few batches are measured (`measure_batches`,
+  default 4 and 8) and every other batch is scaled from them: each tensor
+  size, workspace and fixed-memory figure and each operation time is taken as
+  linear in the batch, through the two measured batches around it (or the
+  nearest two beyond them). Sizes of ordinary operations are exactly linear in
+  the batch; times are not quite (per-call overheads, kernels that use the
+  device better at larger batches). `validate_batch` (default 16) is measured
+  too, and compared with what scaling the others predicts for it, before it
+  joins them: `report` says how far off the sizes, the keep-all peak and the
+  step time were. A graph that differs between measured batches (control flow
+  on the batch size) cannot be scaled and is refused. Sizes that step with the
+  batch rather than grow with it (the executor's im2col-chunked workspace
+  works on a quarter of the batch, rounded up) are exact only at batches
+  aligned with the steps: hence measured batches that are multiples of 4, and
+  the report's `size_underestimate_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from planner.errors import MososError
+from planner.profile import GraphProfile, parse_profile
+from planner.auto_algorithms import with_smallest_workspaces
+from planner.strategies.keep_all import keep_all_schedule
+from planner.simulator import simulate
+
+
+class BatchProfileError(MososError):
+    """A workload whose profiles cannot be made or scaled across batch sizes."""
+
+
+class EstimatedProfiles:
+    """`profile(batch)` for a reference network on a named GPU, estimated at every batch (and cached)."""
+
+    def __init__(self, model: str, gpu: str, *, image_size: int | None = None, tokens: int | None = None,
+                 small: bool = False, math: str = "fp32", optimizer: str = "sgd-momentum",
+                 memory_bytes: int | None = None):
+        from models.estimator import estimate
+
+        self._estimate = estimate
+        self.options = dict(image_size=image_size, tokens=tokens, small=small, math=math, optimizer=optimizer,
+                            memory_bytes=memory_bytes)
+        self.model, self.gpu = model, gpu
+        self._cache: dict[int, GraphProfile] = {}
+        try:
+            self(1)  # a wrong model, GPU or option is an error now, before any search
+        except MososError as error:
+            try:
+                self(2)  # some models cannot train at batch 1 (batch norm over a single value); the search starts at 2
+            except MososError:
+                raise error from None
+
+    def __call__(self, batch_size: int) -> GraphProfile:
+        if batch_size not in self._cache:
+            # torch.fx's shape propagation prints a traceback before raising (batch norm over one value at batch 1):
+            # the error that follows says it, so the printout is kept off the terminal
+            with contextlib.redirect_stderr(io.StringIO()):
+                self._cache[batch_size] = self._estimate(self.model, batch_size, self.gpu, **self.options)
+        return self._cache[batch_size]
+
+    def describe(self) -> str:
+        estimator = next(iter(self._cache.values())).provenance.estimator if self._cache else "the estimator"
+        return f"estimated at every batch ({estimator})"
+
+
+@dataclass
+class ScalingReport:
+    """How well scaling from the measured batches predicted a batch that was then measured."""
+
+    measured_batches: list[int]
+    validate_batch: int | None
+    size_error_bytes: int | None = None  # largest difference of any tensor, workspace or fixed-memory figure
+    size_underestimate_bytes: int | None = None  # largest amount by which scaling predicted less than was measured
+    peak_error: float | None = None  # keep-all peak with the smallest workspaces, (scaled - measured) / measured
+    step_time_error: float | None = None  # keep-all step time, the same
+    node_time_error_median: float | None = None  # per node with time >= 1% of the step: |scaled - measured| / measured
+    measure_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        base = (f"measured at batches {', '.join(map(str, self.measured_batches))}; every other batch scaled "
+                "linearly in the batch from the two measured batches around it (or the nearest two)")
+        if self.validate_batch is None or self.size_error_bytes is None:
+            return base + "; not validated against a further measurement"
+        under = (f" (under by up to {self.size_underestimate_bytes} bytes: plans at scaled batches may need that much "
+                 "more)") if self.size_underestimate_bytes else ""
+        return (
+            f"{base}; checked at batch {self.validate_batch} before it joined them: sizes off by at most "
+            f"{self.size_error_bytes} bytes{under}, keep-all peak (smallest workspaces) {100 * self.peak_error:+.2f}%, "
+            f"keep-all step time "
+            f"{100 * self.step_time_error:+.1f}%, node times (median) {100 * self.node_time_error_median:.1f}%"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "measured_batches": self.measured_batches, "validate_batch": self.validate_batch,
+            "size_error_bytes": self.size_error_bytes, "size_underestimate_bytes": self.size_underestimate_bytes,
+            "peak_error": self.peak_error,
+            "step_time_error": self.step_time_error, "node_time_error_median": self.node_time_error_median,
+            "measure_seconds": self.measure_seconds, "notes": self.notes, "description": self.describe(),
+        }
+
+
+def _structure(profile: GraphProfile) -> list[tuple]:
+    return [
+        (n.id, n.kind, n.op_type, tuple(n.inputs), n.forward_node, tuple(i.name for i in n.implementations))
+        for n in profile.nodes
+    ]
+
+
+def check_same_graph(first: GraphProfile, second: GraphProfile, batches: tuple[int, int]) -> None:
+    """Scaling needs the same nodes, edges and implementations at every batch."""
+    a, b = _structure(first), _structure(second)
+    if a == b:
+        return
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            raise BatchProfileError(
+                f"the training graph measured at batch {batches[0]} differs from the one at batch {batches[1]} at node "
+                f"{position} ({x[0]!r} / {y[0]!r}): the model does not run the same operations at every batch, so its "
+                "profile cannot be scaled across batch sizes"
+            )
+    raise BatchProfileError(
+        f"the training graph has {len(a)} nodes at batch {batches[0]} but {len(b)} at batch {batches[1]}: it cannot "
+        "be scaled across batch sizes"
+    )
+
+
+def _line(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _size(x0, y0, x1, y1, x) -> int:
+    return max(0, int(round(_line(x0, y0, x1, y1, x))))
+
+
+def _time(x0, y0, x1, y1, x) -> float:
+    """Linear, but never below zero, and never decreasing with the batch (a noisy pair of timings can slope down)."""
+    if y1 < y0:
+        return round(max(0.0, (y0 + y1) / 2), 6)
+    return round(max(0.0, _line(x0, y0, x1, y1, x)), 6)
+
+
+def _signature(low: str | None, high: str | None, a: int, b: int, batch: int) -> str | None:
+    """Rewrite a tensor signature such as 'float32[4,3,32,32]' for another batch: the dimensions that grow in
+    proportion between batches a and b are the batch's."""
+    if low is None or high is None:
+        return None
+    numbers_low, numbers_high = re.findall(r"\d+", low), re.findall(r"\d+", high)
+    if re.sub(r"\d+", "#", low) != re.sub(r"\d+", "#", high) or len(numbers_low) != len(numbers_high):
+        return None
+    parts = re.split(r"(\d+)", low)
+    out, index = [], 0
+    for part in parts:
+        if part.isdigit():
+            x, y = int(numbers_low[index]), int(numbers_high[index])
+            index += 1
+            if x == y:
+                out.append(part)
+            elif x * b == y * a and (x * batch) % a == 0:
+                out.append(str(x * batch // a))
+            else:
+                return None
+        else:
+            out.append(part)
+    return "".join(out)
+
+
+def scale_profile(low: GraphProfile, high: GraphProfile, a: int, b: int, batch: int, name: str) -> GraphProfile:
+    """The profile at `batch` on the line through the profiles measured at batches a and b (same graph)."""
+    data = low.model_dump(mode="json")
+    high_nodes = {n.id: n for n in high.nodes}
+    for node in data["nodes"]:
+        other = high_nodes[node["id"]]
+        node["output_bytes"] = _size(a, node["output_bytes"], b, other.output_bytes, batch)
+        node["extra_saved_bytes"] = _size(a, node["extra_saved_bytes"], b, other.extra_saved_bytes, batch)
+        for implementation in node["implementations"]:
+            twin = other.implementation(implementation["name"])
+            implementation["time_ms"] = _time(a, implementation["time_ms"], b, twin.time_ms, batch)
+            implementation["workspace_bytes"] = _size(a, implementation["workspace_bytes"], b, twin.workspace_bytes, batch)
+    for key, value in list(data["fixed_memory"].items()):
+        data["fixed_memory"][key] = _size(a, value, b, getattr(high.fixed_memory, key), batch)
+    provenance = data["provenance"]
+    device = provenance.get("device") or low.hardware.name
+    provenance.update(
+        source="estimated",
+        estimator=f"linear in the batch size from profiles measured at batches {a} and {b} on {device} (mosos max-batch)",
+        input_signature=_signature(low.provenance.input_signature, high.provenance.input_signature, a, b, batch),
+        target_signature=_signature(low.provenance.target_signature, high.provenance.target_signature, a, b, batch),
+        notes=f"scaled to batch {batch}; measured profiles' notes: {low.provenance.notes or '-'}",
+    )
+    data["name"] = name
+    try:
+        return parse_profile(data, f"profile scaled to batch {batch}")
+    except MososError as error:
+        raise BatchProfileError(f"the profile scaled to batch {batch} is out of bounds: {error}") from None
+
+
+def _memory_peak(profile: GraphProfile) -> int:
+    """Keep-all's peak with the smallest workspaces: sizes only (the fastest algorithm follows noisy timings)."""
+    schedule = with_smallest_workspaces(profile, keep_all_schedule(profile))
+    return simulate(profile, schedule, keep_timeline=False).peak_memory_bytes
+
+
+def _to(value, device):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+class MeasuredProfiles:
+    """`profile(batch)` for a user's workload: measured at a few batches on this machine, scaled in between."""
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        device: str = "cpu",
+        measure_batches: tuple[int, ...] = (4, 8),
+        validate_batch: int | None = 16,
+        threads: int | None = None,
+        optimizer: str = "sgd",
+        repeats: int = 3,
+        warmup: int = 1,
+        d2h_gb_per_s: float | None = None,
+        h2d_gb_per_s: float | None = None,
+        progress: Callable[[str], None] | None = None,
+    ):
+        batches = sorted(set(measure_batches))
+        if len(batches) < 2 or batches[0] < 1:
+            raise BatchProfileError(f"measure at least two different batch sizes of 1 or more, not {measure_batches}")
+        if validate_batch is not None and (validate_batch < 1 or validate_batch in batches):
+            raise BatchProfileError(f"the validation batch {validate_batch} must be 1 or more and not one of the "
+                                    f"measured batches {batches}")
+        if device not in ("cpu", "cuda"):
+            raise BatchProfileError(f"the device is cpu or cuda, not {device!r}")
+        if threads is not None:
+            if threads < 1:
+                raise BatchProfileError(f"threads must be at least 1, not {threads}")
+            import torch
+
+            torch.set_num_threads(threads)  # 1 avoids thread-barrier stalls that make CPU timings noisy under load
+        self.spec, self.device = spec, device
+        self.options = dict(optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
+                            h2d_gb_per_s=h2d_gb_per_s)
+        self.say = progress or (lambda message: None)
+        self.measured: dict[int, GraphProfile] = {}
+        self._scaled: dict[int, GraphProfile] = {}
+        self.label = spec
+        started = time.monotonic()
+        for batch in batches:
+            self.measured[batch] = self.measure(batch)
+        first = self.measured[batches[0]]
+        for batch in batches[1:]:
+            check_same_graph(first, self.measured[batch], (batches[0], batch))
+        self.report = ScalingReport(measured_batches=list(batches), validate_batch=validate_batch)
+        if validate_batch is not None:
+            predicted = self(validate_batch)
+            actual = self.measure(validate_batch)
+            check_same_graph(first, actual, (batches[0], validate_batch))
+            self._compare(predicted, actual)
+            self.measured[validate_batch] = actual
+            self._scaled.clear()
+            self.report.measured_batches = sorted(self.measured)
+        self.report.measure_seconds = time.monotonic() - started
+
+    def measure(self, batch: int) -> GraphProfile:
+        import torch
+
+        from executor import profile_model
+        from models.workload import load_workload
+
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise BatchProfileError("device cuda: no CUDA device is available here")
+        workload = load_workload(self.spec, batch_size=batch)
+        self.label = workload.name
+        if workload.kwargs:
+            raise BatchProfileError(f"{self.spec!r}: the profiler takes positional inputs only; this workload passes "
+                                    f"keyword inputs {sorted(workload.kwargs)}")
+        model = workload.model.to(self.device)
+        inputs, targets = _to(workload.inputs, self.device), _to(workload.targets, self.device)
+        self.say(f"measuring {self.spec} at batch {batch} on {self.device}")
+        return profile_model(model, inputs, workload.loss_fn, targets,
+                             name=f"{workload.name} batch {batch} on {self.device} (measured)",
+                             progress=lambda message: self.say(f"batch {batch}: {message}"), **self.options)
+
+    def __call__(self, batch_size: int) -> GraphProfile:
+        if batch_size in self.measured:
+            return self.measured[batch_size]
+        if batch_size not in self._scaled:
+            known = sorted(self.measured)
+            above = [b for b in known if b > batch_size]
+            below = [b for b in known if b < batch_size]
+            if below and above:
+                a, b = below[-1], above[0]
+            elif above:
+                a, b = above[0], above[1]
+            else:
+                a, b = below[-2], below[-1]
+            name = f"{self.label} batch {batch_size} on {self.device} (scaled from batches {a} and {b})"
+            self._scaled[batch_size] = scale_profile(self.measured[a], self.measured[b], a, b, batch_size, name)
+        return self._scaled[batch_size]
+
+    def _compare(self, predicted: GraphProfile, actual: GraphProfile) -> None:
+        differences = [p.size_bytes - q.size_bytes for p, q in zip(predicted.nodes, actual.nodes)]
+        differences += [
+            i.workspace_bytes - actual.node_by_id[p.id].implementation(i.name).workspace_bytes
+            for p in predicted.nodes for i in p.implementations
+        ]
+        differences.append(predicted.fixed_bytes - actual.fixed_bytes)
+        self.report.size_error_bytes = max(abs(d) for d in differences)
+        self.report.size_underestimate_bytes = max(0, -min(differences))
+        measured_peak = _memory_peak(actual)
+        self.report.peak_error = (_memory_peak(predicted) - measured_peak) / measured_peak
+        step = simulate(actual, keep_all_schedule(actual), keep_timeline=False).step_time_ms
+        scaled_step = simulate(predicted, keep_all_schedule(predicted), keep_timeline=False).step_time_ms
+        self.report.step_time_error = (scaled_step - step) / step if step > 0 else 0.0
+        relative = [
+            abs(p.fastest.time_ms - q.fastest.time_ms) / q.fastest.time_ms
+            for p, q in zip(predicted.nodes, actual.nodes) if q.fastest.time_ms >= 0.01 * step and q.fastest.time_ms > 0
+        ]
+        self.report.node_time_error_median = statistics.median(relative) if relative else 0.0
+
+    def describe(self) -> str:
+        return self.report.describe()

@@ -1,0 +1,170 @@
+"""POST /v1/max-batch: the answer (each solve a plan of the service), the store answering repeated solves, 4xx at
+the field's path, the service's limits, and cancellation of a search and of its running solve."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("torch")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from api import Settings, create_app  # noqa: E402
+from models.batch_profiles import EstimatedProfiles  # noqa: E402
+from planner.max_batch import max_batch  # noqa: E402
+from planner.strategies import STRATEGIES  # noqa: E402
+
+MIB = 2**20
+PLUGIN = textwrap.dedent(
+    '''
+    """A test strategy that takes its whole time limit (stopping when asked), then keeps everything."""
+    import time
+
+    from planner.builder import certify
+    from planner.strategies import strategy
+    from planner.strategies.keep_all import keep_all_schedule
+
+
+    @strategy("test-slow-keep", "sleeps its time limit, then plans keep-all")
+    def slow(profile, budget_bytes, options):
+        ends = time.monotonic() + options.time_limit_s
+        while time.monotonic() < ends and not (options.should_stop and options.should_stop()):
+            time.sleep(0.02)
+        return certify(profile, keep_all_schedule(profile, budget_bytes), "test-slow-keep")
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("api-max-batch")
+    plugin = directory / "max_batch_test_strategies.py"
+    plugin.write_text(PLUGIN)
+    settings = Settings(
+        db_path=directory / "plans.sqlite3", solve_processes=2, request_processes=1, queue_size=2, max_nodes=500,
+        max_time_limit_s=1.0, max_search_time_s=60, max_solver_workers=1, max_wait_s=60, cancel_grace_s=1.0,
+        plugins=[str(plugin)],
+    )
+    try:
+        with TestClient(create_app(settings)) as test_client:
+            yield test_client
+    finally:
+        STRATEGIES.pop("test-slow-keep", None)
+
+
+def request(**overrides) -> dict:
+    return {"model": "vgg19", "small": True, "gpu": "v100", "budget_bytes": 3 * MIB,
+            "strategies": ["keep-all", "checkpoint-all", "chen-sqrt"], "max_overhead": None, "batch_limit": 40,
+            "time_limit_s": 30, "wait_s": 60, **overrides}
+
+
+def solves(client) -> float:
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("mosos_solves_total{"):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def test_the_answer_is_the_planners_and_every_solve_is_a_stored_plan(client):
+    response = client.post("/v1/max-batch", json=request())
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "done" and body["cached"] is False and body["request"]["budget_bytes"] == 3 * MIB
+    expected = max_batch(EstimatedProfiles("vgg19", "v100", small=True), 3 * MIB,
+                         strategies=["keep-all", "checkpoint-all", "chen-sqrt"], max_overhead=None, batch_limit=40)
+    answers = {a["strategy"]: a for a in body["result"]["strategies"]}
+    assert {name: a["max_batch_size"] for name, a in answers.items()} == {
+        a.strategy: a.max_batch_size for a in expected.strategies
+    }
+    for answer in answers.values():
+        plan = client.get(f"/v1/plans/{answer['plan_id']}").json()
+        assert plan["status"] == "done" and plan["feasible"] and plan["strategy"] == answer["strategy"]
+        assert plan["schedule"]["summary"]["peak_memory_bytes"] <= 3 * MIB
+        assert f"batch {answer['max_batch_size']} " in plan["profile_name"]
+        assert all(p["plan_id"] for p in answer["probes"] if p["outcome"] != "below-floor")
+    # the same request is the same search
+    again = client.post("/v1/max-batch", json=request())
+    assert again.status_code == 200 and again.json()["id"] == body["id"] and again.json()["cached"] is True
+    # another search over the same batches finds its solves in the store: far fewer new solves than probes
+    before = solves(client)
+    other = client.post("/v1/max-batch", json=request(throughput_probes=0)).json()
+    assert other["status"] == "done" and other["id"] != body["id"]
+    probes = sum(len(a["probes"]) for a in other["result"]["strategies"])
+    assert solves(client) - before < probes / 2
+    assert [a["max_batch_size"] for a in other["result"]["strategies"]] == [
+        a["max_batch_size"] for a in body["result"]["strategies"]
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides, status, path",
+    [
+        (dict(model="nonet"), 422, "model"),
+        (dict(gpu="v1000"), 422, "gpu"),
+        (dict(strategies=["keep-all", "nope"]), 422, "strategies[1]"),
+        (dict(strategies=[]), 422, "strategies"),
+        (dict(max_overhead="lots"), 422, "max_overhead"),
+        (dict(max_overhead=-0.5), 422, "max_overhead"),
+        (dict(budget_bytes="3MiB"), 422, "budget_bytes"),
+        (dict(batch_limit=0), 422, "batch_limit"),
+        (dict(colour="red"), 422, "colour"),
+        (dict(time_limit_s=600), 422, "time_limit_s"),
+        (dict(workers=4), 422, "workers"),
+        (dict(model="resnet101"), 413, "model"),
+        (dict(model="unet", image_size=40), 422, "image_size"),
+    ],
+)
+def test_bad_requests_are_refused_at_their_path(client, overrides, status, path):
+    response = client.post("/v1/max-batch", json=request(**overrides))
+    assert response.status_code == status, response.text
+    assert path in [issue["path"] for issue in response.json()["issues"]]
+
+
+def test_a_request_found_bad_after_wait_s_is_a_failed_search_with_its_issues(client):
+    response = client.post("/v1/max-batch", json=request(model="unet", image_size=40, wait_s=0))
+    assert response.status_code == 202, response.text
+    deadline = time.monotonic() + 30
+    while (body := client.get(f"/v1/max-batch/{response.json()['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert body["status"] == "failed" and body["issues"][0]["path"] == "image_size"
+    assert "divisible by 16" in body["reason"]
+
+
+def test_cancel_stops_the_search_and_its_running_solve(client):
+    body = client.post("/v1/max-batch", json=request(strategies=["test-slow-keep"], wait_s=0, seed=7)).json()
+    assert body["status"] in ("queued", "running")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        solving = [p for p in client.get("/v1/plans", params={"limit": 10}).json()["plans"]
+                   if p["strategy"] == "test-slow-keep" and p["status"] == "solving"]
+        if solving:
+            break
+        time.sleep(0.05)
+    assert solving, "the search's first solve did not start"
+    started = time.monotonic()
+    cancelled = client.delete(f"/v1/max-batch/{body['id']}")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert time.monotonic() - started < 5
+    assert client.get(f"/v1/plans/{solving[0]['id']}").json()["status"] == "cancelled"
+    assert client.get(f"/v1/max-batch/{body['id']}").json()["status"] == "cancelled"
+    assert client.delete(f"/v1/max-batch/{body['id']}").status_code == 200  # idempotent while kept
+    assert client.get("/v1/max-batch/no-such-search").status_code == 404
+
+
+def test_the_time_limit_bounds_a_search_and_each_solve_keeps_the_servers_limit(client):
+    started = time.monotonic()
+    body = client.post("/v1/max-batch", json=request(strategies=["test-slow-keep"], time_limit_s=4, seed=8)).json()
+    elapsed = time.monotonic() - started
+    assert body["status"] == "done", body
+    answer = body["result"]["strategies"][0]
+    assert elapsed < 4 + 3 and not answer["complete"] and "time limit ran out" in answer["stopped_by"]
+    for probe in answer["probes"]:
+        plan = client.get(f"/v1/plans/{probe['plan_id']}").json()
+        assert plan["time_limit_s"] <= 1.0  # max_time_limit_s
+    assert client.delete(f"/v1/max-batch/{body['id']}").status_code == 409
