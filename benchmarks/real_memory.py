@@ -47,8 +47,8 @@ if str(ROOT) not in sys.path:
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 SLACK_FRACTION = 0.02
 SLACK_BYTES = 4 << 20
-STRATEGIES = ("keep-all", "mosos", "chen-sqrt", "recompute-only", "checkmate-auto", "swap-recompute-heuristic",
-              "vdnn-all", "vdnn-conv", "vdnn-dyn", "str-auto", "auto")
+STRATEGIES = ("keep-all", "mosos", "chen-sqrt", "checkpoint-all", "recompute-only", "checkmate-auto",
+              "swap-recompute-heuristic", "vdnn-all", "vdnn-conv", "vdnn-dyn", "str-auto", "auto")
 MIB = 2**20
 
 
