@@ -1,12 +1,13 @@
 """Replay speed on the CPU: a plain PyTorch step, the planned keep-all step and a planned step at 0.6 of the
 keep-all peak, side by side in one run, with the replay's own cost per planning node.
 
-The steps of one round run one after another in a rotating order (so that a busy machine slows all of them
+The steps of one round (at least `--rounds`, more for short steps: about 30 s, at most 400) run one after
+another in a rotating order (so that a busy machine slows all of them
 alike), every step from `.grad` set to None, each timed alone with `time.perf_counter`; the table gives
 medians over the rounds and the median of the per-round ratios to the plain step. The planned steps run the
 generated code's fast path (no ledger), and keep-all once more with the ledger, the CPU's default. The
-replay's own cost per node: (planned keep-all - plain) / planning nodes computed, what the generated step
-spends beyond the ATen work an eager step does (it can be negative: the generated step has no autograd graph
+replay's own cost per node: the median of the per-round differences (planned keep-all - plain) over the planning
+nodes computed, what the generated step spends beyond the ATen work an eager step does (it can be negative: the generated step has no autograd graph
 to build). The step at 0.6 also pays for what it recomputes and copies.
 
     python benchmarks/replay_speed.py      # BERT-small and ResNet-18-small; writes a section of
@@ -73,16 +74,24 @@ def measure(spec: str, rounds: int, warmup: int, ratio: float, time_limit_s: flo
              label: planned(at_ratio)}
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
-    say(f"{spec}: timing {rounds} rounds")
-    for round_index in range(warmup + rounds):
+    def one_round(round_index: int) -> dict[str, float]:
         order = names[round_index % len(names):] + names[:round_index % len(names)]
+        taken = {}
         for name in order:
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             steps[name]()
-            elapsed = time.perf_counter() - start
-            if round_index >= warmup:
-                times[name].append(elapsed * 1e3)
+            taken[name] = (time.perf_counter() - start) * 1e3
+        return taken
+
+    warm = [one_round(k) for k in range(warmup)]
+    if warm:  # short steps get more rounds (about 30 s of them, at most 400): their noise is larger
+        round_s = sum(warm[-1].values()) / 1e3
+        rounds = min(400, max(rounds, int(30 / max(round_s, 1e-3))))
+    say(f"{spec}: timing {rounds} rounds")
+    for round_index in range(warmup, warmup + rounds):
+        for name, elapsed in one_round(round_index).items():
+            times[name].append(elapsed)
     model.zero_grad(set_to_none=True)
     computes = fast._prepared.program.computes
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -91,13 +100,18 @@ def measure(spec: str, rounds: int, warmup: int, ratio: float, time_limit_s: flo
     return {
         "spec": spec, "nodes": len(profile.nodes), "computes": computes, "medians": medians, "ratios": ratios,
         "mins": {name: min(values) for name, values in times.items()},
-        "cost_per_node_us": (medians["keep-all"] - medians["plain"]) * 1e3 / computes,
-        "ledger_per_node_us": (medians["keep-all + ledger"] - medians["keep-all"]) * 1e3 / computes,
+        "cost_per_node_us": _paired(times["keep-all"], times["plain"]) * 1e3 / computes,
+        "ledger_per_node_us": _paired(times["keep-all + ledger"], times["keep-all"]) * 1e3 / computes,
         "ratio_plan": f"{summary.strategy}, budget {planned_ratio.budget_bytes / 2**20:.2f} MiB, "
                       f"recompute {summary.recompute_time_ms:.2f} ms, offload {summary.offloaded_bytes / 2**20:.2f} MiB, "
                       f"{at_ratio._prepared.program.computes} computes",
         "rounds": rounds,
     }
+
+
+def _paired(these: list[float], those: list[float]) -> float:
+    """Median of the per-round differences (ms): steps of one round ran under the same load."""
+    return statistics.median(a - b for a, b in zip(these, those))
 
 
 def section(results: list[dict], command: str, load: str, threads: int) -> str:
