@@ -129,13 +129,3 @@ def profile_workload(
     )
     profile = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": notes})})
     return ReferenceProfile(profile, label, nodes_ms, plain_ms, repeats)
-
-
-def profile_reference_network(model: str, batch: int, *, device: str = "cpu", small: bool = False,
-                              image_size: int | None = None, tokens: int | None = None, dtype: str = "float32",
-                              seed: int = 0, **options) -> ReferenceProfile:
-    """A reference network by name (what `mosos profile --model` runs)."""
-    workload = load(model, None, batch, device=device, small=small, image_size=image_size, tokens=tokens,
-                    dtype=dtype, seed=seed)
-    workload.name = f"{workload.name} {dtype} on {device}"
-    return profile_workload(workload, **options)
