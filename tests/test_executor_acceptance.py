@@ -39,6 +39,24 @@ def test_a_cpu_run_plans_replays_and_compares_with_plain_pytorch():
     assert text.count("| yes |") == 2 and "no plan: budget" in text
 
 
+def test_a_users_workload_runs_through_the_acceptance_too(tmp_path):
+    """`--model path/to/file.py:build` (how BERT joins the GPU acceptance: benchmarks/workloads.py:bert_small)."""
+    workload = tmp_path / "tiny.py"
+    workload.write_text(
+        "import torch\n"
+        "def build(batch_size=64):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),\n"
+        "                                torch.nn.Tanh(), torch.nn.Linear(64, 3))\n"
+        "    return {'model': model, 'inputs': (), 'kwargs': {'input': torch.randn(batch_size, 16)},\n"
+        "            'targets': torch.randint(0, 3, (batch_size,)), 'loss_fn': torch.nn.functional.cross_entropy}\n"
+    )
+    report = acceptance.run(f"{workload}:build", 64, device="cpu", ratios=(1.0,), time_limit_s=5, steps=1, warmup=0,
+                            profile_repeats=1, say=lambda line: None)
+    assert report.model == "build" and report.batch == 64 and report.rows[0].feasible
+    assert report.rows[0].gradient_error == 0 and report.rows[0].loss_error == 0
+
+
 def test_copy_overlap_counts_copies_on_side_streams_that_run_under_compute_kernels(tmp_path):
     # Compute stream 7 runs kernels over [0, 100) and [150, 200) us; stream 13 copies over [50, 170) (DtoH):
     # 50 us under the first kernel, 20 under the second, 50 in the gap. A copy on the compute stream does not count.
