@@ -309,6 +309,7 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
             "status": "ok",
             "version": PLANNER_VERSION,
             "strategies": sorted(load_all()),
+            "backend": settings.backend,
             "solve_processes": settings.solve_processes,
             "solve_processes_ready": svc.queue.ready,
             "queue_depth": svc.queue.depth,

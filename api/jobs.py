@@ -1,9 +1,10 @@
-"""The job queue: a bounded list of waiting plans and a pool of solve processes.
+"""The job queue: a bounded list of waiting plans, solved by a backend (local processes or Ray).
 
-One supervisor thread owns the processes' pipes: it hands a waiting plan to
-an idle process, records what comes back (one store transaction per result),
-and kills and replaces a process that died, overran its time limit, or does
-not stop after a cancel. Request threads only append, look and cancel.
+One supervisor thread drives the backend (`api.backend`): it hands a waiting
+plan to a free slot, records what comes back (one store transaction per
+result), fails the plan of a process that died, and has the backend kill a
+solve that overran its time limit or does not stop after a cancel. Request
+threads only append, look and cancel.
 """
 
 from __future__ import annotations
@@ -12,22 +13,19 @@ import collections
 import logging
 import math
 import multiprocessing
-import multiprocessing.connection
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.backend import Event, LocalProcesses, SolveBackend
 from api.metrics import Metrics
 from api.settings import Settings
-from api.solver import worker_main
 from api.store import Store
 
 log = logging.getLogger("mosos.api")
 
 PROGRESS_SAVE_INTERVAL_S = 1.0
-STARTUP_TIMEOUT_S = 120.0
 
 
 class QueueFull(Exception):
@@ -58,31 +56,25 @@ class Job:
     finished: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass
-class _Worker:
-    index: int
-    process: Any
-    connection: Any
-    cancel_seq: Any
-    ready: bool = False
-    job: Job | None = None
+def make_backend(settings: Settings) -> SolveBackend:
+    if settings.backend == "ray":
+        from api.ray_backend import RayBackend  # imports Ray only when asked for
 
-    @property
-    def idle(self) -> bool:
-        return self.ready and self.job is None
+        return RayBackend(settings)
+    return LocalProcesses(settings)
 
 
 class JobQueue:
-    def __init__(self, store: Store, settings: Settings, metrics: Metrics):
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics, backend: SolveBackend | None = None):
         self.store = store
         self.settings = settings
         self.metrics = metrics
-        self._context = multiprocessing.get_context("spawn")
+        self.backend = backend if backend is not None else make_backend(settings)
         self._lock = threading.RLock()
         self._pending: collections.deque[Job] = collections.deque()
         self._active: dict[str, Job] = {}
-        self._workers: list[_Worker] = []
-        self._wake_reader, self._wake_writer = self._context.Pipe(duplex=False)
+        self._running: dict[int, Job] = {}  # seq -> job, handed to the backend
+        self._wake_reader, self._wake_writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
         self._wake_lock = threading.Lock()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -90,18 +82,8 @@ class JobQueue:
     # Lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
-        """Start the solve processes and wait until each has loaded the strategies."""
-        self._workers = [self._spawn(index) for index in range(self.settings.solve_processes)]
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for worker in self._workers:
-            while not worker.ready:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not worker.connection.poll(remaining):
-                    raise RuntimeError("a solve process did not start in time")
-                kind, _, payload = worker.connection.recv()
-                if kind == "broken":
-                    raise RuntimeError(payload["reason"])
-                worker.ready = kind == "ready"
+        """Start the backend (it waits until it can solve), then the supervisor."""
+        self.backend.start()
         self._thread = threading.Thread(target=self._supervise, name="mosos-supervisor", daemon=True)
         self._thread.start()
 
@@ -114,43 +96,11 @@ class JobQueue:
         self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for worker in self._workers:
-            if worker.job is not None and worker.job.status in ("queued", "solving"):
-                self._finish(worker.job, "failed", reason="the server stopped while this plan was solving")
-            try:
-                worker.connection.send(None)
-            except (OSError, ValueError):
-                pass
-        for worker in self._workers:
-            worker.process.join(timeout=2)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(timeout=2)
-            worker.connection.close()
-
-    def _spawn(self, index: int) -> _Worker:
-        parent_end, child_end = self._context.Pipe(duplex=True)
-        cancel_seq = self._context.Value("q", -1, lock=False)
-        process = self._context.Process(
-            target=worker_main,
-            args=(child_end, cancel_seq, list(self.settings.plugins), os.getpid(), self.settings.solver_nice),
-            name=f"mosos-solver-{index}",
-            daemon=True,
-        )
-        process.start()
-        child_end.close()
-        return _Worker(index=index, process=process, connection=parent_end, cancel_seq=cancel_seq)
-
-    def _replace(self, worker: _Worker) -> None:
-        """Kill a solve process and start a fresh one in its slot."""
-        try:
-            worker.process.kill()
-            worker.process.join(timeout=5)
-        except Exception:  # already gone
-            pass
-        worker.connection.close()
-        if not self._stopping:
-            self._workers[worker.index] = self._spawn(worker.index)
+        for job in list(self._running.values()):
+            if job.status in ("queued", "solving"):
+                self._finish(job, "failed", reason="the server stopped while this plan was solving")
+        self._running.clear()
+        self.backend.stop()
 
     # What request threads call ----------------------------------------------
 
@@ -165,18 +115,22 @@ class JobQueue:
 
     @property
     def ready(self) -> int:
-        return sum(1 for worker in self._workers if worker.ready and worker.process.is_alive())
+        return self.backend.ready
+
+    @property
+    def capacity(self) -> int:
+        return self.backend.capacity
 
     @property
     def running(self) -> int:
-        return sum(1 for worker in self._workers if worker.job is not None)
+        return len(self._running)
 
     def submit(self, *, insert, request_hash: str, strategy: str, time_limit_s: float, task: dict[str, Any]) -> Job:
         """Queue a plan: `insert()` stores its row (under the queue lock, so a rejected plan stores nothing)."""
         with self._lock:
             if self._stopping:
                 raise ServiceStopping("the server is stopping")
-            free = sum(1 for worker in self._workers if worker.job is None)
+            free = self.backend.capacity - len(self._running)
             if len(self._pending) >= self.settings.queue_size + free:
                 raise QueueFull(self._retry_after_s(), self.settings.queue_size)
             row = insert()
@@ -216,20 +170,15 @@ class JobQueue:
                 self.metrics.queue_depth.set(len(self._pending))
             else:
                 job.cancel_requested = time.monotonic()
-                for worker in self._workers:
-                    if worker.job is job:
-                        worker.cancel_seq.value = job.seq
+                if self._running.get(job.seq) is job:
+                    self.backend.request_stop(job.seq)
             self._finish(job, "cancelled", reason="cancelled by request")
             return True
 
     def _retry_after_s(self) -> int:
         """Seconds until a running solve should have ended at the latest."""
         now = time.monotonic()
-        remaining = [
-            worker.job.time_limit_s - (now - (worker.job.started_monotonic or now))
-            for worker in self._workers
-            if worker.job is not None
-        ]
+        remaining = [job.time_limit_s - (now - (job.started_monotonic or now)) for job in self._running.values()]
         return int(min(60, max(1, math.ceil(min(remaining, default=1.0)))))
 
     def _wake(self) -> None:
@@ -250,33 +199,19 @@ class JobQueue:
                 time.sleep(0.2)
 
     def _step(self) -> None:
-        connections = {worker.connection: worker for worker in self._workers}
-        ready = multiprocessing.connection.wait([self._wake_reader, *connections], timeout=0.2)
-        for connection in ready:
-            if connection is self._wake_reader:
-                while self._wake_reader.poll():
-                    self._wake_reader.recv_bytes()
-                continue
-            worker = connections[connection]
-            try:
-                while connection.poll():
-                    self._handle(worker, connection.recv())
-            except (EOFError, OSError):
-                self._worker_died(worker)
+        events = self.backend.wait(0.2, self._wake_reader)
+        while self._wake_reader.poll():
+            self._wake_reader.recv_bytes()
+        for event in events:
+            self._handle(event)
         self._watch()
         self._dispatch()
 
-    def _handle(self, worker: _Worker, message) -> None:
-        kind, seq, payload = message
-        if kind == "ready":
-            worker.ready = True
+    def _handle(self, event: Event) -> None:
+        job = self._running.get(event.seq)
+        if job is None:
             return
-        if kind == "broken":
-            log.error("solve process %d cannot start: %s", worker.index, payload.get("reason"))
-            return
-        job = worker.job
-        if job is None or job.seq != seq:
-            return
+        kind, payload = event.kind, event.payload
         if kind == "started":
             job.started_monotonic = time.monotonic()
             if job.status == "queued":
@@ -289,8 +224,8 @@ class JobQueue:
                 job.progress_saved = time.monotonic()
                 self.store.save_progress(job.id, job.progress)
         elif kind == "result":
-            worker.job = None
-            worker.cancel_seq.value = -1
+            with self._lock:
+                del self._running[event.seq]
             if job.cancel_requested is not None:
                 return
             outcome = payload
@@ -307,6 +242,12 @@ class JobQueue:
             label = "failed" if status == "failed" else ("feasible" if outcome.get("feasible") else "infeasible")
             self.metrics.solve_seconds.labels(strategy=job.strategy).observe(outcome.get("solve_seconds") or 0.0)
             self.metrics.solves.labels(strategy=job.strategy, outcome=label).inc()
+        elif kind == "lost":
+            with self._lock:
+                del self._running[event.seq]
+            if job.cancel_requested is None:
+                self._finish(job, "failed", reason=payload.get("reason", "the solve process died while solving this plan"))
+                self.metrics.solves.labels(strategy=job.strategy, outcome="failed").inc()
 
     def _finish(self, job: Job, status: str, **fields) -> None:
         """Record the end of a job in one transaction, then release waiters."""
@@ -337,32 +278,15 @@ class JobQueue:
         )
         self.metrics.results_not_stored.inc()
 
-    def _worker_died(self, worker: _Worker) -> None:
-        job = worker.job
-        worker.process.join(timeout=1)
-        code = worker.process.exitcode
-        log.warning("solve process %d died (exit code %s); starting another", worker.index, code)
-        if job is not None and job.cancel_requested is None:
-            self._finish(job, "failed", reason=f"the solve process died (exit code {code}) while solving this plan")
-            self.metrics.solves.labels(strategy=job.strategy, outcome="failed").inc()
-        with self._lock:
-            self._replace(worker)
-
     def _watch(self) -> None:
         """Kill solves that ignore a cancel or run far past their time limit."""
         now = time.monotonic()
-        for worker in list(self._workers):
-            job = worker.job
-            if not worker.process.is_alive():
-                self._worker_died(worker)
-                continue
-            if job is None:
-                continue
+        for seq, job in list(self._running.items()):
             if job.cancel_requested is not None and now - job.cancel_requested > self.settings.cancel_grace_s:
                 log.warning("plan %s did not stop %.1f s after its cancel; killing its solve process", job.id, self.settings.cancel_grace_s)
                 with self._lock:
-                    worker.job = None
-                    self._replace(worker)
+                    self._running.pop(seq, None)
+                    self.backend.kill(seq)
             elif job.started_monotonic is not None and now - job.started_monotonic > self._kill_after_s(job):
                 self._finish(
                     job,
@@ -372,24 +296,19 @@ class JobQueue:
                 )
                 self.metrics.solves.labels(strategy=job.strategy, outcome="failed").inc()
                 with self._lock:
-                    worker.job = None
-                    self._replace(worker)
+                    self._running.pop(seq, None)
+                    self.backend.kill(seq)
 
     def _kill_after_s(self, job: Job) -> float:
         return self.settings.overrun_factor * job.time_limit_s + self.settings.overrun_grace_s
 
     def _dispatch(self) -> None:
         with self._lock:
-            for worker in self._workers:
-                if not self._pending:
+            while self._pending and self.backend.free > 0:
+                job = self._pending.popleft()
+                self._running[job.seq] = job
+                if not self.backend.submit(job.seq, job.task):
+                    del self._running[job.seq]
+                    self._pending.appendleft(job)
                     break
-                if worker.idle and worker.process.is_alive():
-                    job = self._pending.popleft()
-                    worker.job = job
-                    worker.cancel_seq.value = -1
-                    try:
-                        worker.connection.send(job.task)
-                    except (OSError, ValueError):
-                        self._pending.appendleft(job)
-                        worker.job = None
             self.metrics.queue_depth.set(len(self._pending))

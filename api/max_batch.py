@@ -41,11 +41,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 import planner
 from api.errors import ApiError, invalid, over_limit
@@ -72,7 +72,7 @@ class MaxBatchRequest(NumbersAreNumbers):
     gpu: str = Field(min_length=1, max_length=100, description="GPU key: titanx, p40, p100, v100, a100, h100.")
     budget_bytes: int | None = Field(default=None, gt=0, le=MAX_SIZE_BYTES, description="Default: the GPU's memory.")
     strategies: list[str] = Field(default_factory=lambda: list(DEFAULT_STRATEGIES), min_length=1, max_length=16)
-    max_overhead: float | Literal["forward"] | None = Field(
+    max_overhead: Annotated[float, Field(ge=0)] | Literal["forward"] | None = Field(
         default=0.1, description="Fraction over each batch's lower bound (0.1 = 10%), 'forward' (one extra forward "
         "pass, Checkmate's ceiling) or null (no limit).")
     time_limit_s: float | None = Field(default=None, gt=0, description="The whole search; default min(120 s, the "
@@ -81,9 +81,12 @@ class MaxBatchRequest(NumbersAreNumbers):
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     batch_limit: int = Field(default=DEFAULT_BATCH_LIMIT, ge=1, le=MAX_BATCH_LIMIT)
     throughput_probes: int = Field(default=6, ge=0, le=16)
-    image_size: int | None = Field(default=None, ge=1, le=1 << 16)
-    tokens: int | None = Field(default=None, ge=1, le=1 << 24)
-    small: bool = False
+    # Bounded so that batch 1 of every model estimates within the profile's bounds (an operation's time at most
+    # 10^7 ms): attention grows with the square of the tokens, convolutions with the image's area.
+    image_size: int | None = Field(default=None, ge=1, le=8192, description="Images: side in pixels (default 224, "
+                                   "U-Net 256).")
+    tokens: int | None = Field(default=None, ge=1, le=65536, description="Transformer: sequence length.")
+    small: StrictBool = False
     math: Literal["fp32", "tf32"] = "fp32"
     optimizer: Literal["sgd", "sgd-momentum", "adam"] = "sgd-momentum"
     wait_s: float | None = Field(default=None, ge=0, description="Answer 200 if done within this many seconds, else 202.")
@@ -148,15 +151,14 @@ def parse_request(raw: bytes) -> dict:
         if not info.uses_budget and name != "keep-all":
             raise invalid([Issue(f"strategies[{index}]", f"strategy {name!r} plans without a budget: it has no "
                                  "largest batch")])
-    from models.gpus import GPUS, get_gpu
+    from models.gpus import GPUS
     from models.names import MODEL_NAMES
 
-    if request.model.lower().replace("-", "") not in MODEL_NAMES:
+    # Exact names, as the OpenAPI document's enums state them (the CLI is the lenient one: `VGG-19`, `V100`).
+    if request.model not in MODEL_NAMES:
         raise invalid([Issue("model", f"unknown model {request.model!r}; known: {', '.join(MODEL_NAMES)}")])
-    try:
-        get_gpu(request.gpu)
-    except KeyError:
-        raise invalid([Issue("gpu", f"unknown GPU {request.gpu!r}; known: {', '.join(GPUS)}")]) from None
+    if request.gpu not in GPUS:
+        raise invalid([Issue("gpu", f"unknown GPU {request.gpu!r}; known: {', '.join(GPUS)}")])
     if importlib.util.find_spec("torch") is None:
         raise ApiError(501, "not_available", "this server cannot estimate models: torch is not installed where it "
                        "runs (pip install torch, a CPU build is enough)")
@@ -316,6 +318,14 @@ class MaxBatchSearches:
             self.service.queue.cancel(search.job_id)
         search.finished.wait(timeout=self.settings.cancel_grace_s + 2)
         return search
+
+    def delete(self, search_id: str) -> None:
+        """Forget a search, cancelled first if it runs; its solves stay plans of the service."""
+        search = self.get(search_id)
+        if search.status not in ("done", "failed", "cancelled"):
+            self.cancel(search_id)
+        with self._lock:
+            self._searches.pop(search_id, None)
 
     def stop(self) -> None:
         with self._lock:
@@ -551,7 +561,14 @@ def add_routes(app, error_responses, json_body) -> None:
     async def get_search(request: Request, search_id: str):
         return answer(searches(request).get(search_id))
 
-    @app.delete("/v1/max-batch/{search_id}", summary="Cancel a running max-batch search (and its solve)",
-                response_model=MaxBatchStatus, responses=error_responses(401, 404, 409))
+    @app.post("/v1/max-batch/{search_id}/cancel", summary="Cancel a running max-batch search (and its solve); it "
+              "stays, as cancelled", response_model=MaxBatchStatus, responses=error_responses(401, 404, 409))
     def cancel_search(request: Request, search_id: str):
         return answer(searches(request).cancel(search_id))
+
+    @app.delete("/v1/max-batch/{search_id}", summary="Forget a search (cancelled first if it runs): afterwards it "
+                "is 404", status_code=204, response_class=Response,
+                responses={204: {"description": "Deleted."}, **error_responses(401, 404)})
+    def delete_search(request: Request, search_id: str):
+        searches(request).delete(search_id)
+        return Response(status_code=204)

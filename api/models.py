@@ -139,7 +139,8 @@ class Health(BaseModel):
     status: Literal["ok"]
     version: str
     strategies: list[str]
-    solve_processes: int
+    backend: Literal["local", "ray"] = Field(default="local", description="Where solves run: local processes or Ray tasks.")
+    solve_processes: int = Field(description="Solves that may run at once.")
     solve_processes_ready: int = Field(description="Started and waiting for or running a plan (others are starting).")
     queue_depth: int
     solves_running: int

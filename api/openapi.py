@@ -83,6 +83,38 @@ def _plan_request(schema: dict[str, Any], settings: Settings, strategies: dict) 
     ).strip()
 
 
+def _max_batch_request(schema: dict[str, Any], settings: Settings, strategies: dict) -> None:
+    """Names as enums (this server's strategies with a largest batch), its limits, and which input size fits which
+    model: what the search's first step would otherwise refuse with a 422."""
+    from models.gpus import GPUS
+    from models.names import MODEL_NAMES
+
+    properties = schema["properties"]
+    properties["model"]["enum"] = list(MODEL_NAMES)
+    properties["gpu"]["enum"] = list(GPUS)
+    properties["strategies"]["items"]["enum"] = sorted(
+        name for name, info in strategies.items() if info.uses_budget or name == "keep-all"
+    )
+    _nullable_bound(properties["time_limit_s"], "maximum", settings.max_search_time_s)
+    _nullable_bound(properties["workers"], "maximum", settings.max_solver_workers)
+    _nullable_bound(properties["wait_s"], "maximum", settings.max_wait_s)
+    no_value = {"type": "null"}
+    images = [name for name in MODEL_NAMES if name != "transformer"]
+    schema["allOf"] = [
+        {"if": {"properties": {"model": {"const": "transformer"}}},
+         "then": {"properties": {"image_size": no_value}},
+         "else": {"properties": {"tokens": no_value}}},
+        {"if": {"properties": {"model": {"const": "unet"}}},
+         "then": {"properties": {"image_size": {"anyOf": [{"type": "integer", "minimum": 16, "multipleOf": 16}, no_value]}}}},
+        {"if": {"properties": {"model": {"enum": [name for name in images if name != "unet"]}}},
+         "then": {"properties": {"image_size": {"anyOf": [{"type": "integer", "minimum": 32}, no_value]}}}},
+    ]
+    schema["description"] = (
+        f"{schema.get('description', '')} The transformer takes `tokens`, the other models `image_size` (U-Net: a "
+        "multiple of 16; the others: at least 32)."
+    ).strip()
+
+
 def refine_openapi(schema: dict[str, Any], settings: Settings, strategies: dict, open_paths: tuple[str, ...]) -> dict[str, Any]:
     """Add to FastAPI's document what only this server knows (see the module docstring)."""
     for path, item in schema.get("paths", {}).items():
@@ -98,6 +130,8 @@ def refine_openapi(schema: dict[str, Any], settings: Settings, strategies: dict,
     components = schema.get("components", {}).get("schemas", {})
     if "PlanRequest" in components:
         _plan_request(components["PlanRequest"], settings, strategies)
+    if "MaxBatchRequest" in components:
+        _max_batch_request(components["MaxBatchRequest"], settings, strategies)
     if "GraphProfile" in components:
         nodes = components["GraphProfile"]["properties"]["nodes"]
         nodes["maxItems"] = settings.max_nodes

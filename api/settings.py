@@ -5,8 +5,9 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TOKEN_ENV = "MOSOS_API_TOKEN"
 
@@ -30,7 +31,15 @@ class Settings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     db_path: Path = Field(default_factory=default_db_path)
-    solve_processes: int = Field(default=2, ge=1, le=64, description="Worker processes that run solves.")
+    solve_processes: int = Field(
+        default=2, ge=1, le=1024, description="Solves that run at once: worker processes here, or Ray tasks with the ray backend."
+    )
+    backend: Literal["local", "ray"] = Field(
+        default="local", description="Where solves run: local processes, or Ray tasks (the `ray` extra)."
+    )
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster to join with the ray backend; None: a local Ray on this machine."
+    )
     request_processes: int = Field(
         default=2, ge=1, le=64, description="Processes that read, validate and simulate request bodies, so that the "
         "server's event loop (and status calls) never wait behind that work."
@@ -70,6 +79,13 @@ class Settings(BaseModel):
         if problem is not None:
             raise ValueError(f"the token {problem}")
         return token
+
+    @model_validator(mode="after")
+    def _local_processes_fit_a_machine(self) -> "Settings":
+        if self.backend == "local" and self.solve_processes > 64:
+            raise ValueError(f"solve_processes: {self.solve_processes} local solve processes is more than 64; "
+                             "use the ray backend to solve more at once")
+        return self
 
     def effective_default_time_limit_s(self) -> float:
         return min(self.default_time_limit_s, self.max_time_limit_s)

@@ -6,6 +6,7 @@ import functools
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from planner.errors import MososError
 
@@ -35,7 +36,8 @@ def friendly(command):
         try:
             return command(*args, **kwargs)
         except MososError as error:
-            error_console.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
+            # escaped: a message naming "mosos[ray]" or a path like "x[a]" must not be read as rich markup
+            error_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, markup=True, soft_wrap=True)
             code = getattr(error, "exit_code", EXIT_BAD_INPUT)
             raise typer.Exit(code) from None
         except OSError as error:  # a file the checks up front could not foresee (disk full, permissions)

@@ -20,7 +20,10 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", help="address to bind; anything but loopback needs a token or --insecure"),
     port: int = typer.Option(8000, help="TCP port"),
     db: Path = typer.Option(None, help="SQLite file for plans (default: in the user's data directory)"),
-    workers: int = typer.Option(2, help="solve processes (solves running at once)"),
+    workers: int = typer.Option(2, help="solves running at once (solve processes, or Ray tasks with --backend ray)"),
+    backend: str = typer.Option("local", help="where solves run: local (processes on this machine) or ray"),
+    ray_address: str = typer.Option(None, help="with --backend ray: the cluster to join (host:port, auto); "
+                                    "default a local Ray ($RAY_ADDRESS if set)"),
     request_processes: int = typer.Option(2, help="processes that validate bodies, simulate and render, off the server's loop"),
     queue_size: int = typer.Option(16, help="plans that may wait for a solve process; beyond it, 429"),
     token_file: Path = typer.Option(None, help="file holding the bearer token (else $MOSOS_API_TOKEN)"),
@@ -49,13 +52,21 @@ def serve_command(
         raise ServeError(f"cannot read the token file {token_file}: {error.strerror}") from None
     except ValueError as error:
         raise ServeError(f"unusable token: {error}") from None
+    if backend not in ("local", "ray"):
+        raise ServeError(f"--backend must be local or ray, not {backend!r}")
+    if ray_address is not None and backend != "ray":
+        raise ServeError("--ray-address needs --backend ray")
+    if backend == "ray":
+        from cluster.runtime import import_ray
+
+        import_ray("mosos serve --backend ray")
     if not is_loopback(host) and token is None and not insecure:
         raise ServeError(
             f"refusing to bind {host} without a token: set MOSOS_API_TOKEN or --token-file, "
             "or pass --insecure if the network is trusted"
         )
     values = dict(
-        host=host, port=port, solve_processes=workers, request_processes=request_processes, queue_size=queue_size, token=token, insecure=insecure,
+        host=host, port=port, solve_processes=workers, backend=backend, ray_address=ray_address, request_processes=request_processes, queue_size=queue_size, token=token, insecure=insecure,
         max_body_bytes=max_body_bytes, max_nodes=max_nodes, max_time_limit_s=max_time_limit,
         default_time_limit_s=default_time_limit, max_wait_s=max_wait, max_search_time_s=max_search_time,
         plugins=list(plugin),
@@ -85,8 +96,10 @@ def serve_command(
     except BaseException:
         owned.close()
         raise
+    solves = f"{workers} solve process(es)" if backend == "local" else (
+        f"{workers} solves at once on Ray ({ray_address or 'local'})")
     error_console.print(
-        f"mosos serve: {address}  store {owned.store.path}  {workers} solve process(es)"
+        f"mosos serve: {address}  store {owned.store.path}  {solves}"
         f"{'  bearer token required' if token else ''}",
         highlight=False,
     )

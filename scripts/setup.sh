@@ -11,7 +11,7 @@ fi
 if [ "${1:-}" = "--dev" ]; then
   # Pin torch: an open range would pull the newest CUDA build (several GB) instead of the CPU one.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c scripts/constraints-dev.txt -e ".[api,test,torch]"
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -c scripts/constraints-dev.txt -e ".[api,test,torch,ray]"
 else
   .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[api]"
 fi

@@ -69,3 +69,18 @@ def offload_profile() -> GraphProfile:
         d2h=1.0,
         h2d=1.0,
     )
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """One local Ray for the whole session (its start costs seconds): 2 CPUs, a small object store.
+
+    `mosos sweep` and the service's Ray backend find it already running in this process and use it; a command
+    run in a subprocess joins it with --address.
+    """
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False,
+                 logging_level="warning", log_to_driver=False)
+    yield ray
+    ray.shutdown()
