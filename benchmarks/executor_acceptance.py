@@ -1,6 +1,6 @@
 """The executor against plain PyTorch, on the device it runs on: memory, step time, gradients, copy overlap.
 
-For one reference network it profiles a training step on the device, plans it at
+For one reference network (or a workload, `file.py:build`) it profiles a training step on the device, plans it at
 each memory ratio, replays the plan and measures, next to a plain PyTorch step
 from the same weights, batch and random numbers:
 
@@ -17,6 +17,7 @@ from the same weights, batch and random numbers:
     python3 benchmarks/executor_acceptance.py --model vgg19 --batch 64
     python3 benchmarks/executor_acceptance.py --model resnet50 --batch 128 --ratios 0.8 0.6 0.4
     python3 benchmarks/executor_acceptance.py --model vgg19 --small --batch 4 --device cpu --no-write
+    python3 benchmarks/executor_acceptance.py --model benchmarks/workloads.py:bert_small --batch 8   # BERT
 
 Writes a section of benchmarks/results/executor.md named after the device and date.
 """
@@ -39,12 +40,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from benchmarks.results_file import write_section  # noqa: E402
-from executor.local import distinct_bytes  # noqa: E402
+from executor.runtime import distinct_storage_bytes as distinct_bytes  # noqa: E402
 from executor.profiler import profile_model  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
+from executor.reference import load  # noqa: E402
 from models import get_model  # noqa: E402
+from models.workload import looks_like_spec  # noqa: E402
 from planner.errors import MososError  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
@@ -214,12 +218,12 @@ def _intersection_us(start: float, end: float, busy: list[tuple[float, float]]) 
     return sum(max(0.0, min(end, b_end) - max(start, b_start)) for b_start, b_end in busy)
 
 
-def _profiled_step(planned: PlannedModule, model, inputs, targets, device, trace_dir: Path, label: str) -> dict:
+def _profiled_step(step, model, device, trace_dir: Path, label: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     path = trace_dir / f"{label}.json"
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        _step(lambda: planned(inputs, targets=targets), model, 7, device)
+        _step(step, model, 7, device)
     profiler.export_chrome_trace(str(path))
     overlap = copy_overlap(path)
     overlap["trace"] = str(path)
@@ -246,18 +250,32 @@ def run(
         # Gradients are compared with plain PyTorch's: no TF32 on either side (the profile is taken the same way).
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    spec = get_model(model_name, small=small)
-    torch.manual_seed(0)
-    base = spec.build()
-    inputs, targets = spec.example_inputs(batch, device=device)
-    report = Report(model=spec.name + (" (small)" if small else ""), batch=batch, device=device.type,
+    # a reference network by name, or a user's workload (path/to/file.py:build, e.g. benchmarks/workloads.py:bert_small)
+    if looks_like_spec(model_name):
+        workload = load(None, model_name, batch, device=device.type)
+        label = model_name.rsplit(":", 1)[-1]
+    else:
+        workload = load(model_name, None, batch, device=device.type, small=small)
+        label = get_model(model_name, small=small).name + (" (small)" if small else "")
+    base, loss_fn, targets = workload.model, workload.loss_fn, workload.targets
+    inputs, kwargs = tuple(workload.inputs), dict(workload.kwargs)
+    batch = workload.batch_size or batch
+
+    def plain_step(module):
+        output = module(*inputs, **kwargs)
+        return loss_fn(output, targets) if targets is not None else loss_fn(output)
+
+    def planned_step(planned):
+        return lambda: planned(*inputs, targets=targets, **kwargs)
+
+    report = Report(model=label, batch=batch, device=device.type,
                     device_name=_device_name(device), torch_version=torch.__version__)
 
     # Plain PyTorch: reference gradients of the first step, then its time and peak.
     plain = copy.deepcopy(base).to(device)
-    plain_loss, _ = _step(lambda: spec.loss(plain(inputs), targets), plain, 1, device)
+    plain_loss, _ = _step(lambda: plain_step(plain), plain, 1, device)
     reference = _gradients(plain)
-    times, report.plain_peak_bytes, _ = _timed_steps(lambda: spec.loss(plain(inputs), targets), plain, device, steps,
+    times, report.plain_peak_bytes, _ = _timed_steps(lambda: plain_step(plain), plain, device, steps,
                                                      warmup, 11)
     report.plain_step_ms = statistics.median(times)
     del plain
@@ -271,7 +289,7 @@ def run(
     subject = copy.deepcopy(base).to(device)
     started = time.perf_counter()
     cpu_bandwidth = {} if device.type == "cuda" else {"d2h_gb_per_s": 10.0, "h2d_gb_per_s": 10.0}
-    profile = profile_model(subject, inputs, spec.loss, targets, optimizer=None, repeats=profile_repeats,
+    profile = profile_model(subject, inputs, loss_fn, targets, kwargs=kwargs, optimizer=None, repeats=profile_repeats,
                             warmup=warmup, progress=None, **cpu_bandwidth)
     report.profile_seconds = time.perf_counter() - started
     report.profile_nodes = len(profile.nodes)
@@ -299,21 +317,22 @@ def run(
         row.offloaded_bytes = summary.offloaded_bytes if summary else 0
         row.recompute_ms = summary.recompute_time_ms if summary else 0.0
         model = copy.deepcopy(base).to(device)
-        planned = PlannedModule(model, profile, schedule, spec.loss)
+        planned = PlannedModule(model, profile, schedule, loss_fn)
         row.predicted_peak_bytes = planned.simulated_peak_bytes
         row.simulated_step_ms = planned.simulated_step_time_ms
-        loss, _ = _step(lambda: planned(inputs, targets=targets), model, 1, device)
+        loss, _ = _step(planned_step(planned), model, 1, device)
         row.loss_error = abs(loss - plain_loss) / max(abs(plain_loss), 1e-30)
         row.gradient_error = gradient_error(reference, model)
-        resident = distinct_bytes([*model.parameters(), *model.buffers(), inputs, targets])
-        times, peak, row.outside_plan_bytes = _timed_steps(lambda: planned(inputs, targets=targets), model, device,
+        leaves = [t for t in tree_flatten((inputs, kwargs, targets))[0] if isinstance(t, torch.Tensor)]
+        resident = distinct_bytes([*model.parameters(), *model.buffers(), *leaves])
+        times, peak, row.outside_plan_bytes = _timed_steps(planned_step(planned), model, device,
                                                            steps, warmup, 11, resident)
         row.measured_step_ms = statistics.median(times)
         row.step_ms_spread = (min(times), max(times))
         row.measured_peak_bytes = peak if peak is not None else planned.peak_memory_bytes
         if device.type == "cuda" and trace_dir is not None and (row.offloaded_bytes > 0):
-            row.overlap = _profiled_step(planned, model, inputs, targets, device, trace_dir,
-                                         f"{model_name}-b{batch}-r{ratio:g}")
+            row.overlap = _profiled_step(planned_step(planned), model, device, trace_dir,
+                                         f"{''.join(c if c.isalnum() else '-' for c in label)}-b{batch}-r{ratio:g}")
         say(_row_line(row))
         del planned, model
         gc.collect()  # nothing of this plan may count in the next one's max_memory_allocated
@@ -380,10 +399,9 @@ INTRO = (
     "handle workspaces, which no profile counts); the budget check is on the peak less that. Gradient error: the largest difference from plain PyTorch's gradients, relative to the largest gradient "
     "(TF32 off on both sides). Copies: from one planned step under torch.profiler, the copy streams other than "
     "the compute stream, their copy time, and how much of it ran while the compute stream ran kernels.\n\n"
-    "On the CPU the executor's own work per node (a local autograd graph per node, saved-tensor hooks, the "
-    "ledger: about 0.1 ms a node on the development machine) runs in line with the arithmetic, so small CPU "
-    "models step slower than simulated; on a GPU kernels run asynchronously behind that work, and the GPU "
-    "sections say how much of it shows.\n"
+    "On the CPU the executor's own work per node (the generated step's Python and, by default there, the "
+    "ledger; `benchmarks/replay_speed.py` measures it) runs in line with the arithmetic; on a GPU kernels run "
+    "asynchronously behind that work, and the GPU sections say how much of it shows.\n"
 )
 
 

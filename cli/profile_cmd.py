@@ -1,4 +1,8 @@
-"""`mosos profile`: measure a reference network on this machine (CPU or CUDA) into a profile.
+"""`mosos profile`: measure a workload on this machine (CPU or CUDA) into a profile.
+
+The workload is the user's own (`mosos profile path/to/file.py:build`, or
+`package.module:build`: see models/workload.py) or a reference network
+(`--model NAME --batch N`).
 
 torch, `models` and `executor` are imported only when the command runs, so the
 planner stays importable without them.
@@ -20,21 +24,23 @@ from planner.units import format_bytes
 def _load():
     if importlib.util.find_spec("torch") is None:
         raise MososError("mosos profile needs torch to run the model: pip install torch")
-    from executor.reference import profile_reference_network
+    from executor import reference
 
-    return profile_reference_network
+    return reference
 
 
 @app.command("profile")
 @friendly
 def profile_command(
-    model: str = typer.Option(..., "--model", help="reference network: vgg19, resnet50, unet, transformer, ..."),
-    batch: int = typer.Option(..., "--batch", help="batch size"),
+    workload: str = typer.Argument(None, help="your workload: path/to/file.py:build or package.module:build, where "
+                                   "build() returns the model, inputs, targets and loss (see models/workload.py)"),
+    model: str = typer.Option(None, "--model", help="a reference network instead: vgg19, resnet50, unet, transformer, ..."),
+    batch: int = typer.Option(None, "--batch", help="batch size (needed with --model; a workload's build(batch_size=N))"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda"),
     small: bool = typer.Option(False, "--small", help="the small variant of the network (for CPU tests)"),
     image_size: int = typer.Option(None, help="input image size (images) instead of the network's default"),
     tokens: int = typer.Option(None, help="sequence length (transformer) instead of the default"),
-    dtype: str = typer.Option("float32", help="float32 or float64"),
+    dtype: str = typer.Option(None, help="float32 or float64 (reference networks: float32; a workload: as built)"),
     optimizer: str = typer.Option("sgd", help="optimizer whose state counts as fixed memory: sgd, momentum, adam, adamw"),
     repeats: int = typer.Option(5, help="timed runs per node (the median is kept)"),
     warmup: int = typer.Option(2, help="untimed runs per node before timing"),
@@ -44,9 +50,9 @@ def profile_command(
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's); 1 avoids thread-barrier stalls on a busy machine"),
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
-    """Profile one training step of a reference network, node by node, on this machine."""
+    """Profile one training step of your model (or a reference network), planning node by node, on this machine."""
     writable_output(output, "-o")
-    if batch < 1:
+    if batch is not None and batch < 1:
         raise MososError(f"--batch must be at least 1, got {batch}")
     whole_number_in(image_size, "--image-size", 1, 1 << 16)
     whole_number_in(tokens, "--tokens", 1, 1 << 24)
@@ -54,12 +60,15 @@ def profile_command(
         raise MososError("--repeats must be at least 1 and --warmup at least 0")
     positive_finite(d2h_gb_per_s, "--d2h-gb-per-s")
     positive_finite(h2d_gb_per_s, "--h2d-gb-per-s")
-    profile_reference_network = _load()
-    with console.status(f"profiling {model}") as status:
-        measured = profile_reference_network(
-            model, batch, device=device, small=small, image_size=image_size, tokens=tokens, dtype=dtype,
-            optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
-            h2d_gb_per_s=h2d_gb_per_s, seed=seed, threads=threads, progress=status.update,
+    reference = _load()
+    with console.status(f"loading {workload or model}") as status:
+        loaded = reference.load(model, workload, batch, device=device, small=small, image_size=image_size,
+                                tokens=tokens, dtype=dtype, seed=seed)
+        if model is not None:
+            loaded.name = f"{loaded.name} {dtype or 'float32'} on {device}"
+        measured = reference.profile_workload(
+            loaded, optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
+            h2d_gb_per_s=h2d_gb_per_s, threads=threads, progress=status.update,
         )
     profile, label, nodes_ms, plain_ms, ratio = (
         measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio
@@ -75,9 +84,8 @@ def profile_command(
     backward_nodes = sum(1 for node in profile.nodes if node.kind == "backward")
     console.print(
         f"node times with native algorithms add up to {nodes_ms:.2f} ms; a plain PyTorch step takes "
-        f"{plain_ms:.2f} ms (ratio {ratio:.2f}); node times exclude the timing harness's own cost (see the "
-        f"profile's provenance), so node-by-node replay pays one autograd call per backward node "
-        f"({backward_nodes}) on top of them"
+        f"{plain_ms:.2f} ms (ratio {ratio:.2f}); {len(profile.nodes) - backward_nodes} forward and "
+        f"{backward_nodes} backward planning nodes"
     )
     if profile.hardware.d2h_bandwidth_gb_per_s is None:
         error_console.print("note: no transfer bandwidth (give --d2h-gb-per-s/--h2d-gb-per-s): plans cannot offload")

@@ -1,7 +1,11 @@
-"""Train a reference network a few steps under a memory budget, next to plain PyTorch.
+"""Train a model a few steps under a memory budget, next to plain PyTorch.
 
     python3 examples/train.py --model vgg19 --small --batch 32 --memory-ratio 0.7 --steps 3
     python3 examples/train.py --model resnet50 --batch 64 --budget 6GiB --device cuda
+    python3 examples/train.py --model path/to/my_model.py:build --memory-ratio 0.6
+
+`--model` is a reference network's name or your own workload (`file.py:build`
+or `package.module:build`, see models/workload.py).
 
 Both runs start from the same weights and see the same batches and random
 numbers, so their losses should agree step by step. Peak memory is
@@ -23,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import executor  # noqa: E402
-from models import get_model  # noqa: E402
+from executor.reference import load  # noqa: E402
+from models.workload import looks_like_spec  # noqa: E402
 from planner.errors import MososError  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
 from planner.units import format_bytes  # noqa: E402
@@ -31,9 +36,9 @@ from planner.units import format_bytes  # noqa: E402
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="vgg19")
+    parser.add_argument("--model", default="vgg19", help="a reference network or path/to/file.py:build")
     parser.add_argument("--small", action="store_true", help="the small variant (CPU-sized)")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=None, help="batch size (reference networks: default 32)")
     parser.add_argument("--budget", default=None, help="device memory budget, e.g. 6GiB")
     parser.add_argument("--memory-ratio", type=float, default=None, help="budget as a fraction of the keep-all peak")
     parser.add_argument("--strategy", default="mosos")
@@ -63,16 +68,23 @@ def main() -> int:
     if device.type == "cpu":
         args.d2h_gb_per_s = args.d2h_gb_per_s or 10.0
         args.h2d_gb_per_s = args.h2d_gb_per_s or 10.0
-    spec = get_model(args.model, small=args.small)
-    torch.manual_seed(0)
-    model = spec.build().to(device)
+    try:
+        if looks_like_spec(args.model):
+            workload = load(None, args.model, args.batch, device=device.type)
+        else:
+            workload = load(args.model, None, args.batch or 32, device=device.type, small=args.small)
+    except MososError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model, inputs, kwargs, targets, loss_fn = (workload.model, workload.inputs, workload.kwargs, workload.targets,
+                                               workload.loss_fn)
     plain_model = copy.deepcopy(model)
-    inputs, targets = spec.example_inputs(args.batch, device=device)
     try:
         planned = executor.optimize(
-            model, inputs, spec.loss, budget=args.budget, targets=targets, memory_ratio=args.memory_ratio,
-            strategy=args.strategy, planner_url=args.planner_url, time_limit_s=args.time_limit,
-            optimizer="momentum", d2h_gb_per_s=args.d2h_gb_per_s, h2d_gb_per_s=args.h2d_gb_per_s,
+            model, inputs, loss_fn, budget=args.budget, targets=targets, kwargs=kwargs,
+            memory_ratio=args.memory_ratio, strategy=args.strategy, planner_url=args.planner_url,
+            time_limit_s=args.time_limit, optimizer="momentum", d2h_gb_per_s=args.d2h_gb_per_s,
+            h2d_gb_per_s=args.h2d_gb_per_s,
         )
     except MososError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -88,9 +100,10 @@ def main() -> int:
         optimizer.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
         if step_model is planned:
-            loss = planned(inputs, targets)
+            loss = planned(*inputs, targets=targets, **kwargs)
         else:
-            loss = spec.loss(step_model(inputs), targets)
+            output = step_model(*inputs, **kwargs)
+            loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
         loss.backward()
         optimizer.step()
         if device.type == "cuda":
@@ -98,7 +111,7 @@ def main() -> int:
         return loss.item(), (time.perf_counter() - start) * 1e3, _peak(device.type)
 
     summary = planned.schedule.summary
-    print(f"\n{spec.name}{' (small)' if args.small else ''}, batch {args.batch}, {device.type}; plan: "
+    print(f"\n{workload.name}, {device.type}; plan: "
           f"{summary.strategy}, budget {format_bytes(planned.schedule.budget_bytes)}, predicted step "
           f"{summary.predicted_step_time_ms:.2f} ms, predicted peak {format_bytes(summary.peak_memory_bytes)}")
     plain_peak_note = format_bytes(keep_all_peak_bytes(planned.profile)) + " (simulated keep-all)"

@@ -41,6 +41,11 @@ class Accountant:
         self.resident_bytes[node_id] = output_bytes
         self.compute_ms = end
 
+    def transient(self, label: str, size_bytes: int) -> None:
+        """Memory allocated and released at one instant of the compute stream (counted in the peak)."""
+        self._event(self.compute_ms, size_bytes, label)
+        self._event(self.compute_ms, -size_bytes, label)
+
     def offload(self, node_id: str) -> None:
         size = self.resident_bytes[node_id]
         start = max(self.compute_ms, self.d2h_ms)

@@ -1,280 +1,502 @@
-"""Capture a model as a graph of module and function calls (torch.fx), one profile node per call.
+"""Capture one training step of a model, its loss included, as the ATen graph PyTorch itself runs.
 
-Node ids are the fx node names, so a profile, a schedule and the executor
-agree on what "conv1" is. Every node can be called on its own with values
-from other nodes, which is what profiling per node and replaying a schedule
-need. In-place variants are called out of place (same numbers), because a
-node's input may still be needed by a later node or by a backward pass.
+`capture(model, inputs, kwargs, targets, loss_fn)` exports the model with its
+loss (`torch.export`, non-strict) and traces forward and backward into one
+functionalised joint graph (executor.export). In-place operations arrive as
+their out-of-place forms; a mutated buffer or input (BatchNorm statistics,
+`torch.relu_(x)` on an input) is a graph output written back once per step.
+
+What cannot be captured is refused with a CaptureError that names the module,
+the user's source line and what to change: data-dependent control flow,
+`.item()` and other data-dependent values or shapes, operations export cannot
+trace, a backward that fails in plain PyTorch too. Never a bare traceback,
+never a silently different model.
+
+Each `aten.convolution_backward` is split here into a filter-gradient call
+(weight and bias) and a data-gradient call (input), run in that order, so the
+planner can free a convolution's input before its input gradient exists;
+the two calls give bitwise the same numbers as the combined one (ATen computes
+each requested gradient independently).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
+import logging
+import operator
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
+from executor import export
 from executor.errors import CaptureError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_EXECUTOR_DIR = os.path.dirname(os.path.abspath(__file__))
 
-
-@dataclass(frozen=True)
-class Ref:
-    """A reference to another fx node's value inside a node's arguments."""
-
-    name: str
-
-
-class _ScopeFailure(Exception):
-    def __init__(self, path: str, type_name: str, error: BaseException):
-        self.path, self.type_name, self.error = path, type_name, error
-        super().__init__(str(error))
-
-
-class _ScopeTracer(fx.Tracer):
-    """A tracer that remembers which module it was inside when tracing failed."""
-
-    def call_module(self, m: nn.Module, forward: Callable, args, kwargs):
-        path = self.path_of_module(m) or "<root>"
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except _ScopeFailure:
-            raise
-        except Exception as error:  # noqa: BLE001 - turned into a readable CaptureError
-            raise _ScopeFailure(path, type(m).__name__, error) from error
-
-
-def _user_frame(error: BaseException) -> str | None:
-    """The innermost frame of the traceback that is not torch itself: the user's function."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
-    frames = [f for f in frames if not f.filename.endswith(os.path.join("executor", "capture.py"))]
-    if not frames:
-        return None
-    frame = frames[-1]
-    return f"function {frame.name!r} ({os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()})"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-def trace(model: nn.Module) -> fx.GraphModule:
-    """Symbolically trace `model`; a model fx cannot handle raises CaptureError naming where."""
-    tracer = _ScopeTracer()
-    try:
-        graph = tracer.trace(model)
-    except _ScopeFailure as failure:
-        where = _user_frame(failure.error)
-        raise CaptureError(
-            f"torch.fx cannot trace {type(model).__name__}: it failed inside module {failure.path!r} "
-            f"({failure.type_name})" + (f", in {where}" if where else "") + f": {_first_line(failure.error)}. "
-            "Data-dependent control flow or non-torch calls cannot be captured; make that part a leaf module "
-            "or rewrite it with tensor operations."
-        ) from None
-    except Exception as error:  # noqa: BLE001
-        where = _user_frame(error)
-        raise CaptureError(
-            f"torch.fx cannot trace {type(model).__name__}"
-            + (f": it failed in {where}" if where else "")
-            + f": {_first_line(error)}"
-        ) from None
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
-
-
-_INPLACE_METHOD_EXCEPTIONS = {"requires_grad_", "retain_grad", "share_memory_"}
+LOSS_MODULE = "loss"  # the module path of operations the loss function runs outside the model
 
 
 @dataclass
-class CapturedNode:
-    """One call of the model (module, function or tensor method): one forward node of the profile."""
+class Source:
+    """Where a graph input's value comes from at each step."""
 
-    id: str
-    op: str  # call_module, call_function, call_method
-    target: Any
-    op_type: str
-    module_path: str | None
-    args: Any  # with Ref in place of fx nodes
-    kwargs: dict
-    inputs: list[str]  # ids of compute nodes read (no placeholders, no attributes), in first-use order
-    module: nn.Module | None = None
-    parameters: list[nn.Parameter] = field(default_factory=list)
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    inplace_modules: list[nn.Module] = field(default_factory=list)
+    kind: str  # parameter | buffer | constant | input | tangent
+    name: str | None = None  # parameters and buffers: the name in the model (or the loss module)
+    index: int | None = None  # inputs: position among the flattened (args, kwargs, targets) leaves
+    tensor: torch.Tensor | None = None  # constants: the captured tensor
+    owner: str = "model"  # parameters and buffers: "model" or "loss_fn"
 
-    @property
-    def is_conv2d(self) -> bool:
-        return (
-            self.op == "call_module"
-            and type(self.module) is nn.Conv2d
-            and self.module.padding_mode == "zeros"
-            and not isinstance(self.module.padding, str)
-            and not self.kwargs
-            and len(self.args) == 1
-        )
-
-    def call(self, args, kwargs, conv_algorithm: str | None = None, conv_backward: str | None = None):
-        """Run this node eagerly on already resolved arguments."""
-        if self.op == "call_module":
-            if conv_algorithm is not None and self.is_conv2d:
-                from executor.conv_algorithms import conv2d
-
-                m = self.module
-                return conv2d(args[0], m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups,
-                              algorithm=conv_algorithm, backward_algorithm=conv_backward)
-            with _out_of_place(self.inplace_modules):
-                return self.module(*args, **kwargs)
-        if self.op == "call_function":
-            if kwargs.get("inplace"):
-                kwargs = {**kwargs, "inplace": False}
-            return self.target(*args, **kwargs)
-        name = self.target
-        if name.endswith("_") and not name.endswith("__") and name not in _INPLACE_METHOD_EXCEPTIONS:
-            name = name[:-1]
-        receiver, *rest = args
-        return getattr(receiver, name)(*rest, **kwargs)
-
-
-@contextlib.contextmanager
-def _out_of_place(modules: list[nn.Module]):
-    if not modules:
-        yield
-        return
-    for m in modules:
-        m.inplace = False
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.inplace = True
+    def describe(self) -> str:
+        if self.kind in ("parameter", "buffer"):
+            return f"{self.kind} {self.name!r}" + (" of the loss module" if self.owner == "loss_fn" else "")
+        if self.kind == "input":
+            return f"input leaf {self.index}"
+        return self.kind
 
 
 @dataclass
-class CapturedGraph:
+class CapturedStep:
+    """The joint forward+backward graph of one training step and what its inputs and outputs mean."""
+
     model: nn.Module
-    graph_module: fx.GraphModule
-    placeholders: list[str]
-    attributes: dict[str, Any]  # get_attr node name -> the tensor/parameter it reads
-    nodes: list[CapturedNode]
-    output: Any  # pytree of Ref: what the model returns
+    loss_fn: Callable
+    graph_module: fx.GraphModule  # the joint graph (convolution backward split in two)
+    sources: dict[fx.Node, Source]  # every placeholder
+    loss: fx.Node  # the loss value
+    gradients: list[tuple[fx.Node, str, str]]  # (value, parameter name, owner)
+    mutations: list[tuple[fx.Node, fx.Node]]  # (new value, placeholder it is written back into)
+    input_spec: Any  # pytree spec of ((args, kwargs, targets), {})
+    constant_leaves: dict[int, Any]  # leaves that are not tensors (flags, sizes): baked into the graph
+    input_signature: str
+    target_signature: str | None
+    module_path: dict[fx.Node, str] = field(default_factory=dict)  # module a node comes from ('' root, 'loss')
+    source_line: dict[fx.Node, str] = field(default_factory=dict)
+    backward: set = field(default_factory=set)  # nodes of the backward pass
+    export_seconds: float = 0.0
+    joint_seconds: float = 0.0
 
     @property
-    def node_by_id(self) -> dict[str, CapturedNode]:
-        return {node.id: node for node in self.nodes}
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
 
-    def output_ids(self) -> list[str]:
-        ids: list[str] = []
-        fx.node.map_aggregate(self.output, lambda a: ids.append(a.name) if isinstance(a, Ref) and a.name in self.node_by_id else None)
-        return list(dict.fromkeys(ids))
+    def parameter(self, name: str, owner: str = "model") -> nn.Parameter:
+        root = self.model if owner == "model" else self.loss_fn
+        return dict(root.named_parameters(remove_duplicate=False))[name]
+
+    def buffer(self, name: str, owner: str = "model") -> torch.Tensor:
+        root = self.model if owner == "model" else self.loss_fn
+        return dict(root.named_buffers(remove_duplicate=False))[name]
 
     def structure_sha256(self) -> str:
-        """Hash of what the graph computes: ops, wiring, module settings and parameter shapes; not the input shapes."""
+        """What the graph computes: every operation, its arguments and wiring, and what each input is.
+        Shapes are part of the operations' arguments, so other input shapes are another structure (the
+        input signature is checked first, for a clearer message)."""
         digest = hashlib.sha256()
-        for fx_node in self.graph_module.graph.nodes:
-            args = fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda n: Ref(n.name))
-            digest.update(f"{fx_node.op}|{fx_node.name}|{_target_name(fx_node.target)}|{args!r}\n".encode())
-        for node in self.nodes:
-            if node.module is not None:
-                digest.update(f"module {node.id}: {node.module!r}\n".encode())
-        for name, tensor in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-            digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{tensor.requires_grad}\n".encode())
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                source = self.sources[node]
+                digest.update(f"input {node.name} {source.kind} {source.name} {source.index}\n".encode())
+                continue
+            args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
+            digest.update(f"{node.op} {node.name} {_target_name(node.target)} {args!r}\n".encode())
+        for name, parameter in self.model.named_parameters():
+            digest.update(f"{name}|{tuple(parameter.shape)}|{parameter.dtype}|{parameter.requires_grad}\n".encode())
         return digest.hexdigest()
 
 
 def _target_name(target: Any) -> str:
     if isinstance(target, str):
         return target
-    module = getattr(target, "__module__", None) or ""
-    return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', repr(target)))}"
+    return getattr(target, "__name__", None) and f"{getattr(target, '__module__', '')}.{target.__name__}" or str(target)
 
 
-def _op_type(fx_node: fx.Node, gm: fx.GraphModule) -> str:
-    if fx_node.op == "call_module":
-        return type(gm.get_submodule(fx_node.target)).__name__
-    if fx_node.op == "call_function":
-        return getattr(fx_node.target, "__name__", str(fx_node.target))
-    return str(fx_node.target)
+# --- signatures ------------------------------------------------------------------------------------
 
 
-def _scope(fx_node: fx.Node) -> str | None:
-    if fx_node.op == "call_module":
-        return str(fx_node.target)
-    stack = fx_node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1]
-        path = path[0] if isinstance(path, tuple) else path
-        return str(path) or None
-    return None
+def _leaf(value) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"{dtype}[{','.join(str(s) for s in value.shape)}]"
+    return type(value).__name__ if value is not None else ""
 
 
-def capture(model: nn.Module) -> CapturedGraph:
-    """Trace `model` and describe each call as a CapturedNode."""
-    gm = trace(model)
-    placeholders: list[str] = []
-    attributes: dict[str, Any] = {}
-    nodes: list[CapturedNode] = []
-    output: Any = None
-    compute_ids: set[str] = set()
-    for fx_node in gm.graph.nodes:
-        if fx_node.op == "placeholder":
-            placeholders.append(fx_node.name)
-            continue
-        if fx_node.op == "get_attr":
-            attributes[fx_node.name] = _get_attr(gm, fx_node.target)
-            continue
-        if fx_node.op == "output":
-            output = fx.node.map_arg(fx_node.args[0], lambda n: Ref(n.name))
-            continue
-        args, kwargs = fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda n: Ref(n.name))
-        inputs = [n.name for n in fx_node.all_input_nodes if n.name in compute_ids]
-        node = CapturedNode(
-            id=fx_node.name,
-            op=fx_node.op,
-            target=fx_node.target,
-            op_type=_op_type(fx_node, gm),
-            module_path=_scope(fx_node),
-            args=args,
-            kwargs=dict(kwargs),
-            inputs=list(dict.fromkeys(inputs)),
-        )
-        if fx_node.op == "call_module":
-            node.module = gm.get_submodule(fx_node.target)
-            node.parameters = list(node.module.parameters())
-            node.buffers = list(node.module.buffers())
-            node.inplace_modules = [m for m in node.module.modules() if getattr(m, "inplace", None) is True]
-        for source in fx_node.all_input_nodes:
-            if source.op == "get_attr" and isinstance(attributes[source.name], nn.Parameter):
-                node.parameters.append(attributes[source.name])
-        nodes.append(node)
-        compute_ids.add(node.id)
-    if not nodes:
-        raise CaptureError(f"{type(model).__name__} has no operations to schedule: its forward returns its input")
-    return CapturedGraph(model, gm, placeholders, attributes, nodes, output)
-
-
-def _get_attr(gm: fx.GraphModule, target: str):
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def tensor_signature(values) -> str:
-    """'float32[2,3,32,32],int64[2]': what a profile was measured with, to compare against real inputs."""
-    leaves = []
-    fx.node.map_aggregate(values, lambda v: leaves.append(v))
-    parts = []
-    for value in leaves:
-        if isinstance(value, torch.Tensor):
-            dtype = str(value.dtype).replace("torch.", "")
-            parts.append(f"{dtype}[{','.join(str(s) for s in value.shape)}]")
-        elif value is not None:
-            parts.append(type(value).__name__)
+def tensor_signature(values, kwargs: dict | None = None) -> str:
+    """'float32[2,3,32,32]', with keyword inputs as 'name=int64[2,16]': what a profile was measured with."""
+    parts = [part for part in (_leaf(v) for v in tree_flatten(values)[0]) if part]
+    for name in sorted(kwargs or {}):
+        leaves = [part for part in (_leaf(v) for v in tree_flatten(kwargs[name])[0]) if part]
+        parts.extend(f"{name}={leaf}" for leaf in leaves)
     return ",".join(parts)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+def _is_user_file(filename: str) -> bool:
+    return not filename.startswith(_TORCH_DIR) and not filename.startswith(_EXECUTOR_DIR) and "<" not in filename
+
+
+def _module_names(model: nn.Module, loss_fn) -> dict[int, str]:
+    names = {id(m): name for name, m in model.named_modules()}
+    names[id(model)] = names.get(id(model), "") or ""
+    if isinstance(loss_fn, nn.Module):
+        for name, m in loss_fn.named_modules():
+            names.setdefault(id(m), f"{LOSS_MODULE}.{name}" if name else LOSS_MODULE)
+    return names
+
+
+def _user_frames(error: BaseException) -> list:
+    """Frames of the user's code (not torch's, not ours) in the tracebacks of the error and its causes."""
+    frames: list = []
+    seen = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        chain = []
+        while tb is not None:
+            frame = tb.tb_frame
+            if _is_user_file(frame.f_code.co_filename):
+                chain.append((frame, tb.tb_lineno))
+            tb = tb.tb_next
+        if chain:
+            frames = chain  # the deepest exception that passed through user code wins
+        current = current.__cause__ or current.__context__
+    return frames
+
+
+def _describe_frame(frame, lineno: int, names: dict[int, str]) -> tuple[str | None, str]:
+    """(module path or None, 'file.py:12: code') for a frame of the user's code."""
+    import linecache
+
+    code = linecache.getline(frame.f_code.co_filename, lineno).strip()
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{lineno} `{code}`"
+    owner = frame.f_locals.get("self") if isinstance(frame.f_locals, dict) else None
+    module = None
+    if isinstance(owner, nn.Module) and id(owner) in names:
+        path = names[id(owner)]
+        module = f"{path or '<root>'} ({type(owner).__name__})"
+    return module, where
+
+
+def _first_line(error: BaseException) -> str:
+    text = [line for line in str(error).strip().splitlines() if line.strip()]
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _advice(error: BaseException) -> str:
+    text = f"{type(error).__name__} {error}"
+    if "data-dependent" in text or "GuardOnDataDependent" in text:
+        return ("control flow or a shape that depends on tensor values cannot be captured: compute both branches "
+                "and select with torch.where, or move the decision out of the model")
+    if "item" in text or "_local_scalar_dense" in text:
+        return "a Python number read from a tensor (.item(), float(t), int(t)) cannot be captured: keep it a tensor"
+    if "nonzero" in text or "DynamicOutputShape" in text:
+        return ("an output shape that depends on tensor values (boolean-mask indexing, nonzero, unique) cannot be "
+                "captured: use torch.where or masking that keeps the shape")
+    if "inplace operation" in text or "modified by an inplace" in text:
+        return "plain PyTorch's backward fails on this model too: an in-place operation overwrites a tensor backward needs"
+    return "rewrite that part with tensor operations torch.export can trace (see the torch.export documentation)"
+
+
+def capture_error(error: BaseException, model: nn.Module, loss_fn, stage: str) -> CaptureError:
+    """A CaptureError naming the module, the user's source line and what to change."""
+    names = _module_names(model, loss_fn)
+    frames = _user_frames(error)
+    module = where = None
+    for frame, lineno in reversed(frames):
+        found, line = _describe_frame(frame, lineno, names)
+        where = where or line
+        if found:
+            module = found
+            break
+    message = f"cannot capture {type(model).__name__} ({stage})"
+    if module:
+        message += f" in module {module}"
+    if where:
+        message += f" at {where}"
+    message += f": {_first_line(error).rstrip('.')}. {_advice(error)}"
+    return CaptureError(message)
+
+
+def _node_place(node: fx.Node) -> tuple[str, str]:
+    """(module path, source line) of an exported-program node, from its metadata."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    module = ""
+    if stack:
+        path, kind = list(stack.values())[-1]
+        module = f"{_model_path(path) or '<root>'} ({kind.rsplit('.', 1)[-1]})"
+    trace = node.meta.get("stack_trace") or ""
+    line = ""
+    lines = trace.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        text = lines[i].strip()
+        if text.startswith("File ") and _is_user_file(text.split('"')[1] if '"' in text else ""):
+            filename = text.split('"')[1]
+            lineno = text.split("line ")[1].split(",")[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            line = f"{os.path.basename(filename)}:{lineno} `{code}`"
+            break
+    return module, line
+
+
+def _model_path(path: str) -> str:
+    """Module path in the exported wrapper ('model.layer1.0') -> in the user's model ('layer1.0')."""
+    if path == "model" or path.startswith("model."):
+        return path[len("model."):] if path != "model" else ""
+    if path == "loss_fn" or path.startswith("loss_fn."):
+        return LOSS_MODULE + path[len("loss_fn"):]
+    return LOSS_MODULE if path == "" else path
+
+
+def _check_static(program, model: nn.Module) -> None:
+    """Refuse values and shapes that depend on tensor data (export allows them as unbacked symbols)."""
+    for node in program.graph_module.graph.nodes:
+        values = tree_flatten(node.meta.get("val"))[0]
+        dynamic = any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in values) or any(
+            isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in v.shape) for v in values
+        )
+        if not dynamic:
+            continue
+        module, line = _node_place(node)
+        target = getattr(node.target, "__name__", str(node.target))
+        what = ("reads a Python number from a tensor (.item(), float(t), int(t))" if "item" in target or "scalar" in target
+                else f"makes a shape that depends on tensor values ({target})")
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: "
+            + (f"module {module} " if module else "")
+            + what + (f", at {line}" if line else "")
+            + ". The executor plans fixed shapes: keep values as tensors and shapes independent of the data "
+            "(torch.where instead of boolean indexing or branching on values)"
+        )
+
+
+# --- the capture ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_torch():
+    """torch's own logging and warnings while it traces (graph dumps, symbolic-shape notes, anomaly-mode
+    tracebacks): what went wrong reaches the user once, as a CaptureError."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # export prints partial graphs
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable) -> CapturedStep:
+    """Capture `loss_fn(model(*inputs, **kwargs), targets)` and its backward as one ATen graph."""
+    import time
+
+    kwargs = dict(kwargs or {})
+    if not any(p.requires_grad for p in model.parameters()):
+        raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
+    export.require_supported_torch()
+    started = time.perf_counter()
+    try:
+        with _quiet_torch():
+            program = export.export_program(model, inputs, kwargs, targets, loss_fn)
+    except CaptureError:
+        raise
+    except Exception as error:  # noqa: BLE001 - every export failure becomes a message
+        raise capture_error(error, model, loss_fn, "torch.export") from None
+    _check_static(program, model)
+    exported_at = time.perf_counter()
+    try:
+        with _quiet_torch():
+            exported = export.joint_graph(program, inputs, kwargs, targets)
+    except CaptureError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        raise capture_error(error, model, loss_fn, "tracing its backward") from None
+    joint_at = time.perf_counter()
+    step = _describe(exported, model, loss_fn, inputs, kwargs, targets)
+    step.export_seconds = exported_at - started
+    step.joint_seconds = joint_at - exported_at
+    return step
+
+
+def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets) -> CapturedStep:
+    d = exported.descriptors
+    gm = exported.joint
+    graph = gm.graph
+    wrapper_constants = dict(exported.constants)
+    buffers = {"model": dict(model.named_buffers(remove_duplicate=False)),
+               "loss_fn": dict(loss_fn.named_buffers(remove_duplicate=False)) if isinstance(loss_fn, nn.Module) else {}}
+    sources: dict[fx.Node, Source] = {}
+    for node in graph.find_nodes(op="placeholder"):
+        desc = node.meta.get("desc")
+        if isinstance(desc, d.ParamAOTInput):
+            owner, name = export.owner_and_name(desc.target)
+            sources[node] = Source("parameter", name, owner=owner)
+        elif isinstance(desc, d.BufferAOTInput):
+            owner, name = export.owner_and_name(desc.target)
+            if owner is not None and name in buffers[owner]:
+                sources[node] = Source("buffer", name, owner=owner)
+            else:
+                sources[node] = Source("constant", desc.target, tensor=wrapper_constants[desc.target])
+        elif isinstance(desc, d.PlainAOTInput):
+            sources[node] = Source("input", index=desc.idx)
+        elif isinstance(desc, d.TangentAOTInput):
+            sources[node] = Source("tangent")
+        else:
+            raise CaptureError(_unsupported_input(desc, model))
+    output = graph.output_node()
+    loss = None
+    gradients, mutations = [], []
+    placeholder_of = {}
+    for node, source in sources.items():
+        if source.kind in ("buffer", "input", "constant"):
+            placeholder_of[(source.kind, source.owner, source.name, source.index)] = node
+    for desc, value in zip(output.meta["desc"], output.args[0]):
+        if desc is None or value is None:
+            continue
+        if isinstance(desc, d.PlainAOTOutput):
+            loss = value
+        elif isinstance(desc, d.GradAOTOutput):
+            grad_of = desc.grad_of
+            if isinstance(grad_of, d.ParamAOTInput):
+                owner, name = export.owner_and_name(grad_of.target)
+                gradients.append((value, name, owner))
+            else:
+                # a gradient for a user input or a buffer: nobody asked for it (inputs are refused if they need one)
+                continue
+        elif isinstance(desc, d.InputMutationAOTOutput):
+            mutated = desc.mutated_input
+            if isinstance(mutated, d.BufferAOTInput):
+                owner, name = export.owner_and_name(mutated.target)
+                if owner is not None and name in buffers[owner]:
+                    key = ("buffer", owner, name, None)
+                else:
+                    key = ("constant", "model", mutated.target, None)
+            elif isinstance(mutated, d.PlainAOTInput):
+                key = ("input", "model", None, mutated.idx)
+            else:
+                raise CaptureError(f"cannot capture {type(model).__name__}: it mutates {mutated}, which the executor "
+                                   "cannot write back")
+            mutations.append((value, placeholder_of[key]))
+        else:
+            raise CaptureError(f"cannot capture {type(model).__name__}: its graph returns {desc}, which the executor "
+                               "does not handle (outputs that alias each other or tensor subclasses)")
+    if loss is None:
+        raise CaptureError(f"cannot capture {type(model).__name__}: the loss is not part of the graph")
+    _check_operations(graph, model)
+    _split_convolution_backward(gm)
+    graph.lint()
+    gm.recompile()
+    flat, spec = tree_flatten(((tuple(inputs), dict(kwargs), targets), {}))
+    step = CapturedStep(
+        model=model, loss_fn=loss_fn, graph_module=gm, sources=sources, loss=loss, gradients=gradients,
+        mutations=mutations, input_spec=spec,
+        constant_leaves={i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)},
+        input_signature=tensor_signature(tuple(inputs), kwargs),
+        target_signature=tensor_signature(targets) if targets is not None else None,
+    )
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.meta.get("partitioner_tag") == "is_backward":
+            step.backward.add(node)
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+        # no module at all: PyTorch's own sums of gradients (a tensor read twice); the model's root has path ''
+        step.module_path[node] = _model_path(list(stack.values())[-1][0]) if stack else ""
+        step.source_line[node] = _node_place(node)[1]
+    return step
+
+
+def _unsupported_input(desc, model) -> str:
+    text = type(desc).__name__
+    if "ViewBase" in text or "SyntheticBase" in text:
+        return (f"cannot capture {type(model).__name__}: two of its inputs (or an input and a parameter) share memory; "
+                "pass separate tensors (clone one of them)")
+    if "Subclass" in text:
+        return f"cannot capture {type(model).__name__}: tensor subclasses among the inputs or parameters are not supported"
+    return f"cannot capture {type(model).__name__}: its graph takes an input the executor does not handle ({desc})"
+
+
+def _check_operations(graph: fx.Graph, model) -> None:
+    """Only ATen operators (and getitem on their tuples) can be replayed; none of them may mutate an input."""
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            continue
+        if node.op != "call_function":
+            raise CaptureError(f"cannot capture {type(model).__name__}: its graph calls {node.op} {node.target}, which "
+                               "the executor cannot replay")
+        if node.target is operator.getitem:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            module, line = _node_place(node)
+            raise CaptureError(
+                f"cannot capture {type(model).__name__}: "
+                + (f"module {module} " if module else "")
+                + f"uses {node.target}, which is not an ATen operator the executor can replay"
+                + (f" (at {line})" if line else "")
+            )
+        if node.target._schema.is_mutable:
+            module, line = _node_place(node)
+            raise CaptureError(
+                f"cannot capture {type(model).__name__}: its functionalised graph still mutates a tensor with "
+                f"{node.target} ({module or 'unknown module'}{', ' + line if line else ''})"
+            )
+
+
+_ATEN = torch.ops.aten
+
+
+def _split_convolution_backward(gm: fx.GraphModule) -> None:
+    """convolution_backward(..., [input, weight, bias]) -> a weight+bias call, then an input call (same numbers).
+
+    The input call needs the forward input's shape only, not its values: when that input is contiguous it gets a
+    stand-in of the same shape backed by one element (bitwise the same result, checked in the tests), so the
+    planner may free the input once the filter gradient is done.
+    """
+    graph = gm.graph
+    for k, node in enumerate(list(graph.find_nodes(op="call_function", target=_ATEN.convolution_backward.default))):
+        args = list(node.args)
+        mask = list(args[10])
+        if not mask[0] or not (mask[1] or mask[2]):
+            continue
+        with graph.inserting_before(node):
+            weight_half = graph.call_function(_ATEN.convolution_backward.default,
+                                              tuple(args[:10]) + ([False, mask[1], mask[2]],))
+            input_args = list(args[:10])
+            meta = args[1].meta.get("val") if isinstance(args[1], fx.Node) else None
+            if isinstance(meta, torch.Tensor) and meta.is_contiguous():
+                name = f"_mosos_shape_only_{k}"
+                gm.register_buffer(name, torch.zeros((), dtype=meta.dtype, device=meta.device), persistent=False)
+                scalar = graph.get_attr(name)
+                stand_in = graph.call_function(_ATEN.expand.default, (scalar, list(meta.shape)))
+                stand_in.meta["val"] = meta
+                stand_in.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+                input_args[1] = stand_in
+            input_half = graph.call_function(_ATEN.convolution_backward.default,
+                                             tuple(input_args) + ([True, False, False],))
+        for half, tag in ((weight_half, "weight"), (input_half, "input")):
+            half.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            half.meta["convolution_half"] = tag
+            if "val" in node.meta:
+                value = node.meta["val"]
+                half.meta["val"] = (None, value[1], value[2]) if tag == "weight" else (value[0], None, None)
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_input_with(node, input_half if user.args[1] == 0 else weight_half)
+            else:
+                raise CaptureError(f"convolution_backward result used as a whole by {user}; cannot split it")
+        graph.erase_node(node)

@@ -1,26 +1,25 @@
-"""Interchangeable 2-D convolution algorithms with different time and workspace.
+"""Interchangeable 2-D convolution algorithms with different time and workspace, at the ATen level.
 
 PyTorch exposes no per-layer choice of cuDNN algorithm, so the executor
-carries its own: each algorithm computes the same convolution (forward, and
-the gradients of input, weight and bias) with a different trade-off, and
-declares where it applies and how much scratch memory (workspace) it needs
-beyond its inputs and its output. The profiler times each of them; the
-planner picks one per node; the executor runs the pick.
+carries its own: each algorithm computes what `aten.convolution` computes
+(forward) or one half of what `aten.convolution_backward` computes (the
+filter gradient with the bias gradient, or the input gradient) with a
+different trade-off. The profiler times and measures each of them; the
+planner picks one per planning node; the generated step calls the pick.
 
-- native: torch's own convolution (oneDNN / cuDNN), workspace counted as 0.
+- native: ATen's own operator (oneDNN / cuDNN): bitwise what plain PyTorch computes.
 - im2col: unfold the input into columns and multiply (GEMM); the columns are the workspace.
 - im2col-chunked: the same, a quarter of the batch at a time: a quarter of the workspace, more passes.
 - winograd: F(2x2, 3x3) for 3x3 kernels, stride 1: 16 element-wise products per 2x2 output tile
   instead of 36 multiplications, at the price of transformed copies of input and output tiles.
+  Its filter gradient is im2col's.
 
-The forward algorithm is fixed when the node computes; the backward
-algorithm is chosen when the backward runs (`backward_algorithm(name)`), since
-the schedule picks both independently.
+Only `native` reproduces plain PyTorch's numbers bit for bit; the others agree
+to rounding (float64 within 1e-10, float32 within 2e-5 of the largest value).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -30,22 +29,6 @@ import torch.nn.functional as F
 
 ALGORITHMS = ("native", "im2col", "im2col-chunked", "winograd")
 CHUNKS = 4
-
-_backward_override: str | None = None
-
-
-@contextlib.contextmanager
-def backward_algorithm(name: str | None):
-    """Within this block, convolution backward passes use algorithm `name`."""
-    global _backward_override
-    if name is not None and name not in ALGORITHMS:
-        raise ValueError(f"unknown convolution algorithm {name!r}; known: {', '.join(ALGORITHMS)}")
-    previous, _backward_override = _backward_override, name
-    try:
-        yield
-    finally:
-        _backward_override = previous
-
 
 def _pair(value) -> tuple[int, int]:
     return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
@@ -246,65 +229,53 @@ def _winograd_backward(x, w, grad, padding, need_input, need_weight):
     return grad_input, grad_weight
 
 
-def _native_backward(x, w, grad, stride, padding, dilation, groups, need_input, need_weight):
-    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
-        grad, x, w, None, list(stride), list(padding), list(dilation), False, [0, 0], groups,
-        [need_input, need_weight, False],
-    )
-    return grad_input, grad_weight
+def _owning(tensor):
+    """The result as a tensor that owns exactly its storage: an implementation must keep no more than native's."""
+    if tensor is None:
+        return None
+    if (tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
-class _Conv2d(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, algorithm, backward_default):
-        ctx.save_for_backward(x, weight)
-        ctx.settings = (stride, padding, dilation, groups, backward_default or algorithm)
-        ctx.has_bias = bias is not None
-        if algorithm == "native":
-            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        if algorithm == "im2col":
-            out = _im2col_forward(x, weight, stride, padding, dilation)
-        elif algorithm == "im2col-chunked":
-            out = _chunked_forward(x, weight, stride, padding, dilation)
-        else:
-            out = _winograd_forward(x, weight, padding)
-        if bias is not None:
-            out += bias.view(1, -1, 1, 1)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        stride, padding, dilation, groups, default = ctx.settings
-        name = _backward_override or default
-        geometry = ConvGeometry.of(x.shape, weight.shape, stride, padding, dilation, groups)
-        reason = why_not_applicable(name, geometry)
-        if reason:
-            raise ValueError(f"convolution backward with {name!r} is not possible here: {reason}")
-        need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad = grad.contiguous()
-        if name == "native":
-            gi, gw = _native_backward(x, weight, grad, stride, padding, dilation, groups, need_input, need_weight)
-        elif name == "im2col":
-            gi, gw = _im2col_backward(x, weight, grad, stride, padding, dilation, need_input, need_weight)
-        elif name == "im2col-chunked":
-            gi, gw = _chunked_backward(x, weight, grad, stride, padding, dilation, need_input, need_weight)
-        else:
-            gi, gw = _winograd_backward(x, weight, grad, padding, need_input, need_weight)
-        gb = grad.sum((0, 2, 3)) if ctx.has_bias and need_bias else None
-        return gi, gw, gb, None, None, None, None, None, None
+def forward(name: str, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    """What aten.convolution computes, by algorithm `name` (not native: 2-D, not transposed, groups 1)."""
+    if name == "im2col":
+        out = _im2col_forward(x, w, _pair(stride), _pair(padding), _pair(dilation))
+    elif name == "im2col-chunked":
+        out = _chunked_forward(x, w, _pair(stride), _pair(padding), _pair(dilation))
+    elif name == "winograd":
+        out = _winograd_forward(x, w, _pair(padding))
+    else:
+        raise ValueError(f"unknown convolution algorithm {name!r}")
+    if b is not None:
+        out += b.view(1, -1, 1, 1)
+    return _owning(out)
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, algorithm="native",
-           backward_algorithm: str | None = None):
-    """torch.nn.functional.conv2d computed by `algorithm`; its backward by `backward_algorithm`
-    (default: the same), unless a `backward_algorithm(...)` block says otherwise when it runs."""
+def backward(name: str, grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+             output_mask):
+    """What aten.convolution_backward computes for `output_mask`, by algorithm `name` (not native)."""
+    need_input, need_weight, need_bias = output_mask
+    grad = grad.contiguous()
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    geometry = ConvGeometry.of(x.shape, weight.shape, stride, padding, dilation, groups)
-    for name in (algorithm, backward_algorithm):
-        if name is None:
-            continue
-        reason = why_not_applicable(name, geometry)
-        if reason:
-            raise ValueError(f"convolution {tuple(x.shape)} * {tuple(weight.shape)} cannot use {name!r}: {reason}")
-    return _Conv2d.apply(x, weight, bias, stride, padding, dilation, groups, algorithm, backward_algorithm)
+    if name == "im2col":
+        gi, gw = _im2col_backward(x, w, grad, stride, padding, dilation, need_input, need_weight)
+    elif name == "im2col-chunked":
+        gi, gw = _chunked_backward(x, w, grad, stride, padding, dilation, need_input, need_weight)
+    elif name == "winograd":
+        gi, gw = _winograd_backward(x, w, grad, padding, need_input, need_weight)
+    else:
+        raise ValueError(f"unknown convolution algorithm {name!r}")
+    gb = grad.sum((0, 2, 3)) if need_bias else None
+    return _owning(gi), _owning(gw), _owning(gb)
+
+
+def geometry_of(input_shape, weight_shape, stride, padding, dilation, transposed, groups) -> ConvGeometry | None:
+    """The geometry of a 2-D, non-transposed convolution; None for anything else (native only)."""
+    if transposed or len(input_shape) != 4 or len(weight_shape) != 4:
+        return None
+    if len(list(stride)) != 2 or len(list(padding)) != 2 or len(list(dilation)) != 2:
+        return None
+    return ConvGeometry.of(input_shape, weight_shape, tuple(stride), tuple(padding), tuple(dilation), groups)

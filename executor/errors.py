@@ -6,7 +6,8 @@ from planner.errors import MososError
 
 
 class CaptureError(MososError):
-    """torch.fx could not trace the model; the message names the module or function."""
+    """The model (with its loss) cannot be captured as one ATen training graph; the message names the module,
+    the source line and what to change."""
 
 
 class ProfileMismatch(MososError):

@@ -2,6 +2,8 @@
 
     planned = executor.optimize(model, inputs, loss_fn, targets=targets, budget="10GiB")
     loss = planned(inputs, targets); loss.backward(); optimizer.step()
+
+Keyword inputs of the model go in `kwargs=` here and as keywords of the call: `planned(ids, targets=t, attention_mask=m)`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from executor.profiler import profile_model
+from executor.profiler import profile_step
 from executor.replay import PlannedModule
 from planner.errors import MososError
 from planner.planning import plan
@@ -94,6 +96,7 @@ def optimize(
     budget: str | int | None = "10GiB",
     *,
     targets=None,
+    kwargs: dict | None = None,
     memory_ratio: float | None = None,
     strategy: str = "mosos",
     planner_url: str | None = None,
@@ -115,8 +118,8 @@ def optimize(
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
     say = _reporter(progress)
     budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
-    profile = profile_model(
-        model, example_inputs, loss_fn, targets,
+    profile, profiled = profile_step(
+        model, example_inputs, loss_fn, targets, kwargs=kwargs,
         optimizer=optimizer, repeats=repeats, warmup=warmup,
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, progress=say,
     )
@@ -140,7 +143,7 @@ def optimize(
             profile, budget_bytes, memory_ratio=memory_ratio, strategy=strategy,
             time_limit_s=time_limit_s, workers=workers, progress=on_progress,
         )
-    planned = PlannedModule(model, profile, schedule, loss_fn)
+    planned = PlannedModule(model, profile, schedule, loss_fn, profiled=profiled)
     summary = schedule.summary
     if summary is not None:
         say(

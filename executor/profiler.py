@@ -1,74 +1,53 @@
-"""Measure a real model into a GraphProfile: the graph, the sizes, the times, the algorithms.
+"""Measure a real model into a GraphProfile: its planning nodes, their sizes, times, workspaces and algorithms.
 
-One reference pass runs every node on its own (as the executor will) and
-finds, through saved-tensor hooks, what each backward really reads. Then each
-node is timed: warm-up runs, then the median of repeated runs (CUDA events on
-a GPU; on the CPU the calling thread's CPU time when torch runs one thread, else
-perf_counter_ns), forward and backward separately, and every convolution once
-per algorithm the executor can run. The model's parameters, buffers, gradients
-and the RNG are left as they were.
+The model and its loss are captured as one joint ATen graph (executor.capture),
+grouped into planning nodes (executor.planning_graph), and the keep-all step
+is generated as code (executor.codegen) and run whole, pass after pass:
 
-What a node's time should add up to is a plain PyTorch step, so timing copies
-one as closely as it can: whole passes node after node, each node reading what
-the previous one has just computed; the native implementations in a clean pass,
-the other algorithms after it; and the fixed cost of the timing harness itself
-(measured on an identity node through the same path, in every pass) subtracted.
+- times: each planning node's share of a real training step: the clock around
+  the node's code in the generated keep-all step (the calling thread's CPU time
+  when torch runs one thread on the CPU, else wall time; CUDA events on a GPU),
+  less the cost of reading the clock (measured on an empty node in every
+  pass), median of the passes after warm-up. Each convolution algorithm other
+  than native gets passes of its own, every convolution set to it.
+- workspace: what a node allocates beyond what it keeps (its outputs and any
+  parameter gradients) while it runs, from the allocator: on the CPU,
+  torch.profiler's memory events (every c10 CPU allocation and free, with
+  `profile_memory=True`) inside a record_function scope around each node; on a
+  GPU, the caching allocator's requested bytes, current and peak. The peak of
+  the running total inside the node, less what the node still holds at its
+  end.
+
+The model's parameters, buffers, gradients and the RNG are left as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from functools import cached_property
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
-import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from executor import conv_algorithms
-from executor.capture import CapturedGraph, CapturedNode, Ref, capture, tensor_signature
+from executor.capture import CapturedStep, capture, tensor_signature
+from executor.codegen import CodeGenerator, Modes, Op
 from executor.errors import CaptureError
-from executor.local import Entry, ForwardRun, Resolver, distinct_bytes, own_storage, resolve_args, run_backward, run_forward, storage_ptr
+from executor.feeds import Feeder
+from executor.planning_graph import CONVOLUTION, PlanningGraph, build, reference_run
+from executor.runtime import StepRuntime, distinct_storage_bytes, obeys_layout
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
 
-TOOL = "mosos executor.profiler 0.1"
-LOSS_ID = "loss"
-
-
-def backward_id(node_id: str) -> str:
-    return f"{node_id}:bwd"
-
-
-class DictStore:
-    """Everything resident: what the reference pass uses."""
-
-    def __init__(self):
-        self.entries: dict[str, Entry] = {}
-
-    def entry(self, node_id: str) -> Entry:
-        return self.entries[node_id]
-
-
-@dataclass
-class StepContext:
-    """The model's graph plus this step's fixed values (inputs, targets, attributes)."""
-
-    graph: CapturedGraph
-    fixed_values: dict[str, Any]
-    fixed_ptrs: set[int]
-    targets: Any
-    loss_fn: Callable
-
-    @cached_property
-    def compute_ids(self) -> set[str]:
-        return {node.id for node in self.graph.nodes}
+TOOL = "mosos executor.profiler 0.2 (torch.export joint graph)"
 
 
 def as_tuple(example_inputs) -> tuple:
@@ -82,83 +61,11 @@ def as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-def step_context(graph: CapturedGraph, inputs: tuple, targets, loss_fn) -> StepContext:
-    if len(inputs) != len(graph.placeholders):
-        raise CaptureError(
-            f"the model's forward takes {len(graph.placeholders)} input(s) ({', '.join(graph.placeholders)}), "
-            f"but {len(inputs)} example input(s) were given"
-        )
-    fixed_values = dict(zip(graph.placeholders, inputs))
-    fixed_values.update(graph.attributes)
-    fixed_ptrs = {storage_ptr(t) for t in graph.model.parameters()}
-    fixed_ptrs |= {storage_ptr(t) for t in graph.model.buffers()}
-    for value in list(fixed_values.values()) + list(as_tuple(targets) if targets is not None else ()):
-        if isinstance(value, torch.Tensor):
-            fixed_ptrs.add(storage_ptr(value))
-    return StepContext(graph, fixed_values, fixed_ptrs, targets, loss_fn)
-
-
 def call_loss(loss_fn: Callable, output, targets):
     return loss_fn(output, targets) if targets is not None else loss_fn(output)
 
 
-def forward_node(ctx: StepContext, node: CapturedNode, store, algorithm: str | None = None) -> tuple[Entry, ForwardRun]:
-    """Compute one forward node from the store's values (convolutions with `algorithm`)."""
-    args, kwargs, leaves, sources = resolve_args(node.args, node.kwargs, store, ctx.fixed_values, ctx.compute_ids)
-    algorithm = algorithm or ("native" if node.is_conv2d else None)
-    return run_forward(
-        node.id,
-        lambda a, k: node.call(a, k, conv_algorithm=algorithm),
-        args, kwargs, leaves, sources, node.parameters, ctx.fixed_ptrs, Resolver(store),
-    )
-
-
-def loss_node(ctx: StepContext, store) -> tuple[Entry, ForwardRun]:
-    """The loss and its gradient with respect to the model's outputs, as one node."""
-    args, _, leaves, sources = resolve_args((ctx.graph.output,), {}, store, ctx.fixed_values, ctx.compute_ids)
-    with torch.enable_grad():
-        loss = call_loss(ctx.loss_fn, args[0], ctx.targets)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError("the loss function must return a single-element tensor")
-        wanted = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
-        grads: list = [None] * len(leaves)
-        if loss.requires_grad and wanted:
-            found = torch.autograd.grad(loss, [leaves[i] for i in wanted], allow_unused=True)
-            for i, grad in zip(wanted, found):
-                grads[i] = grad
-    grads = own_storage(grads, ctx.fixed_ptrs | {storage_ptr(leaf) for leaf in leaves})
-    entry = Entry(leaves=[loss.detach()], spec=None, requires_grad=[False], grads=grads)
-    run = ForwardRun(LOSS_ID, [], sources, [], [], [])
-    return entry, run
-
-
-def gradient_sources(node_id: str, runs: dict[str, ForwardRun], order: list[str]) -> list[tuple[str, int, int]]:
-    """(reader, reader's leaf index, node's leaf index) for every place node_id's value is read."""
-    found = []
-    for reader in order:
-        run = runs.get(reader)
-        if run is None:
-            continue
-        for j, source in enumerate(run.sources):
-            if source is not None and source[0] == node_id:
-                found.append((reader, j, source[1]))
-    return found
-
-
-def gradient_outputs(node_id: str, entry_leaves: int, readers, grad_entries: dict[str, Entry]) -> tuple[list, list[str]]:
-    """Sum the gradient contributions of the node's readers; also say which gradient nodes were read."""
-    grads: list = [None] * entry_leaves
-    used: list[str] = []
-    for reader, j, k in readers:
-        gid = LOSS_ID if reader == LOSS_ID else backward_id(reader)
-        entry = grad_entries.get(gid)
-        if entry is None or entry.grads[j] is None:
-            continue
-        grad = entry.grads[j]
-        grads[k] = grad if grads[k] is None else grads[k] + grad
-        if gid not in used:
-            used.append(gid)
-    return grads, used
+# --- the machine ---------------------------------------------------------------------------------------
 
 
 def _memory_capacity_bytes(device: torch.device) -> int:
@@ -200,56 +107,11 @@ def measure_bandwidth_gb_per_s(device: torch.device, size_bytes: int = 64 << 20,
 
 def cpu_clock(device: torch.device) -> tuple[Callable[[], int], str]:
     """The CPU clock to time with: with one torch thread, that thread's CPU time, which leaves out the time
-    spent waiting for a core on a busy machine (all the work runs on the calling thread, autograd's
-    backward included); with more threads, wall time (their work is on other threads)."""
+    spent waiting for a core on a busy machine (all the work runs on the calling thread); with more threads,
+    wall time (their work is on other threads)."""
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time_ns, "thread_time_ns"
     return time.perf_counter_ns, "perf_counter_ns"
-
-
-class Timer:
-    """Median of repeats after warm-up; CUDA events on a GPU, `cpu_clock` on the CPU."""
-
-    def __init__(self, device: torch.device, repeats: int, warmup: int):
-        self.device, self.repeats, self.warmup = device, repeats, warmup
-        self.clock, self.clock_name = cpu_clock(device)
-        self.spreads: list[float] = []
-        self.samples: dict[Any, list[float]] = {}
-
-    def once(self, run: Callable[[Any], Any], state: Any) -> float:
-        """Milliseconds `run(state)` takes on the device."""
-        return self.once_keeping(run, state)[0]
-
-    def once_keeping(self, run: Callable[[Any], Any], state: Any) -> tuple[float, Any]:
-        """Milliseconds `run(state)` takes on the device, and what it returned."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            start.record()
-            result = run(state)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end), result
-        begin = self.clock()
-        result = run(state)
-        return (self.clock() - begin) / 1e6, result
-
-    def record(self, key, pass_index: int, elapsed_ms: float) -> None:
-        if pass_index >= self.warmup:
-            self.samples.setdefault(key, []).append(elapsed_ms)
-
-    def median(self, key) -> float:
-        samples = self.samples[key]
-        median = statistics.median(samples)
-        if median > 0:
-            self.spreads.append(100.0 * (max(samples) - min(samples)) / median)
-        return median
-
-    def measure(self, prepare: Callable[[], Any], run: Callable[[Any], Any]) -> float:
-        key = object()
-        for i in range(self.warmup + self.repeats):
-            self.record(key, i, self.once(run, prepare()))
-        return self.median(key)
 
 
 def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainable_bytes: int) -> int:
@@ -279,6 +141,7 @@ class _Preserved:
 
     def __enter__(self):
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.grads = [(p, p.grad) for p in self.model.parameters()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return self
@@ -287,153 +150,153 @@ class _Preserved:
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
+        for parameter, grad in self.grads:
+            parameter.grad = grad
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
 
 
-def _first_device(model: nn.Module, inputs: tuple) -> torch.device:
-    for tensor in list(model.parameters()) + [t for t in inputs if isinstance(t, torch.Tensor)]:
+def _first_device(model: nn.Module, leaves: list) -> torch.device:
+    for tensor in list(model.parameters()) + [t for t in leaves if isinstance(t, torch.Tensor)]:
         return tensor.device
     return torch.device("cpu")
 
 
-def profile_model(
-    model: nn.Module,
-    example_inputs,
-    loss_fn: Callable,
-    targets=None,
-    *,
-    name: str | None = None,
-    optimizer: str | torch.optim.Optimizer | None = "sgd",
-    repeats: int = 5,
-    warmup: int = 2,
-    algorithms: tuple[str, ...] = conv_algorithms.ALGORITHMS,
-    d2h_gb_per_s: float | None = None,
-    h2d_gb_per_s: float | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> GraphProfile:
-    """Profile one training step of `model` on `example_inputs`: loss = loss_fn(model(*inputs), targets).
-
-    On a GPU, transfer bandwidth is measured with pinned buffers unless given;
-    on the CPU it is taken from the arguments or left out (no offloading).
-    """
-    if repeats < 1 or warmup < 0:
-        raise MososError(f"repeats must be at least 1 and warmup at least 0, not {repeats} and {warmup}")
-    optimizer_state_bytes(optimizer, 0)  # an unknown optimizer is refused before any work
-    inputs = as_tuple(example_inputs)
-    device = _first_device(model, inputs)
-    graph = capture(model)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
-    ctx = step_context(graph, inputs, targets, loss_fn)
-    say = progress or (lambda message: None)
-    with _Preserved(model, device):
-        nodes = _profile(ctx, device, repeats, warmup, algorithms, say)
-    if device.type == "cuda" and (d2h_gb_per_s is None or h2d_gb_per_s is None):
-        say("measuring PCIe bandwidth with pinned buffers")
-        measured_d2h, measured_h2d = measure_bandwidth_gb_per_s(device)
-        d2h_gb_per_s = d2h_gb_per_s or measured_d2h
-        h2d_gb_per_s = h2d_gb_per_s or measured_h2d
-    nodes_doc, spread, overheads = nodes
-    params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
-    buffer_bytes = distinct_bytes([b for b in model.buffers()])
-    attribute_bytes = distinct_bytes(
-        [v for v in graph.attributes.values() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)],
-        {storage_ptr(b) for b in model.buffers()},
-    )
-    target_list = [t for t in (as_tuple(targets) if targets is not None else ()) if isinstance(t, torch.Tensor)]
-    document = {
-        "name": name or f"{type(model).__name__} {tensor_signature(inputs)} on {device.type}",
-        "hardware": {
-            "name": _device_name(device),
-            "memory_capacity_bytes": _memory_capacity_bytes(device),
-            "d2h_bandwidth_gb_per_s": d2h_gb_per_s,
-            "h2d_bandwidth_gb_per_s": h2d_gb_per_s,
-        },
-        "fixed_memory": {
-            "inputs_bytes": distinct_bytes([t for t in inputs if isinstance(t, torch.Tensor)] + target_list),
-            "parameters_bytes": distinct_bytes(params),
-            "gradients_bytes": trainable_bytes,
-            "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes),
-            "other_bytes": buffer_bytes + attribute_bytes,
-        },
-        "nodes": nodes_doc,
-        "provenance": {
-            "source": "measured",
-            "device": _device_name(device),
-            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "repeats": repeats,
-            "spread_percent": round(statistics.median(spread), 3) if spread else 0.0,
-            "tool": f"{TOOL}, torch {torch.__version__}",
-            "model_structure_sha256": graph.structure_sha256(),
-            "input_signature": tensor_signature(inputs),
-            "target_signature": tensor_signature(targets) if targets is not None else None,
-            "notes": "; ".join(
-                [
-                    f"warmup={warmup}",
-                    "timer=" + ("cuda events" if device.type == "cuda" else cpu_clock(device)[1]),
-                    f"torch_threads={torch.get_num_threads()}",
-                    *(_in_step_notes(overheads) if overheads["in_step"] else _alone_notes(overheads)),
-                    "spread_percent is the median over nodes of (max-min)/median of the repeats",
-                    "workspace=" + ("allocator peak" if device.type == "cuda" else "algorithm formula"),
-                ]
-            ),
-        },
-    }
-    return parse_profile(document, "measured profile")
+# --- what a profile is made of -------------------------------------------------------------------------
 
 
-def _in_step_notes(overheads: dict) -> list[str]:
-    """How the times of a CPU profile were taken (each node's share of a real step)."""
-    return [
-        "native times (the first implementation of every node, as the model itself runs it: torch's "
-        "own convolution) are each node's share of a real training step, timed in every pass: forward, "
-        "each call on the values the step has just computed; backward, one torch.autograd.grad call over "
-        "the whole step as plain PyTorch makes it, a hook after each autograd node stamping the clock "
-        "and the time since the previous stamp going to the node whose call created that autograd node "
-        "(the engine's start to the loss)",
-        "less the timing's own cost, measured in every pass and clamped at 0: "
-        f"{overheads['forward_ms'] * 1000:.1f} us per forward call (an identity node timed the same way), "
-        f"{overheads['hook_ms'] * 1000:.2f} us per hooked autograd node (a chain of one-element views "
-        "with and without hooks)",
-        "other convolution algorithms are timed alone (node after node in whole passes, after the "
-        "native pass), and their time is their median alone less what native showed alone beyond "
-        "its share of the step (the cost of timing one node alone, e.g. one autograd call per "
-        f"backward node, {overheads['backward_ms'] * 1000:.1f} us)",
-        "node-by-node replay adds its own per-node costs (one autograd call per backward node, the "
-        "executor's convolution wrapper) on top of these times",
-    ]
+@dataclass
+class ProfiledStep:
+    """A capture and its planning graph: what PlannedModule needs, so `optimize()` does not capture twice."""
+
+    step: CapturedStep
+    planning: PlanningGraph
+    feeder: Feeder
 
 
-def _alone_notes(overheads: dict) -> list[str]:
-    """How the times of a GPU profile were taken (each node alone, CUDA events)."""
-    return [
-        "times are of each operation alone, timed node after node in whole passes (native in a clean pass, "
-        "the other convolution algorithms after it), each on the values the node before it has just computed",
-        "less the median cost of the timing harness itself (an identity node timed the same way in every pass, "
-        f"clamped at 0): forward {overheads['forward_ms'] * 1000:.1f} us, backward {overheads['backward_ms'] * 1000:.1f} us "
-        "(one torch.autograd.grad call per backward node, which a plain step makes once; the loss node keeps it)",
-    ]
+def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable) -> ProfiledStep:
+    """Capture the step and group it into planning nodes (no arithmetic: shapes come from fake tensors)."""
+    step = capture(model, inputs, kwargs, targets, loss_fn)
+    feeder = Feeder(step)
+    leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
+    values = feeder.feed(leaves)
+    if feeder.tangent_index is not None:
+        loss_meta = step.loss.meta["val"]
+        values[feeder.tangent_index] = torch.ones(loss_meta.shape, dtype=loss_meta.dtype, device=loss_meta.device)
+    facts = reference_run(step, feeder.by_node(values))
+    return ProfiledStep(step, build(step, facts), feeder)
 
 
-def _workspace_bytes(device, algorithm, geometry, element_size, phase, measure: Callable[[Any], Any],
-                     baseline_bytes: int, prepare: Callable[[], Any] = lambda: None) -> int:
-    """On a GPU, the allocator's peak while the algorithm runs beyond what it returns; on the CPU, its formula."""
-    formula = conv_algorithms.workspace_bytes(algorithm, geometry, element_size, phase)
-    if device.type != "cuda":
-        return formula
-    state = prepare()
-    torch.cuda.synchronize(device)
-    before = _requested_bytes(device, "current")
-    torch.cuda.reset_peak_memory_stats(device)
-    result = measure(state)
-    torch.cuda.synchronize(device)
-    peak = _requested_bytes(device, "peak") - before
-    del result, state
-    return max(0, peak - baseline_bytes)
+def implementations_of(planning: PlanningGraph, algorithms: tuple[str, ...]) -> list[list[str]]:
+    """Per planning node: the names of the implementations it can run (native first for a convolution)."""
+    names = []
+    for group in planning.groups:
+        geometry = convolution_geometry(group)
+        if group.convolution is None:
+            names.append(["default"])
+        elif geometry is None:
+            names.append(["native"])
+        else:
+            names.append(["native"] + [a for a in algorithms if a != "native" and conv_algorithms.applicable(a, geometry)])
+    return names
+
+
+def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
+    node = group.convolution
+    if node is None:
+        return None
+    if node.target is CONVOLUTION:
+        x, w = node.args[0], node.args[1]
+        stride, padding, dilation, transposed, groups = node.args[3], node.args[4], node.args[5], node.args[6], node.args[8]
+    else:
+        x, w = node.args[1], node.args[2]
+        stride, padding, dilation, transposed, groups = node.args[4], node.args[5], node.args[6], node.args[7], node.args[9]
+    return conv_algorithms.geometry_of(x.meta["val"].shape, w.meta["val"].shape, stride, padding, dilation,
+                                       transposed, groups)
+
+
+def keep_all_operations(planning: PlanningGraph, implementation: Callable[[int], str]) -> list[Op]:
+    """Every planning node once, in order; each node's outputs freed after their last reader."""
+    last_reader: dict[int, int] = {}
+    for group in planning.groups:
+        for source in group.inputs:
+            last_reader[source] = group.index
+    frees: dict[int, list[int]] = {}
+    for group in planning.groups:
+        frees.setdefault(last_reader.get(group.index, group.index), []).append(group.index)
+    operations = []
+    for group in planning.groups:
+        operations.append(Op("compute", group.index, implementation(group.index)))
+        operations.extend(Op("free", g) for g in sorted(frees.get(group.index, [])))
+    return operations
+
+
+class _ProfilingRuntime(StepRuntime):
+    """The runtime of the profiler's passes: a clock and an allocator watch around every node; gradients go to a
+    sink (a parameter's .grad is left alone) the way they would go to an empty .grad."""
+
+    def __init__(self, device, staging, node_ids, parameters, clock):
+        super().__init__(device, staging, node_ids)
+        self.parameters = parameters
+        self.clock = clock
+        self.sink: dict[int, torch.Tensor] = {}
+        self.elapsed_ns: dict[int, int] = {}
+        self.started = 0
+        self.scopes: dict[int, object] = {}
+        self.memory: dict[int, tuple[int, int]] = {}  # CUDA: node -> (peak rise, held at the end)
+        self.memory_start = 0
+        self.sizes: dict[int, int] = {}
+
+    def computed(self, group: int, implementation: str, tensors: tuple) -> None:
+        """The real bytes of what the node keeps (kernels may return views of larger buffers than meta shapes say)."""
+        self.sizes[group] = distinct_storage_bytes(tensors)
+
+    def gradient(self, index: int, value: torch.Tensor) -> None:
+        parameter = self.parameters[index]
+        if not obeys_layout(value, parameter):
+            value = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype,
+                                        device=parameter.device).copy_(value)
+        self.sink[index] = value
+
+    def tick(self, group: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.started = event
+        else:
+            self.started = self.clock()
+
+    def tock(self, group: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.elapsed_ns.setdefault(group, []).append((self.started, event))
+        else:
+            self.elapsed_ns[group] = self.elapsed_ns.get(group, 0) + self.clock() - self.started
+
+    def memory_begin(self, group: int) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.memory_start = _requested_bytes(self.device, "current")
+        else:
+            scope = torch.autograd.profiler.record_function(f"mosos-node:{group}")
+            scope.__enter__()
+            self.scopes[group] = scope
+
+    def memory_end(self, group: int) -> None:
+        if self.cuda:
+            peak = _requested_bytes(self.device, "peak") - self.memory_start
+            held = _requested_bytes(self.device, "current") - self.memory_start
+            self.memory[group] = (peak, held)
+        else:
+            self.scopes.pop(group).__exit__(None, None, None)
+
+    def node_times_ms(self) -> dict[int, float]:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return {g: sum(start.elapsed_time(end) for start, end in spans) for g, spans in self.elapsed_ns.items()}
+        return {g: ns / 1e6 for g, ns in self.elapsed_ns.items()}
 
 
 def _requested_bytes(device, which: str) -> int:
@@ -446,446 +309,343 @@ def _requested_bytes(device, which: str) -> int:
     return torch.cuda.memory_allocated(device) if which == "current" else torch.cuda.max_memory_allocated(device)
 
 
-def _profile(ctx: StepContext, device, repeats, warmup, algorithms, say) -> tuple[list[dict], list[float]]:
-    graph = ctx.graph
-    order = [node.id for node in graph.nodes]
-    store = DictStore()
-    runs: dict[str, ForwardRun] = {}
-    say(f"reference pass over {len(order)} nodes")
-    for node in graph.nodes:  # a first pass warms up kernels and allocators; the second is the reference
-        store.entries[node.id], _ = forward_node(ctx, node, store)
-    for node in graph.nodes:
-        store.entries[node.id], runs[node.id] = forward_node(ctx, node, store)
-    store.entries[LOSS_ID], runs[LOSS_ID] = loss_node(ctx, store)
-    readers_of = {node_id: gradient_sources(node_id, runs, order + [LOSS_ID]) for node_id in order}
-    grad_entries: dict[str, Entry] = {LOSS_ID: store.entries[LOSS_ID]}
-    backward_inputs: dict[str, list[str]] = {}
-    grad_outputs_of: dict[str, list] = {}
-    for node_id in reversed(order):
-        run = runs[node_id]
-        if not any(root is not None for root in run.roots):
-            continue
-        grads, used = gradient_outputs(node_id, len(store.entries[node_id].leaves), readers_of[node_id], grad_entries)
-        if not used:
-            continue
-        input_grads, _ = run_backward(run, grads, retain_graph=True)
-        foreign = ctx.fixed_ptrs | {storage_ptr(g) for g in grads if g is not None}
-        grad_entries[backward_id(node_id)] = Entry(leaves=[], grads=own_storage(input_grads, foreign))
-        saved_sources = run.saved_sources()
-        forward_reads = [source for source in order if source in saved_sources]
-        backward_inputs[node_id] = forward_reads + used
-        grad_outputs_of[node_id] = grads
+def cpu_workspace_bytes(event_tree, groups: int) -> dict[int, int]:
+    """From torch.profiler's event tree: per node scope, the peak of the running allocation total inside it less
+    what is still allocated at its end (transient memory beyond what the node keeps)."""
+    result: dict[int, int] = {}
 
-    algorithms_of: dict[str, list] = {}
-    geometry_of: dict[str, Any] = {}
-    for node in graph.nodes:
-        geometry = geometry_of[node.id] = _conv_geometry(ctx, node, store)
-        algorithms_of[node.id] = [
-            a for a in algorithms if geometry is not None and conv_algorithms.applicable(a, geometry)
-        ] or [None]
-    timer = Timer(device, repeats, warmup)
-    harness = _Harness(device)
-    # a node's share of a whole step is read off a host clock, which only a CPU step keeps in time with
-    # its work (CUDA kernels run asynchronously): on a GPU every node is timed alone with CUDA events
-    in_step = device.type != "cuda"
-    # Whole passes, node after node as in a real step (caches as cold or warm as they would be),
-    # rather than one node many times in a row.
-    for pass_index in range(warmup + repeats):
-        harness.calibrate(timer, pass_index)  # in every pass, so under the same load as the nodes
-        say(f"timing pass {pass_index + 1}/{warmup + repeats}: a whole step, node by node")
-        if in_step:
-            _time_in_step(ctx, timer, pass_index)
-        say(f"timing pass {pass_index + 1}/{warmup + repeats}: forward")
-        # each node reads what the node before it has just computed in this pass, as in a real step
-        # (inputs as warm in the caches as they would be), not the reference pass's long-cold tensors
-        live = _LiveStore(store)
-        # The first implementation of every node (native for convolutions: what plain PyTorch runs) is
-        # timed in a clean pass of its own; the other convolution algorithms afterwards, so that their
-        # large temporary buffers do not disturb the caches and the allocator of the plain pass.
-        for node in graph.nodes:
-            algorithm = algorithms_of[node.id][0]
-            elapsed, result = timer.once_keeping(
-                lambda state, node=node, a=algorithm: _call(node, state, a), _operands(ctx, node, live))
-            timer.record((node.id, "forward", algorithm), pass_index, elapsed)
-            live.keep(node.id, result)
-            del result
-        elapsed = timer.once(lambda state: _loss_and_gradient(ctx, state), _operands(ctx, None, live))
-        timer.record((LOSS_ID,), pass_index, elapsed)
-        del live
-        say(f"timing pass {pass_index + 1}/{warmup + repeats}: backward")
-        graphs = {
-            node.id: _plain_graph(ctx, node, store, algorithms_of[node.id][0], grad_outputs_of[node.id])
-            for node in graph.nodes if node.id in backward_inputs
-        }
-        alternatives = []
-        for node in reversed(graph.nodes):
-            if node.id not in graphs:
-                continue
-            outputs, targets, gradients = graphs.pop(node.id)
-            timer.record((node.id, "backward", algorithms_of[node.id][0]), pass_index,
-                         timer.once(_timed_backward(algorithms_of[node.id][0], outputs, targets, gradients), None))
-            if len(algorithms_of[node.id]) > 1:
-                alternatives.append((node, outputs, targets, gradients))
-            del outputs, targets, gradients
-        say(f"timing pass {pass_index + 1}/{warmup + repeats}: other convolution algorithms")
-        for node, outputs, targets, gradients in alternatives:
-            for algorithm in algorithms_of[node.id][1:]:
-                timer.record((node.id, "backward", algorithm), pass_index,
-                             timer.once(_timed_backward(algorithm, outputs, targets, gradients), None))
-        del alternatives
-        for node in graph.nodes:
-            for algorithm in algorithms_of[node.id][1:]:
-                elapsed = timer.once(lambda state, node=node, a=algorithm: _call(node, state, a), _operands(ctx, node, store))
-                timer.record((node.id, "forward", algorithm), pass_index, elapsed)
+    def allocations(event, found):
+        for child in event.children:
+            fields = child.extra_fields
+            if hasattr(fields, "alloc_size") and str(getattr(fields, "device", "cpu")).startswith("cpu"):
+                found.append((child.start_time_ns, fields.alloc_size))
+            allocations(child, found)
+        return found
 
-    forward_overhead_ms, backward_overhead_ms = harness.overheads_ms(timer)
-    hook_overhead_ms = harness.hook_overhead_ms(timer)
-    captured = graph.node_by_id
+    def visit(event):
+        name = event.name
+        if name.startswith("mosos-node:"):
+            group = int(name.split(":", 1)[1])
+            events = sorted(allocations(event, []), key=lambda e: e[0])
+            running = peak = 0
+            for _, size in events:
+                running += size
+                peak = max(peak, running)
+            result[group] = max(0, peak - running)
+            return
+        for child in event.children:
+            visit(child)
 
-    def in_step_ms(node_id: str, phase: str) -> float:
-        if phase == "forward":
-            return max(0.0, timer.median(("step", node_id, phase)) - forward_overhead_ms)
-        hooks = statistics.median(timer.samples[("step-hooks", node_id)])
-        return max(0.0, timer.median(("step", node_id, phase)) - hooks * hook_overhead_ms)
+    for root in event_tree:
+        visit(root)
+    return result
 
-    def corrected(key, overhead_ms: float) -> float:
-        """The first implementation (native): its time in the whole step. Another one: its time alone,
-        less the cost of being alone (what the first implementation shows alone beyond its time in the step)."""
-        node_id, phase, algorithm = key
-        plain = "native" if captured[node_id].is_conv2d else None  # what the step ran
-        alone = timer.median(key) - overhead_ms  # its spread counts, whichever time is kept
-        if not in_step:
-            return max(0.0, alone)
-        if algorithm == plain:
-            return in_step_ms(node_id, phase)
-        if plain in algorithms_of[node_id]:
-            native_alone = timer.median((node_id, phase, plain)) - overhead_ms
-            return max(0.0, alone - (native_alone - in_step_ms(node_id, phase)))
-        return max(0.0, alone)
 
-    docs: list[dict] = []
-    bwd_docs: list[dict] = []
-    for index, node in enumerate(graph.nodes):
-        entry = store.entries[node.id]
-        output_bytes = distinct_bytes([t for t in entry.leaves if isinstance(t, torch.Tensor)], ctx.fixed_ptrs)
-        extra_bytes = distinct_bytes(entry.extras, ctx.fixed_ptrs)
-        geometry = geometry_of[node.id]
-        names = algorithms_of[node.id]
-        implementations = []
-        for algorithm in names:
-            time_ms = corrected((node.id, "forward", algorithm), forward_overhead_ms)
-            workspace = 0
-            if algorithm is not None:
-                workspace = _workspace_bytes(
-                    device, algorithm, geometry, entry.leaves[0].element_size(), "forward",
-                    lambda state, a=algorithm: _call(node, state, a), output_bytes,
-                    prepare=lambda: _operands(ctx, node, store),
-                )
-            implementations.append({"name": algorithm or "default", "time_ms": time_ms, "workspace_bytes": workspace})
-        docs.append(
-            {
-                "id": node.id,
-                "name": node.module_path or node.id,
-                "kind": "forward",
-                "op_type": node.op_type,
-                "output_bytes": output_bytes,
-                "extra_saved_bytes": extra_bytes,
-                "module": node.module_path,
-                "inputs": list(node.inputs),
-                "implementations": implementations,
-            }
-        )
-        if node.id not in backward_inputs:
-            continue
-        grads = grad_outputs_of[node.id]
-        bwd_entry = grad_entries[backward_id(node.id)]
-        bwd_implementations = []
-        for algorithm in names:
-            time_ms = corrected((node.id, "backward", algorithm), backward_overhead_ms)
-            workspace = 0
-            if algorithm is not None:
-                def backward_once(state, a=algorithm):
-                    outputs, targets, gradients = state
-                    with conv_algorithms.backward_algorithm(a):
-                        return torch.autograd.grad(outputs, targets, gradients, allow_unused=True)
+# --- profile_model ---------------------------------------------------------------------------------------
 
-                workspace = _workspace_bytes(
-                    device, algorithm, geometry, entry.leaves[0].element_size(), "backward", backward_once,
-                    distinct_bytes([g for g in bwd_entry.grads if g is not None]) + _parameter_bytes(node),
-                    prepare=lambda node=node, grads=grads: _plain_graph(ctx, node, store, "native", grads),
-                )
-            bwd_implementations.append({"name": algorithm or "default", "time_ms": time_ms, "workspace_bytes": workspace})
-        reads_forward = any(not source.endswith(":bwd") for source in backward_inputs[node.id])
-        bwd_docs.append(
-            {
-                "id": backward_id(node.id),
-                "name": f"{node.module_path or node.id} (backward)",
-                "kind": "backward",
-                "op_type": f"{node.op_type}Backward",
-                "output_bytes": distinct_bytes([g for g in bwd_entry.grads if g is not None], ctx.fixed_ptrs),
-                "module": node.module_path,
-                "forward_node": node.id if reads_forward else None,
-                "inputs": backward_inputs[node.id],
-                "implementations": bwd_implementations,
-            }
-        )
-    loss_entry = store.entries[LOSS_ID]
-    # the loss node keeps the engine's start: a plain step starts it once, and this is where
-    timer.median((LOSS_ID,))
-    loss_time = (in_step_ms(LOSS_ID, "forward") + in_step_ms(LOSS_ID, "backward") if in_step
-                 else max(0.0, timer.median((LOSS_ID,)) - forward_overhead_ms))
-    loss_doc = {
-        "id": LOSS_ID,
-        "name": "loss",
-        "kind": "loss",
-        "op_type": getattr(ctx.loss_fn, "__name__", type(ctx.loss_fn).__name__),
-        "output_bytes": distinct_bytes(loss_entry.tensors(), ctx.fixed_ptrs),
-        "inputs": graph.output_ids(),
-        "implementations": [{"name": "default", "time_ms": loss_time, "workspace_bytes": 0}],
+
+def profile_model(
+    model: nn.Module,
+    example_inputs,
+    loss_fn: Callable,
+    targets=None,
+    *,
+    kwargs: dict | None = None,
+    name: str | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "sgd",
+    repeats: int = 5,
+    warmup: int = 2,
+    algorithms: tuple[str, ...] = conv_algorithms.ALGORITHMS,
+    d2h_gb_per_s: float | None = None,
+    h2d_gb_per_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> GraphProfile:
+    """Profile one training step of `model`: loss = loss_fn(model(*inputs, **kwargs), targets)."""
+    return profile_step(model, example_inputs, loss_fn, targets, kwargs=kwargs, name=name, optimizer=optimizer,
+                        repeats=repeats, warmup=warmup, algorithms=algorithms, d2h_gb_per_s=d2h_gb_per_s,
+                        h2d_gb_per_s=h2d_gb_per_s, progress=progress)[0]
+
+
+def profile_step(
+    model: nn.Module,
+    example_inputs,
+    loss_fn: Callable,
+    targets=None,
+    *,
+    kwargs: dict | None = None,
+    name: str | None = None,
+    optimizer: str | torch.optim.Optimizer | None = "sgd",
+    repeats: int = 5,
+    warmup: int = 2,
+    algorithms: tuple[str, ...] = conv_algorithms.ALGORITHMS,
+    d2h_gb_per_s: float | None = None,
+    h2d_gb_per_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[GraphProfile, ProfiledStep]:
+    """The profile and the captured step it was measured on.
+
+    On a GPU, transfer bandwidth is measured with pinned buffers unless given;
+    on the CPU it is taken from the arguments or left out (no offloading).
+    """
+    if repeats < 1 or warmup < 0:
+        raise MososError(f"repeats must be at least 1 and warmup at least 0, not {repeats} and {warmup}")
+    optimizer_state_bytes(optimizer, 0)  # an unknown optimizer is refused before any work
+    if not isinstance(model, nn.Module):
+        raise MososError(f"the model must be a torch.nn.Module, not {type(model).__name__}")
+    if not callable(loss_fn):
+        raise MososError("a loss function is needed: loss = loss_fn(model(*inputs), targets)")
+    inputs = as_tuple(example_inputs)
+    kwargs = dict(kwargs or {})
+    leaves = tree_flatten(((inputs, kwargs, targets), {}))[0]
+    device = _first_device(model, leaves)
+    say = progress or (lambda message: None)
+    say("capturing the step with torch.export")
+    with _Preserved(model, device):
+        profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+        say(f"captured {len(profiled.planning.groups)} planning nodes in "
+            f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s; timing")
+        nodes_doc, spread, notes, loss_bytes = _measure(profiled, leaves, device, repeats, warmup, algorithms, say)
+    if device.type == "cuda" and (d2h_gb_per_s is None or h2d_gb_per_s is None):
+        say("measuring PCIe bandwidth with pinned buffers")
+        measured_d2h, measured_h2d = measure_bandwidth_gb_per_s(device)
+        d2h_gb_per_s = d2h_gb_per_s or measured_d2h
+        h2d_gb_per_s = h2d_gb_per_s or measured_h2d
+    step = profiled.step
+    document = {
+        "name": name or f"{type(model).__name__} {step.input_signature} on {device.type}",
+        "hardware": {
+            "name": _device_name(device),
+            "memory_capacity_bytes": _memory_capacity_bytes(device),
+            "d2h_bandwidth_gb_per_s": d2h_gb_per_s,
+            "h2d_bandwidth_gb_per_s": h2d_gb_per_s,
+        },
+        "fixed_memory": fixed_memory(profiled, leaves, optimizer, loss_bytes),
+        "nodes": nodes_doc,
+        "provenance": {
+            "source": "measured",
+            "device": _device_name(device),
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "repeats": repeats,
+            "spread_percent": round(statistics.median(spread), 3) if spread else 0.0,
+            "tool": f"{TOOL}, torch {torch.__version__}",
+            "model_structure_sha256": step.structure_sha256(),
+            "input_signature": step.input_signature,
+            "target_signature": step.target_signature,
+            "notes": "; ".join([f"warmup={warmup}", *notes]),
+        },
     }
-    overheads = {"forward_ms": forward_overhead_ms, "backward_ms": backward_overhead_ms, "hook_ms": hook_overhead_ms,
-                 "in_step": in_step}
-    return docs + [loss_doc] + list(reversed(bwd_docs)), timer.spreads, overheads
+    return parse_profile(document, "measured profile"), profiled
 
 
-class _LiveStore:
-    """The values of the pass being timed, falling back on the reference pass's for nodes not yet run."""
-
-    def __init__(self, reference: DictStore):
-        self.reference, self.entries = reference, {}
-
-    def keep(self, node_id: str, value) -> None:
-        leaves, spec = tree_flatten(value)
-        reference = self.reference.entry(node_id)
-        self.entries[node_id] = Entry(
-            leaves=[t.detach() if isinstance(t, torch.Tensor) else t for t in leaves],
-            spec=spec, requires_grad=reference.requires_grad,
-        )
-
-    def entry(self, node_id: str) -> Entry:
-        return self.entries.get(node_id) or self.reference.entry(node_id)
+def _distinct_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.untyped_storage().data_ptr() or id(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
-def _discard(_) -> None:
-    """What a timing hook returns: nothing (the gradients stay as they are)."""
+def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int) -> dict:
+    """Resident all step: inputs and targets, parameters, gradients, optimizer state; and as other: buffers,
+    constants, the staging buffers of written-back values, the loss handed back and its incoming gradient."""
+    step = profiled.step
+    parameters = [s for s in step.sources.values() if s.kind == "parameter"]
+    tensors = {s.name: step.parameter(s.name, s.owner) for s in parameters}
+    trainable = [tensors[name] for _, name, _ in step.gradients if name in tensors] or [
+        step.parameter(name, owner) for _, name, owner in step.gradients]
+    buffers = [step.buffer(s.name, s.owner) for s in step.sources.values() if s.kind == "buffer"]
+    constants = [s.tensor for s in step.sources.values() if s.kind == "constant"]
+    constants += [getattr(step.graph_module, n.target) for n in step.graph.find_nodes(op="get_attr")]
+    staging = sum(value.meta["val"].untyped_storage().nbytes() for value, _ in step.mutations)
+    loss = step.loss.meta["val"]
+    returned = loss_bytes + loss.numel() * loss.element_size()  # the loss handed back and its gradient handed in
+    trainable_bytes = _distinct_bytes(trainable)
+    return {
+        "inputs_bytes": _distinct_bytes(leaves),
+        "parameters_bytes": _distinct_bytes(list(tensors.values())),
+        "gradients_bytes": trainable_bytes,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes),
+        "other_bytes": _distinct_bytes(buffers + constants) + staging + returned,
+    }
 
 
-def _new_grad_fns(values, owned: dict) -> list:
-    """The autograd nodes a call has just created: reachable from its outputs, not owned by an earlier call."""
-    found, stack = [], [t.grad_fn for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in owned or type(fn).__name__ == "AccumulateGrad":
-            continue
-        owned[fn] = None
-        found.append(fn)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
+def _measure(profiled: ProfiledStep, leaves, device, repeats, warmup, algorithms, say):
+    planning, step, feeder = profiled.planning, profiled.step, profiled.feeder
+    groups = planning.groups
+    names = implementations_of(planning, algorithms)
+    clock, clock_name = cpu_clock(device)
+    values = feeder.feed(leaves)
+    if feeder.tangent_index is not None:
+        loss_meta = step.loss.meta["val"]
+        values[feeder.tangent_index] = torch.ones(loss_meta.shape, dtype=loss_meta.dtype, device=device)
+    staging = feeder.staging_buffers(device)
+    runtime = _ProfilingRuntime(device, staging, [g.id for g in groups], feeder.parameters(), clock)
+    algorithm_passes = ["native"] + [a for a in algorithms if a != "native" and any(a in n for n in names)]
+    programs = {}
+    for algorithm in algorithm_passes:
+        choose = (lambda g, a=algorithm: a if a in names[g] else names[g][0])
+        operations = keep_all_operations(planning, choose)
+        generator = CodeGenerator(planning, Modes(timing=True), cuda=device.type == "cuda")
+        programs[algorithm] = (generator.program(operations, None, name=f"profile {algorithm}"), choose)
+    samples: dict[tuple[int, str], list[float]] = {}
+    harness: list[float] = []
+    with torch.no_grad():
+        for algorithm in algorithm_passes:
+            program, choose = programs[algorithm]
+            for index in range(warmup + repeats):
+                say(f"timing pass {index + 1}/{warmup + repeats}" + ("" if algorithm == "native" else f" ({algorithm})"))
+                runtime.elapsed_ns = {}
+                runtime.rng.clear()
+                loss, _ = program.parts[0](list(values), runtime)
+                runtime.sink.clear()
+                loss_bytes = loss.untyped_storage().nbytes()
+                del loss
+                times = runtime.node_times_ms()
+                overhead = _harness_ms(runtime)
+                if index < warmup:
+                    continue
+                harness.append(overhead)
+                for g, elapsed in times.items():
+                    if _owner_pass(choose(g), algorithm_passes) == algorithm:
+                        samples.setdefault((g, choose(g)), []).append(max(0.0, elapsed - overhead))
+        sizes = dict(runtime.sizes)
+        workspace = _workspaces(profiled, values, staging, device, algorithm_passes, names, runtime, say)
+    spread = []
+    nodes_doc = []
+    for group in groups:
+        implementations = []
+        for implementation in names[group.index]:
+            measured = samples.get((group.index, implementation))
+            if not measured:
+                continue
+            median = statistics.median(measured)
+            if median > 0 and len(measured) > 1:
+                spread.append(100.0 * (max(measured) - min(measured)) / median)
+            implementations.append({"name": implementation, "time_ms": median,
+                                    "workspace_bytes": workspace.get((group.index, implementation), 0)})
+        outputs = sizes[group.index]  # measured: a kernel may keep more than its shape says (a view of a buffer)
+        main = planning.facts.storage_of.get(group.outputs[0], group.outputs[0]) if group.outputs else None
+        main_bytes = planning.facts.root_bytes.get(main, 0) if main is not None else 0
+        document = {
+            "id": group.id,
+            "name": group.id,
+            "kind": group.kind,
+            "op_type": group.op_type,
+            "output_bytes": min(main_bytes, outputs),
+            "extra_saved_bytes": outputs - min(main_bytes, outputs),
+            "module": group.module,
+            "inputs": [groups[i].id for i in group.inputs],
+            "implementations": implementations,
+        }
+        if group.forward_node is not None:
+            document["forward_node"] = groups[group.forward_node].id
+        nodes_doc.append(document)
+    notes = [
+        ("timer=cuda events" if device.type == "cuda" else f"timer={clock_name}"),
+        f"torch_threads={torch.get_num_threads()}",
+        f"capture: torch.export {step.export_seconds:.2f} s, joint graph {step.joint_seconds:.2f} s, "
+        f"{sum(1 for n in step.graph.nodes if n.op == 'call_function')} ATen nodes in {len(groups)} planning nodes",
+        "each node's time is its share of a real step: the clock around its code in the generated keep-all step, "
+        f"less the clock's own cost ({statistics.median(harness) * 1000 if harness else 0:.2f} us, an empty node "
+        "timed the same way in every pass), median over the passes after warm-up",
+        "convolution algorithms other than native: passes of their own with every convolution set to them",
+        "workspace=" + ("caching allocator requested bytes, peak less held at the node's end" if device.type == "cuda"
+                        else "torch.profiler memory events (c10 CPU allocator), peak of the running total inside the "
+                        "node less what it holds at its end"),
+        "spread_percent is the median over nodes of (max-min)/median of the repeats",
+    ]
+    return nodes_doc, spread, notes, loss_bytes
 
 
-def _plain_call(node: CapturedNode, state):
-    """A node as the model itself runs it (a convolution by its module: torch's own, i.e. native)."""
-    args, kwargs, _ = state
-    with torch.enable_grad():
-        return node.call(args, kwargs)
+def _owner_pass(implementation: str, passes: list[str]) -> str:
+    """The pass whose figures an implementation takes: its own algorithm's, else the native pass."""
+    return implementation if implementation in passes else "native"
 
 
-def _time_in_step(ctx: StepContext, timer: Timer, pass_index: int) -> None:
-    """One real training step (forward, loss, one backward call), each node's share timed where it runs.
-
-    Forward: each node's call, on the values the step has just computed. Backward: autograd runs the
-    whole step's graph as plain PyTorch does, and a hook after each autograd node it executes stamps
-    the clock: the time since the previous stamp belongs to the node whose call created that autograd
-    node (the engine's own work between nodes included, as a plain step pays it).
-    """
-    values = dict(ctx.fixed_values)
-    owner: dict = {}
-    hooks: dict[str, int] = {}
-
-    def resolve(item):
-        return values[item.name] if isinstance(item, Ref) else item
-
-    for node in ctx.graph.nodes:
-        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), resolve)
-        elapsed, values[node.id] = timer.once_keeping(
-            lambda state, node=node: _plain_call(node, state), (args, kwargs, []))
-        timer.record(("step", node.id, "forward"), pass_index, elapsed)
-        created = _new_grad_fns(values[node.id], owner)
-        owner.update({fn: node.id for fn in created})
-        hooks[node.id] = len(created)
-    output = fx.node.map_aggregate(ctx.graph.output, resolve)
-    elapsed, loss = timer.once_keeping(lambda _: call_loss(ctx.loss_fn, output, ctx.targets), None)
-    timer.record(("step", LOSS_ID, "forward"), pass_index, elapsed)
-    created = _new_grad_fns(loss, owner)
-    owner.update({fn: LOSS_ID for fn in created})
-    hooks[LOSS_ID] = len(created)
-    parameters = [p for p in ctx.graph.model.parameters() if p.requires_grad]
-    spent = {node_id: 0 for node_id in hooks}
-    clock = [0]
-
-    def stamp(node_id) -> None:
-        now = timer.clock()
-        spent[node_id] += now - clock[0]
-        clock[0] = now
-
-    handles = [fn.register_hook(lambda grad_inputs, grad_outputs, node_id=node_id: stamp(node_id))
-               for fn, node_id in owner.items()]
-    if loss.requires_grad and parameters:
-        with conv_algorithms.backward_algorithm(None):
-            clock[0] = timer.clock()
-            grads = torch.autograd.grad(loss, parameters, allow_unused=True)
-        del grads
-    for handle in handles:
-        handle.remove()
-    for node_id, elapsed_ns in spent.items():
-        timer.record(("step", node_id, "backward"), pass_index, elapsed_ns / 1e6)
-        timer.record(("step-hooks", node_id), pass_index, hooks[node_id])
-    del values, loss, output, owner
+def _harness_ms(runtime: _ProfilingRuntime) -> float:
+    """What one tick/tock pair costs, measured on an empty node (index -1)."""
+    if runtime.cuda:
+        return 0.0
+    costs = []
+    for _ in range(5):
+        runtime.elapsed_ns.pop(-1, None)
+        runtime.tick(-1)
+        runtime.tock(-1)
+        costs.append(runtime.elapsed_ns.pop(-1) / 1e6)
+    return statistics.median(costs)
 
 
-def _timed_backward(algorithm: str | None, outputs, targets, gradients) -> Callable[[Any], Any]:
-    """One node's backward as timed: the graph is kept, so it can be timed again (another algorithm)."""
+def _workspaces(profiled: ProfiledStep, values, staging, device, algorithm_passes, names, runtime, say) -> dict:
+    """(node, implementation) -> workspace bytes, one memory pass per algorithm."""
+    planning = profiled.planning
+    result: dict[tuple[int, str], int] = {}
+    for algorithm in algorithm_passes:
+        choose = (lambda g, a=algorithm: a if a in names[g] else names[g][0])
+        operations = keep_all_operations(planning, choose)
+        generator = CodeGenerator(planning, Modes(memory=True), cuda=device.type == "cuda")
+        program = generator.program(operations, None, name=f"memory {algorithm}")
+        say("measuring workspace" + ("" if algorithm == "native" else f" ({algorithm})"))
+        runtime.rng.clear()
+        if device.type == "cuda":
+            runtime.memory = {}
+            program.parts[0](list(values), runtime)
+            runtime.sink.clear()
+            measured = {g: max(0, peak - held) for g, (peak, held) in runtime.memory.items()}
+        else:
+            from torch.profiler import ProfilerActivity, profile
 
-    def backward(_):
-        with conv_algorithms.backward_algorithm(algorithm):
-            return torch.autograd.grad(outputs, targets, gradients, retain_graph=True, allow_unused=True)
-
-    return backward
-
-
-def _identity(tensor):
-    return tensor
-
-
-def _alias(tensor):
-    return tensor.view_as(tensor)
-
-
-class _Harness:
-    """What timing one node costs beyond its work: an identity node timed through the same path.
-
-    Forward: a node that returns its input, called as `_call` calls every node. Backward: a one-element
-    view (its backward is a reshape) differentiated by the same `torch.autograd.grad` call every
-    backward node is timed with; that call's fixed cost (building and running a graph task) is paid
-    once per step by plain PyTorch, but once per node when nodes are timed one at a time.
-    """
-
-    CALLS_PER_PASS = 5
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.forward_node = CapturedNode("<identity>", "call_function", _identity, "identity", None, (None,), {}, [])
-        self.backward_node = CapturedNode("<alias>", "call_function", _alias, "alias", None, (None,), {}, [])
-        self.leaf = torch.ones(1, device=device, requires_grad=True)
-        self.gradient = torch.ones(1, device=device)
-
-    def calibrate(self, timer: Timer, pass_index: int) -> None:
-        for _ in range(self.CALLS_PER_PASS):
-            operands = ((self.leaf.detach().requires_grad_(),), {}, [])
-            elapsed = timer.once(lambda state: _call(self.forward_node, state, None), operands)
-            timer.record(("<harness>", "forward"), pass_index, elapsed)
-            leaf = self.leaf.detach().requires_grad_()
-            outputs = [_call(self.backward_node, ((leaf,), {}, [leaf]), None)]
-
-            backward = _timed_backward(None, outputs, [leaf], [self.gradient])
-            timer.record(("<harness>", "backward"), pass_index, timer.once(backward, None))
-        self.calibrate_hooks(timer, pass_index)
-
-    HOOK_CHAIN = 32
-
-    def calibrate_hooks(self, timer: Timer, pass_index: int) -> None:
-        """A chain of one-element views differentiated with and without a hook on each: the hooks' cost."""
-        for hooked in (False, True):
-            leaf = self.leaf.detach().requires_grad_()
-            value, fns = leaf, []
-            for _ in range(self.HOOK_CHAIN):
-                value = value.view_as(value)
-                fns.append(value.grad_fn)
-            handles = [fn.register_hook(lambda gi, go: _discard(timer.clock())) for fn in fns] if hooked else []
-            backward = _timed_backward(None, [value], [leaf], [self.gradient])
-            timer.record(("<harness>", "chain", hooked), pass_index, timer.once(backward, None))
-            for handle in handles:
-                handle.remove()
-
-    def hook_overhead_ms(self, timer: Timer) -> float:
-        """What one timing hook adds to a backward node in the whole step."""
-        hooked, bare = (statistics.median(timer.samples[("<harness>", "chain", flag)]) for flag in (True, False))
-        return max(0.0, (hooked - bare) / self.HOOK_CHAIN)
-
-    def overheads_ms(self, timer: Timer) -> tuple[float, float]:
-        """Median forward and backward harness cost (not counted in the spread, which is the nodes')."""
-        return tuple(statistics.median(timer.samples[("<harness>", phase)]) for phase in ("forward", "backward"))
+            recorder = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            with _quiet_stderr():  # kineto prints a line to stderr when it starts and when it stops
+                recorder.__enter__()
+            try:
+                program.parts[0](list(values), runtime)
+                runtime.sink.clear()
+            finally:
+                with _quiet_stderr():
+                    recorder.__exit__(None, None, None)
+            measured = cpu_workspace_bytes(recorder.profiler.kineto_results.experimental_event_tree(),
+                                           len(planning.groups))
+        for g, size in measured.items():
+            if _owner_pass(choose(g), algorithm_passes) == algorithm:
+                result[(g, choose(g))] = size
+    return result
 
 
-# Timing measures the operation itself (as plain PyTorch runs it), not the executor's bookkeeping:
-# operands are prepared outside the timed region, and no saved-tensor hooks are installed.
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for the duration (C++ logging that Python's sys.stderr cannot catch)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
-def _parameter_bytes(node: CapturedNode) -> int:
-    return sum(p.numel() * p.element_size() for p in node.parameters if p.requires_grad)
-
-
-def _operands(ctx: StepContext, node: CapturedNode | None, store):
-    if node is None:
-        args, _, leaves, _ = resolve_args((ctx.graph.output,), {}, store, ctx.fixed_values, ctx.compute_ids)
-        return args, {}, leaves
-    args, kwargs, leaves, _ = resolve_args(node.args, node.kwargs, store, ctx.fixed_values, ctx.compute_ids)
-    return args, kwargs, leaves
-
-
-def _call(node: CapturedNode, state, algorithm: str | None):
-    args, kwargs, _ = state
-    algorithm = algorithm or ("native" if node.is_conv2d else None)
-    with torch.enable_grad():
-        return node.call(args, kwargs, conv_algorithm=algorithm)
-
-
-def _loss_and_gradient(ctx: StepContext, state):
-    args, _, leaves = state
-    with torch.enable_grad():
-        loss = call_loss(ctx.loss_fn, args[0], ctx.targets)
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        return torch.autograd.grad(loss, wanted, allow_unused=True) if wanted and loss.requires_grad else loss
-
-
-def _plain_graph(ctx: StepContext, node: CapturedNode, store, algorithm: str | None, grads: list):
-    """A fresh forward of one node without hooks: (outputs, differentiable inputs, output gradients)."""
-    state = _operands(ctx, node, store)
-    out_leaves = tree_flatten(_call(node, state, algorithm))[0]
-    pairs = [(o, g) for o, g in zip(out_leaves, grads)
-             if isinstance(o, torch.Tensor) and o.grad_fn is not None and g is not None]
-    targets = [leaf for leaf in state[2] if leaf.requires_grad] + [p for p in node.parameters if p.requires_grad]
-    return [o for o, _ in pairs], targets, [g for _, g in pairs]
-
-
-def _conv_geometry(ctx: StepContext, node: CapturedNode, store) -> conv_algorithms.ConvGeometry | None:
-    if not node.is_conv2d:
-        return None
-    source = node.args[0]
-    if isinstance(source, torch.Tensor):
-        shape = source.shape
-    elif source.name in ctx.compute_ids:
-        shape = store.entry(source.name).leaves[0].shape
-    else:
-        shape = ctx.fixed_values[source.name].shape
-    m = node.module
-    return conv_algorithms.ConvGeometry.of(shape, m.weight.shape, m.stride, m.padding, m.dilation, m.groups)
-
-
-def plain_step_time_ms(model: nn.Module, example_inputs, loss_fn: Callable, targets=None, *,
+def plain_step_time_ms(model: nn.Module, example_inputs, loss_fn: Callable, targets=None, *, kwargs=None,
                        repeats: int = 5, warmup: int = 2) -> float:
     """Median time of one plain PyTorch step (forward, loss, backward): what a profile's node times should add up to."""
     inputs = as_tuple(example_inputs)
-    device = _first_device(model, inputs)
-    timer = Timer(device, repeats, warmup)
+    leaves = tree_flatten(((inputs, dict(kwargs or {}), targets), {}))[0]
+    device = _first_device(model, leaves)
+    clock, _ = cpu_clock(device)
     parameters = [p for p in model.parameters() if p.requires_grad]
-
-    def step(_):
-        loss = call_loss(loss_fn, model(*inputs), targets)
-        return torch.autograd.grad(loss, parameters)  # leaves .grad alone
-
+    times = []
     with _Preserved(model, device):
-        return timer.measure(lambda: None, step)
+        for index in range(warmup + repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = clock()
+            loss = call_loss(loss_fn, model(*inputs, **dict(kwargs or {})), targets)
+            torch.autograd.grad(loss, parameters, allow_unused=True)  # leaves .grad alone
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= warmup:
+                times.append((clock() - started) / 1e6)
+    return statistics.median(times)
 
 
 def plain_equivalent_time_ms(profile: GraphProfile) -> float:
@@ -895,3 +655,7 @@ def plain_equivalent_time_ms(profile: GraphProfile) -> float:
         names = {impl.name: impl for impl in node.implementations}
         total += (names.get("native") or names.get("default") or node.fastest).time_ms
     return total
+
+
+__all__ = ["profile_model", "profile_step", "plan_step", "ProfiledStep", "tensor_signature", "optimizer_state_bytes",
+           "plain_step_time_ms", "plain_equivalent_time_ms", "as_tuple", "call_loss"]

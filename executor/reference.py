@@ -1,4 +1,7 @@
-"""Profile a reference network from `models` by name: what `mosos profile` runs, kept out of planner/."""
+"""Profile a workload: a reference network from `models` by name, or the user's own `file.py:build`.
+
+What `mosos profile` runs, kept out of planner/ and cli/.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.utils._pytree import tree_map
 
 from executor import profiler
-from models import get_model
+from models.workload import Workload, load_workload, reference_workload
 from planner.errors import MososError
 from planner.profile import GraphProfile
 
@@ -28,46 +32,87 @@ class ReferenceProfile:
         return self.nodes_ms / self.plain_ms
 
 
-def profile_reference_network(
-    model: str,
-    batch: int,
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise MososError(f"--device must be cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MososError("--device cuda: no CUDA device is available here (this torch build or machine has none)")
+
+
+def _dtype(dtype: str | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if dtype not in DTYPES:
+        raise MososError(f"--dtype must be float32 or float64, not {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load(
+    model: str | None = None,
+    spec: str | None = None,
+    batch: int | None = None,
     *,
     device: str = "cpu",
     small: bool = False,
     image_size: int | None = None,
     tokens: int | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
+    seed: int = 0,
+) -> Workload:
+    """The workload to profile: `model` (a reference network, with `batch`) or `spec` (file.py:build)."""
+    _check_device(device)
+    target_dtype = _dtype(dtype)
+    if (model is None) == (spec is None):
+        raise MososError("give either a workload (path/to/file.py:build or package.module:build) or --model NAME")
+    if model is not None:
+        if batch is None:
+            raise MososError("--batch is needed with --model")
+        if batch < 1:
+            raise MososError(f"--batch must be at least 1, got {batch}")
+        return reference_workload(model, batch, small=small, image_size=image_size, tokens=tokens, device=device,
+                                  dtype=target_dtype or torch.float32, seed=seed)
+    if small or image_size is not None or tokens is not None:
+        raise MososError("--small, --image-size and --tokens are for reference networks (--model); a workload's "
+                         "build() decides its own sizes")
+    torch.manual_seed(seed)
+    workload = load_workload(spec, batch_size=batch)
+
+    def move(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if target_dtype is not None and value.is_floating_point():
+            value = value.to(target_dtype)
+        return value.to(device)
+
+    workload.model = workload.model.to(device=device)
+    if target_dtype is not None:
+        workload.model = workload.model.to(dtype=target_dtype)
+    workload.inputs = tree_map(move, workload.inputs)
+    workload.kwargs = tree_map(move, workload.kwargs)
+    workload.targets = tree_map(move, workload.targets)
+    return workload
+
+
+def profile_workload(
+    workload: Workload,
+    *,
     optimizer: str = "sgd",
     repeats: int = 5,
     warmup: int = 2,
     d2h_gb_per_s: float | None = None,
     h2d_gb_per_s: float | None = None,
-    seed: int = 0,
     threads: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ReferenceProfile:
-    """Measure one training step of a named network and check the node times against a plain step."""
-    if device not in ("cpu", "cuda"):
-        raise MososError(f"--device must be cpu or cuda, not {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise MososError("--device cuda: no CUDA device is available here (this torch build or machine has none)")
-    if dtype not in DTYPES:
-        raise MososError(f"--dtype must be float32 or float64, not {dtype!r}")
-    try:
-        spec = get_model(model, small=small, image_size=image_size, tokens=tokens)
-    except (KeyError, ValueError) as error:
-        raise MososError(str(error).strip("'\"")) from None
+    """Measure one training step of a workload and check the node times against a plain step."""
     if threads is not None:
         if threads < 1:
             raise MososError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     say = progress or (lambda message: None)
-    torch.manual_seed(seed)
-    network = spec.build().to(device=device, dtype=DTYPES[dtype])
-    inputs, targets = spec.example_inputs(batch, device=device, dtype=DTYPES[dtype])
-    label = f"{spec.name}{' (small)' if small else ''} batch {batch} {dtype} on {device}"
+    label = workload.name
     profile = profiler.profile_model(
-        network, inputs, spec.loss, targets,
+        workload.model, workload.inputs, workload.loss_fn, workload.targets, kwargs=workload.kwargs,
         name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
         progress=lambda message: say(f"profiling {label}: {message}"),
@@ -75,7 +120,8 @@ def profile_reference_network(
     say(f"timing plain PyTorch steps of {label}")
     # a whole step is short and noisy on a busy machine: at least 10 repeats for its median
     plain_repeats = max(repeats, 10)
-    plain_ms = profiler.plain_step_time_ms(network, inputs, spec.loss, targets, repeats=plain_repeats, warmup=max(warmup, 2))
+    plain_ms = profiler.plain_step_time_ms(workload.model, workload.inputs, workload.loss_fn, workload.targets,
+                                           kwargs=workload.kwargs, repeats=plain_repeats, warmup=max(warmup, 2))
     nodes_ms = profiler.plain_equivalent_time_ms(profile)
     notes = (profile.provenance.notes + "; " if profile.provenance.notes else "") + (
         f"check: node times with native algorithms add up to {nodes_ms:.3f} ms, a plain PyTorch step "

@@ -1,4 +1,4 @@
-"""Moving a node's tensors to host memory and back, on their own CUDA streams.
+"""Moving a planning node's tensors to host memory and back, on their own CUDA streams.
 
 On a GPU: offloads run on a device-to-host stream into pinned host buffers
 that are allocated the first time a node is offloaded and reused every step
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.local import Entry, storage_ptr
-
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -31,114 +29,111 @@ class HostCopy:
     """A node's tensors in host memory, and how to rebuild each tensor from them."""
 
     buffers: list[torch.Tensor]  # one uint8 host buffer per device storage
-    slots: list[tuple[str, int, int, tuple]]  # (holder, index, buffer index, geometry)
+    slots: list[tuple[int, tuple]]  # per tensor: (buffer index, (size, stride, offset, dtype))
 
     @property
     def size_bytes(self) -> int:
         return sum(buffer.numel() for buffer in self.buffers)
 
 
-_HOLDERS = ("leaves", "grads", "extras")
-
-
-def movable_slots(entry: Entry, fixed_ptrs: set[int]):
-    """(holder name, index, tensor) for the tensors this node owns (not parameters or inputs)."""
-    for name in _HOLDERS:
-        for index, item in enumerate(getattr(entry, name)):
-            if isinstance(item, torch.Tensor) and storage_ptr(item) not in fixed_ptrs:
-                yield name, index, item
-
-
 class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.host_pool: dict[str, list[torch.Tensor]] = {}
-        self.offload_done: dict[str, object] = {}
-        self.prefetch_done: dict[str, object] = {}
+        self.host_pool: dict[int, list[torch.Tensor]] = {}
+        self.copies: dict[int, HostCopy] = {}
+        self.offload_done: dict[int, object] = {}
+        self.prefetch_done: dict[int, object] = {}
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
 
-    def _host_buffers(self, node_id: str, sizes: list[int]) -> list[torch.Tensor]:
+    def _host_buffers(self, key: int, sizes: list[int]) -> list[torch.Tensor]:
         """The node's host buffers: allocated (pinned on a GPU) the first time, reused afterwards."""
-        pool = self.host_pool.get(node_id)
+        pool = self.host_pool.get(key)
         if pool is None or [b.numel() for b in pool] != sizes:
             pool = [torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda) for size in sizes]
-            self.host_pool[node_id] = pool
+            self.host_pool[key] = pool
         return pool
 
     def host_pool_bytes(self) -> int:
         return sum(b.numel() for pool in self.host_pool.values() for b in pool)
 
-    def offload(self, node_id: str, entry: Entry, fixed_ptrs: set[int]) -> HostCopy:
+    def offload(self, key: int, tensors: tuple) -> HostCopy:
         storages: list[torch.UntypedStorage] = []
         index_of: dict[int, int] = {}
         slots = []
-        for holder, index, tensor in movable_slots(entry, fixed_ptrs):
-            ptr = storage_ptr(tensor)
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
             if ptr not in index_of:
                 index_of[ptr] = len(storages)
-                storages.append(tensor.untyped_storage())
-            geometry = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)
-            slots.append((holder, index, index_of[ptr], geometry))
-        buffers = self._host_buffers(node_id, [s.nbytes() for s in storages])
+                storages.append(storage)
+            slots.append((index_of[ptr], (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)))
+        buffers = self._host_buffers(key, [s.nbytes() for s in storages])
         if self.cuda:
             ready = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.d2h_stream):
                 self.d2h_stream.wait_event(ready)
-                unread = self.prefetch_done.pop(node_id, None)
+                unread = self.prefetch_done.pop(key, None)
                 if unread is not None:  # a prefetch nobody waited for may still read these host buffers
                     self.d2h_stream.wait_event(unread)
                 for buffer, storage in zip(buffers, storages):
                     buffer.copy_(_bytes_view(storage), non_blocking=True)
-                self.offload_done[node_id] = self.d2h_stream.record_event()
+                self.offload_done[key] = self.d2h_stream.record_event()
         else:
             for buffer, storage in zip(buffers, storages):
                 buffer.copy_(_bytes_view(storage))
-        return HostCopy(buffers, slots)
+        copy = HostCopy(buffers, slots)
+        self.copies[key] = copy
+        return copy
 
-    def release(self, node_id: str, entry: Entry, fixed_ptrs: set[int]) -> None:
-        """Drop the device tensors; memory under an unfinished offload waits for the copy."""
-        done = self.offload_done.get(node_id)
-        pending = self.cuda and done is not None and not done.query()
-        for holder, index, tensor in list(movable_slots(entry, fixed_ptrs)):
-            if pending:
+    def release(self, key: int, tensors: tuple) -> None:
+        """Before the device tensors are dropped: memory under an unfinished offload waits for the copy."""
+        if not self.cuda:
+            return
+        done = self.offload_done.get(key)
+        if done is not None and not done.query():
+            for tensor in tensors:
                 tensor.record_stream(self.d2h_stream)
-            getattr(entry, holder)[index] = None
 
-    def prefetch(self, node_id: str, entry: Entry, copy: HostCopy) -> None:
+    def prefetch(self, key: int) -> tuple:
+        copy = self.copies.get(key)
+        if copy is None:
+            raise KeyError(key)
         devices = [torch.empty(buffer.numel(), dtype=torch.uint8, device=self.device) for buffer in copy.buffers]
         if self.cuda:
             allocated = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.h2d_stream):
                 self.h2d_stream.wait_event(allocated)
-                offloaded = self.offload_done.get(node_id)
+                offloaded = self.offload_done.get(key)
                 if offloaded is not None:
                     self.h2d_stream.wait_event(offloaded)
                 # No record_stream on the device buffers: the compute stream waits for this copy (the schedule's
-                # Wait, or `settle` at the end of the step) before anything frees them, and a record_stream would
+                # wait, or `settle` at the end of the step) before anything frees them, and a record_stream would
                 # hold each block until every later prefetch queued on this stream had finished.
                 for device_buffer, host_buffer in zip(devices, copy.buffers):
                     device_buffer.copy_(host_buffer, non_blocking=True)
-                self.prefetch_done[node_id] = self.h2d_stream.record_event()
+                self.prefetch_done[key] = self.h2d_stream.record_event()
         else:
             for device_buffer, host_buffer in zip(devices, copy.buffers):
                 device_buffer.copy_(host_buffer)
-        for holder, index, buffer_index, (size, stride, offset, dtype) in copy.slots:
+        rebuilt = []
+        for buffer_index, (size, stride, offset, dtype) in copy.slots:
             storage = devices[buffer_index].untyped_storage()
-            rebuilt = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
-            getattr(entry, holder)[index] = rebuilt
+            rebuilt.append(torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride))
+        return tuple(rebuilt)
 
-    def wait(self, node_id: str, transfer: str) -> None:
+    def wait(self, key: int, transfer: str) -> None:
         if not self.cuda:
             return
-        event = self.prefetch_done.pop(node_id, None) if transfer == "prefetch" else self.offload_done.get(node_id)
+        event = self.prefetch_done.pop(key, None) if transfer == "prefetch" else self.offload_done.get(key)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def settle(self) -> None:
         """End of a step: the compute stream waits for prefetches nobody waited for, so their buffers can go."""
+        self.copies.clear()
         if not self.cuda:
             return
         stream = torch.cuda.current_stream(self.device)

@@ -1,4 +1,4 @@
-"""The executor's convolution algorithms agree with F.conv2d and its gradients.
+"""The executor's convolution algorithms agree with aten.convolution and both halves of its backward.
 
 Tolerances (measured on this CPU, relative to the largest magnitude of each
 result): float64 at most 8e-16 (asserted at 1e-10, as promised); float32 at
@@ -7,7 +7,6 @@ most 4e-7 (asserted at 2e-5).
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 
@@ -19,11 +18,14 @@ from executor.conv_algorithms import (  # noqa: E402
     ConvGeometry,
     applicable,
     applicable_algorithms,
-    backward_algorithm,
-    conv2d,
+    backward,
+    forward,
+    geometry_of,
     why_not_applicable,
     workspace_bytes,
 )
+
+ATEN = torch.ops.aten
 
 CASES = [
     # input, weight, stride, padding, dilation
@@ -41,39 +43,60 @@ def _relative_error(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def _native(x, w, b, stride, padding, dilation):
+    stride, padding, dilation = [_pair(stride), _pair(padding), _pair(dilation)]
+    return ATEN.convolution(x, w, b, stride, padding, dilation, False, [0, 0], 1)
+
+
+def _pair(value):
+    return [value, value] if isinstance(value, int) else list(value)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
-def test_every_pair_of_forward_and_backward_algorithms_matches_torch(dtype, case):
+def test_every_algorithm_matches_aten_forward_and_both_backward_halves(dtype, case):
     shape, wshape, stride, padding, dilation = case
     generator = torch.Generator().manual_seed(hash(case) % 1000)
-    x = torch.randn(shape, dtype=dtype, generator=generator, requires_grad=True)
-    w = torch.randn(wshape, dtype=dtype, generator=generator, requires_grad=True)
-    b = torch.randn(wshape[0], dtype=dtype, generator=generator, requires_grad=True)
-    reference = F.conv2d(x, w, b, stride, padding, dilation)
+    x = torch.randn(shape, dtype=dtype, generator=generator)
+    w = torch.randn(wshape, dtype=dtype, generator=generator)
+    b = torch.randn(wshape[0], dtype=dtype, generator=generator)
+    arguments = (_pair(stride), _pair(padding), _pair(dilation), False, [0, 0], 1)
+    reference = ATEN.convolution(x, w, b, *arguments)
     grad = torch.randn(reference.shape, dtype=dtype, generator=generator)
-    expected = (reference, *torch.autograd.grad(reference, (x, w, b), grad))
-    geometry = ConvGeometry.of(shape, wshape, stride, padding, dilation)
+    expected = ATEN.convolution_backward(grad, x, w, [wshape[0]], *arguments, [True, True, True])
+    geometry = geometry_of(shape, wshape, _pair(stride), _pair(padding), _pair(dilation), False, 1)
     names = applicable_algorithms(geometry)
     assert "native" in names and "im2col" in names and "im2col-chunked" in names
-    for forward, backward in itertools.product(names, names):
-        out = conv2d(x, w, b, stride, padding, dilation, algorithm=forward)
-        with backward_algorithm(backward):
-            got = (out, *torch.autograd.grad(out, (x, w, b), grad))
-        for what, a, e in zip(("output", "grad input", "grad weight", "grad bias"), got, expected):
+    for name in names:
+        if name == "native":
+            continue
+        out = forward(name, x, w, b, *arguments)
+        filter_half = backward(name, grad, x, w, [wshape[0]], *arguments, [False, True, True])
+        input_half = backward(name, grad, x, w, [wshape[0]], *arguments, [True, False, False])
+        got = (out, input_half[0], filter_half[1], filter_half[2])
+        assert input_half[1] is None and filter_half[0] is None
+        for what, a, e in zip(("output", "grad input", "grad weight", "grad bias"), got, (reference, *expected)):
             assert a.shape == e.shape
+            # each result owns exactly its storage, as the native one does (the profile has one size per node)
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
             error = _relative_error(a, e)
-            assert error <= TOLERANCE[dtype], f"{forward}/{backward} {what}: relative error {error:.2e}"
+            assert error <= TOLERANCE[dtype], f"{name} {what}: relative error {error:.2e}"
 
 
-def test_native_is_bitwise_torch_in_float64():
-    x = torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
-    reference = F.conv2d(x, w, None, 1, 1)
-    grad = torch.randn_like(reference)
-    out = conv2d(x, w, None, 1, 1, algorithm="native")
-    assert torch.equal(out, reference)
-    for a, e in zip(torch.autograd.grad(out, (x, w), grad), torch.autograd.grad(reference, (x, w), grad)):
-        assert torch.equal(a, e)
+def test_the_two_halves_of_native_convolution_backward_are_bitwise_the_combined_call():
+    """What capture relies on when it splits convolution_backward into a filter and a data half."""
+    for dtype in (torch.float64, torch.float32):
+        for groups, stride in ((1, 1), (2, 2), (8, 1)):
+            x = torch.randn(4, 8, 9, 9, dtype=dtype)
+            w = torch.randn(16, 8 // groups, 3, 3, dtype=dtype)
+            y = ATEN.convolution(x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], groups)
+            g = torch.randn_like(y)
+            arguments = (g, x, w, [16], [stride] * 2, [1, 1], [1, 1], False, [0, 0], groups)
+            combined = ATEN.convolution_backward(*arguments, [True, True, True])
+            data = ATEN.convolution_backward(*arguments, [True, False, False])
+            filters = ATEN.convolution_backward(*arguments, [False, True, True])
+            assert torch.equal(combined[0], data[0])
+            assert torch.equal(combined[1], filters[1]) and torch.equal(combined[2], filters[2])
 
 
 def test_winograd_applies_only_to_3x3_stride_1():
@@ -82,14 +105,14 @@ def test_winograd_applies_only_to_3x3_stride_1():
     assert "stride 1" in why_not_applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 3, 3), 2, 1))
     grouped = ConvGeometry.of((1, 4, 8, 8), (4, 2, 3, 3), 1, 1, 1, 2)
     assert applicable_algorithms(grouped) == ["native"]
-    with pytest.raises(ValueError, match="winograd"):
-        conv2d(torch.randn(1, 2, 8, 8), torch.randn(2, 2, 5, 5), algorithm="winograd")
+    assert geometry_of((1, 2, 8), (2, 2, 3), [1], [1], [1], False, 1) is None  # 1-D: native only
+    assert geometry_of((1, 2, 8, 8), (2, 2, 3, 3), [1, 1], [1, 1], [1, 1], True, 1) is None  # transposed
     with pytest.raises(ValueError, match="unknown"):
-        with backward_algorithm("fft-magic"):
-            pass
+        forward("fft-magic", torch.randn(1, 2, 8, 8), torch.randn(2, 2, 3, 3), None, [1, 1], [1, 1], [1, 1],
+                False, [0, 0], 1)
 
 
-def test_workspaces_differ_and_chunking_caps_them():
+def test_workspace_formulas_differ_and_chunking_caps_them():
     geometry = ConvGeometry.of((8, 16, 32, 32), (32, 16, 3, 3), 1, 1)
     sizes = {name: workspace_bytes(name, geometry, 4) for name in ALGORITHMS}
     assert sizes["native"] == 0
@@ -99,26 +122,3 @@ def test_workspaces_differ_and_chunking_caps_them():
     assert 0 < sizes["winograd"] != sizes["im2col"]
     for name in ALGORITHMS:
         assert workspace_bytes(name, geometry, 4, "backward") >= sizes[name]
-
-
-def test_conv_module_backward_follows_the_block_it_runs_in():
-    """The schedule picks the backward algorithm when the backward runs, not when the forward did."""
-    calls = []
-    import executor.conv_algorithms as algorithms
-
-    original = algorithms._winograd_backward
-
-    def spy(*args, **kwargs):
-        calls.append("winograd")
-        return original(*args, **kwargs)
-
-    algorithms._winograd_backward = spy
-    try:
-        x = torch.randn(1, 2, 6, 6, dtype=torch.float64, requires_grad=True)
-        w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
-        out = conv2d(x, w, None, 1, 1, algorithm="im2col")
-        with backward_algorithm("winograd"):
-            out.sum().backward()
-    finally:
-        algorithms._winograd_backward = original
-    assert calls == ["winograd"]

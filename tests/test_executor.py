@@ -1,9 +1,10 @@
-"""PlannedModule against plain PyTorch: same loss, gradients and BatchNorm buffers, planned memory.
+"""PlannedModule against plain PyTorch: same loss, gradients and buffers, bit for bit, and the planned memory.
 
-float64 with the native convolution: bitwise equal for the convolutional
-networks. The transformer's LayerNorm output is read by three projections,
-and the executor sums their three gradients in another order than autograd's
-engine, so there we allow 1e-14 of the largest gradient (measured: 3.5e-17).
+The reference networks in float64, profiled with the native convolution only
+(the other algorithms agree to rounding, not bitwise): every kind of plan
+replays the eager step's ATen operators in the eager order, so loss, every
+parameter gradient and every buffer are equal with torch.equal, and the
+byte-exact ledger's peak equals the simulator's.
 """
 
 from __future__ import annotations
@@ -18,17 +19,16 @@ models = pytest.importorskip("models")
 from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
 from executor.plugin import PlannerServiceError  # noqa: E402
 from executor.plugin import optimize as executor_optimize  # noqa: E402
-from executor.profiler import profile_model  # noqa: E402
+from executor.profiler import profile_step  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.budget import minimum_budget_bytes  # noqa: E402
-from planner.planning import plan, strategy_names  # noqa: E402
+from planner.planning import InfeasibleBudget, plan, strategy_names  # noqa: E402
 from planner.schedule import Compute  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
 
 MODELS = ["vgg19", "unet", "resnet18", "transformer"]
 BATCH = 4
-ONE_MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -42,17 +42,17 @@ def profiled():
             torch.manual_seed(0)
             model = spec.build().double()
             inputs, targets = spec.example_inputs(BATCH, dtype=torch.float64)
-            profile = profile_model(
+            profile, step = profile_step(
                 model, inputs, spec.loss, targets, repeats=1, warmup=0, algorithms=("native",),
                 d2h_gb_per_s=10.0, h2d_gb_per_s=10.0,
             )
-            cache[name] = (spec, model, inputs, targets, profile)
+            cache[name] = (spec, model, inputs, targets, profile, step)
         return cache[name]
 
     return get
 
 
-def _schedule(profile, kind: str):
+def schedule_of(profile, kind: str):
     if kind == "keep-all":
         return plan(profile, strategy="keep-all")
     if kind == "offload-everything":
@@ -61,31 +61,30 @@ def _schedule(profile, kind: str):
         return recompute_everything_schedule(profile)
     if kind not in strategy_names():
         pytest.skip(f"strategy {kind!r} is not in this checkout yet")
-    if kind == "chen-sqrt":  # it recomputes at any budget; the keep-all peak always fits
-        return plan(profile, memory_ratio=1.0, strategy=kind)
-    # mosos at 0.5: half the activation memory. (A memory ratio of 0.5 of the keep-all peak is
-    # below the fixed memory of these small float64 models, parameters dominate at batch 4.)
+    if kind == "chen-sqrt":  # it recomputes at any budget: plan it at the smallest budget it meets
+        try:
+            return plan(profile, memory_ratio=1.0, strategy=kind)
+        except InfeasibleBudget as refusal:
+            return plan(profile, refusal.minimum_budget_bytes, strategy=kind)
+    # half the activation memory (a ratio of the keep-all peak would be below the fixed memory of these small
+    # float64 models: parameters dominate at batch 4)
     peak = keep_all_peak_bytes(profile)
     budget = max(minimum_budget_bytes(profile), profile.fixed_bytes + (peak - profile.fixed_bytes) // 2)
-    return plan(profile, budget, strategy=kind, workers=1, time_limit_s=1)
+    return plan(profile, budget, strategy=kind, workers=1, time_limit_s=2)
 
 
-def _plain_step(model, spec, inputs, targets, seed=1):
+def plain_step(model, spec, inputs, targets, seed=1):
     torch.manual_seed(seed)
     loss = spec.loss(model(inputs), targets)
     loss.backward()
     return loss
 
 
-def _assert_same(name, planned_model, plain_model, planned_loss, plain_loss):
-    assert planned_loss.item() == plain_loss.item()
-    scale = max(p.grad.abs().max().item() for p in plain_model.parameters())
+def assert_same(planned_model, plain_model, planned_loss, plain_loss):
+    assert torch.equal(planned_loss.detach(), plain_loss.detach()), (planned_loss.item(), plain_loss.item())
     for (key, a), (_, b) in zip(planned_model.named_parameters(), plain_model.named_parameters()):
         assert a.grad is not None, f"{key} got no gradient"
-        if name == "transformer":
-            assert (a.grad - b.grad).abs().max().item() <= 1e-14 * scale, key
-        else:
-            assert torch.equal(a.grad, b.grad), f"{key}: max difference {(a.grad - b.grad).abs().max().item():.3e}"
+        assert torch.equal(a.grad, b.grad), f"{key}: max difference {(a.grad - b.grad).abs().max().item():.3e}"
     for (key, a), (_, b) in zip(planned_model.named_buffers(), plain_model.named_buffers()):
         assert torch.equal(a, b), f"buffer {key} differs"
 
@@ -96,81 +95,87 @@ SCHEDULES = ["keep-all", "offload-everything", "recompute-everything", "chen-sqr
 @pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("name", MODELS)
 def test_one_step_equals_plain_pytorch_and_memory_is_as_simulated(profiled, name, kind):
-    spec, model, inputs, targets, profile = profiled(name)
-    schedule = _schedule(profile, kind)
+    spec, model, inputs, targets, profile, step = profiled(name)
+    schedule = schedule_of(profile, kind)
     planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    planned = PlannedModule(planned_model, profile, schedule, spec.loss, strict=True)
+    planned = PlannedModule(planned_model, profile, schedule, spec.loss, profiled=step, strict=True)
     torch.manual_seed(1)
     loss = planned(inputs, targets)
     loss.backward()
-    plain_loss = _plain_step(plain_model, spec, inputs, targets)
-    _assert_same(name, planned_model, plain_model, loss, plain_loss)
-    simulated = planned.simulated_peak_bytes
-    assert abs(planned.peak_memory_bytes - simulated) <= max(0.01 * simulated, ONE_MIB)
-    # exactly, in fact: the ledger counts the real tensors, and their sizes are the profile's
-    assert planned.peak_memory_bytes == simulated
-    if kind in ("keep-all", "offload-everything", "recompute-everything"):
-        assert planned.last_step.accountant.held_bytes() == 0  # everything released by the end of the step
+    assert_same(planned_model, plain_model, loss, plain_step(plain_model, spec, inputs, targets))
+    # the ledger counts the real tensors, and their sizes are the profile's: exactly the simulator's peak
+    assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+    assert planned.last_ledger.held_bytes() == 0  # everything released by the end of the step
 
 
 def test_schedules_really_move_and_recompute(profiled):
-    _, _, _, _, profile = profiled("resnet18")
+    *_, profile, _ = profiled("resnet18")
     offload = offload_everything_schedule(profile)
     recompute = recompute_everything_schedule(profile)
     assert offload.summary.offloaded_bytes > 0 and offload.summary.prefetched_bytes > 0
     assert recompute.summary.recompute_time_ms > 0
-    recomputed = len(recompute.compute_order) - len(profile.nodes)
-    assert any(profile.node_by_id[n].op_type == "BatchNorm2d" for n in recompute.compute_order[len(profile.nodes) // 2:])
-    assert recomputed > 10
+    recomputed = recompute.compute_order[len(profile.nodes) // 2:]
+    assert any("native_batch_norm" in profile.node_by_id[n].op_type for n in recomputed)
+    assert len(recompute.compute_order) - len(profile.nodes) > 10
 
 
-@pytest.mark.parametrize("name,kind", [("vgg19", "recompute-everything"), ("resnet18", "offload-everything")])
+@pytest.mark.parametrize("name,kind", [("vgg19", "recompute-everything"), ("resnet18", "offload-everything"),
+                                       ("transformer", "mosos")])
 def test_three_steps_equal_three_plain_steps(profiled, name, kind):
-    spec, model, inputs, targets, profile = profiled(name)
-    schedule = _schedule(profile, kind)
+    spec, model, inputs, targets, profile, step = profiled(name)
+    schedule = schedule_of(profile, kind)
     planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    planned = PlannedModule(planned_model, profile, schedule, spec.loss, strict=True)
+    planned = PlannedModule(planned_model, profile, schedule, spec.loss, example_inputs=inputs, targets=targets)
     planned_opt = torch.optim.SGD(planned_model.parameters(), lr=0.05, momentum=0.9)
     plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(3):
+    for index in range(3):
         planned_opt.zero_grad()
-        torch.manual_seed(10 + step)
+        torch.manual_seed(10 + index)
         loss = planned(inputs, targets)
         loss.backward()
         planned_opt.step()
         plain_opt.zero_grad()
-        plain_loss = _plain_step(plain_model, spec, inputs, targets, seed=10 + step)
+        plain_loss = plain_step(plain_model, spec, inputs, targets, seed=10 + index)
         plain_opt.step()
-        assert loss.item() == plain_loss.item(), f"step {step}"
+        assert torch.equal(loss.detach(), plain_loss.detach()), f"step {index}"
     for a, b in zip(planned_model.state_dict().values(), plain_model.state_dict().values()):
         assert torch.equal(a, b)
 
 
-def test_gradients_accumulate_like_plain_pytorch(profiled):
-    """Two backward passes without zero_grad add up, and a scaled loss scales the gradients."""
-    spec, model, inputs, targets, profile = profiled("unet")
+def test_gradients_accumulate_and_scale_like_plain_pytorch(profiled):
+    """Two backward passes without zero_grad add up in place, and a scaled loss feeds the scale into the backward
+    as plain autograd does (the joint graph's tangent), so even a scale of 3 is bitwise."""
+    spec, model, inputs, targets, profile, step = profiled("unet")
     planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    planned = PlannedModule(planned_model, profile, _schedule(profile, "offload-everything"), spec.loss)
+    planned = PlannedModule(planned_model, profile, schedule_of(profile, "offload-everything"), spec.loss,
+                            profiled=step)
     for scale in (1.0, 3.0):
         torch.manual_seed(1)
         (planned(inputs, targets) * scale).backward()
         torch.manual_seed(1)
         (spec.loss(plain_model(inputs), targets) * scale).backward()
     for a, b in zip(planned_model.parameters(), plain_model.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-13, atol=1e-15)
+        assert torch.equal(a.grad, b.grad)
+    # the second backward added each new gradient to the first: the ledger counts that transient
+    assert planned.peak_memory_bytes >= planned.simulated_peak_bytes
 
 
 def test_float32_with_every_convolution_algorithm():
-    """Profile with all algorithms, then force each one in turn on every convolution, forward and backward."""
+    """Profile with all algorithms, then force each one in turn on every convolution (forward and both halves of
+    its backward): close to plain PyTorch, and the ledger still equals the simulator."""
     spec = models.get_model("vgg16", small=True)
     torch.manual_seed(0)
     model = spec.build()
     inputs, targets = spec.example_inputs(2)
-    profile = profile_model(model, inputs, spec.loss, targets, repeats=1, warmup=0)
+    profile, step = profile_step(model, inputs, spec.loss, targets, repeats=1, warmup=0)
     base = plan(profile, strategy="keep-all")
     plain_model = copy.deepcopy(model)
-    plain_loss = _plain_step(plain_model, spec, inputs, targets)
+    plain_loss = plain_step(plain_model, spec, inputs, targets)
     scale = max(p.grad.abs().max().item() for p in plain_model.parameters())
+    convolutions = [n for n in profile.nodes if "convolution" in n.op_type]
+    assert {n.kind for n in convolutions} == {"forward", "backward"}
+    assert any(n.id.endswith("convolution_backward.weight:bwd") for n in convolutions)
+    assert any(n.id.endswith("convolution_backward.input:bwd") for n in convolutions)
     for algorithm in ("native", "im2col", "im2col-chunked", "winograd"):
         stages = []
         for stage in base.stages:
@@ -183,40 +188,45 @@ def test_float32_with_every_convolution_algorithm():
             stages.append(stage.model_copy(update={"operations": operations}))
         schedule = base.model_copy(update={"stages": stages, "summary": None})
         planned_model = copy.deepcopy(model)
-        planned = PlannedModule(planned_model, profile, schedule, spec.loss, strict=True)
+        planned = PlannedModule(planned_model, profile, schedule, spec.loss, profiled=step, strict=True)
         torch.manual_seed(1)
         loss = planned(inputs, targets)
         loss.backward()
         assert abs(loss.item() - plain_loss.item()) <= 1e-5 * abs(plain_loss.item())
-        worst = max(
-            (a.grad - b.grad).abs().max().item() / scale
-            for a, b in zip(planned_model.parameters(), plain_model.parameters())
-        )
+        worst = max((a.grad - b.grad).abs().max().item() / scale
+                    for a, b in zip(planned_model.parameters(), plain_model.parameters()))
         assert worst <= 1e-4, f"{algorithm}: relative gradient error {worst:.2e}"
+        if algorithm == "native":
+            assert worst == 0.0
         assert planned.peak_memory_bytes == planned.simulated_peak_bytes
 
 
 def test_a_profile_of_another_model_is_refused(profiled):
-    spec, model, inputs, targets, profile = profiled("vgg19")
+    spec, model, inputs, targets, profile, _ = profiled("vgg19")
+    keep_all = plan(profile, strategy="keep-all")
     other = models.get_model("resnet18", small=True).build().double()
-    with pytest.raises(ProfileMismatch, match="another model: operation 0"):
-        PlannedModule(other, profile, plan(profile, strategy="keep-all"), spec.loss)
+    with pytest.raises(ProfileMismatch, match="another model: planning node 0"):
+        PlannedModule(other, profile, keep_all, spec.loss, example_inputs=inputs, targets=targets)
     wider = models.get_model("vgg19", small=True).build().double()
     wider.features[0] = torch.nn.Conv2d(3, 4, 3, padding=2).double()
-    with pytest.raises(ProfileMismatch, match="module settings or parameter shapes differ"):
-        PlannedModule(wider, profile, plan(profile, strategy="keep-all"), spec.loss)
+    with pytest.raises(ProfileMismatch, match="another model"):
+        PlannedModule(wider, profile, keep_all, spec.loss, example_inputs=inputs, targets=targets)
+    # without example inputs the model is captured, and refused, at its first call
+    lazy = PlannedModule(other, profile, keep_all, spec.loss)
+    with pytest.raises(ProfileMismatch, match="another model"):
+        lazy(inputs, targets)
 
 
 def test_a_schedule_of_another_profile_is_refused(profiled):
-    spec, model, _, _, profile = profiled("vgg19")
-    _, _, _, _, other_profile = profiled("unet")
+    spec, model, *_ = profiled("vgg19")
+    other_profile = profiled("unet")[4]
     with pytest.raises(ProfileMismatch, match="made for profile"):
-        PlannedModule(copy.deepcopy(model), profile, plan(other_profile, strategy="keep-all"), spec.loss)
+        PlannedModule(copy.deepcopy(model), profiled("vgg19")[4], plan(other_profile, strategy="keep-all"), spec.loss)
 
 
 def test_inputs_of_other_shapes_are_refused(profiled):
-    spec, model, inputs, targets, profile = profiled("vgg19")
-    planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"), spec.loss)
+    spec, model, inputs, targets, profile, step = profiled("vgg19")
+    planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"), spec.loss, profiled=step)
     smaller_inputs, smaller_targets = spec.example_inputs(BATCH - 1, dtype=torch.float64)
     with pytest.raises(ProfileMismatch, match=r"measured with inputs float64\[4,3,32,32\].*got float64\[3,3,32,32\]"):
         planned(smaller_inputs, smaller_targets)
@@ -225,21 +235,35 @@ def test_inputs_of_other_shapes_are_refused(profiled):
 
 
 def test_a_profile_without_structure_hash_is_refused(profiled):
-    spec, model, _, _, profile = profiled("vgg19")
+    spec, model, inputs, targets, profile, step = profiled("vgg19")
     anonymous = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"model_structure_sha256": None})})
     with pytest.raises(ProfileMismatch, match="no model structure hash"):
-        PlannedModule(copy.deepcopy(model), anonymous, plan(anonymous, strategy="keep-all"), spec.loss)
+        PlannedModule(copy.deepcopy(model), anonymous, plan(anonymous, strategy="keep-all"), spec.loss, profiled=step)
 
 
 def test_strict_mode_catches_sizes_that_disagree_with_the_profile(profiled):
-    spec, model, inputs, targets, profile = profiled("transformer")
-    node = next(n for n in profile.nodes if n.kind == "forward")
+    spec, model, inputs, targets, profile, step = profiled("transformer")
     doctored = profile.model_copy(deep=True)
-    doctored.nodes[0].output_bytes = node.output_bytes + 8
+    doctored.nodes[0].output_bytes += 8
     doctored = type(profile).model_validate(doctored.model_dump())
-    planned = PlannedModule(copy.deepcopy(model), doctored, plan(doctored, strategy="keep-all"), spec.loss, strict=True)
+    planned = PlannedModule(copy.deepcopy(model), doctored, plan(doctored, strategy="keep-all"), spec.loss,
+                            profiled=step, strict=True)
     with pytest.raises(ReplayError, match="profile says"):
         planned(inputs, targets)
+
+
+def test_the_generated_step_frees_what_the_schedule_frees(profiled):
+    """The code is generated once per schedule: one line per operation, frees exactly where the schedule has them."""
+    spec, model, inputs, targets, profile, step = profiled("resnet18")
+    schedule = schedule_of(profile, "offload-everything")
+    planned = PlannedModule(copy.deepcopy(model), profile, schedule, spec.loss, profiled=step, ledger=False)
+    code = planned.code
+    operations = [op for _, _, op in schedule.operations()]
+    assert code.count("# compute ") == sum(1 for op in operations if op.op == "compute")
+    assert code.count("S.offload(") == sum(1 for op in operations if op.op == "offload")
+    assert code.count(" = S.prefetch(") == sum(1 for op in operations if op.op == "prefetch")
+    assert "S.computed(" not in code  # the ledger is a mode of the generated code, off here
+    assert planned.peak_memory_bytes is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -248,11 +272,11 @@ def test_on_gpu_memory_stays_within_the_plan_and_gradients_match():
     torch.manual_seed(0)
     model = spec.build().cuda().double()
     inputs, targets = spec.example_inputs(BATCH, device="cuda", dtype=torch.float64)
-    profile = profile_model(model, inputs, spec.loss, targets, repeats=2, warmup=1, algorithms=("native",))
+    profile, step = profile_step(model, inputs, spec.loss, targets, repeats=2, warmup=1, algorithms=("native",))
     assert profile.hardware.d2h_bandwidth_gb_per_s > 0  # measured with pinned buffers
     schedule = offload_everything_schedule(profile)
     planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    planned = PlannedModule(planned_model, profile, schedule, spec.loss)
+    planned = PlannedModule(planned_model, profile, schedule, spec.loss, profiled=step)
     torch.manual_seed(1)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -261,15 +285,9 @@ def test_on_gpu_memory_stays_within_the_plan_and_gradients_match():
     loss.backward()
     torch.cuda.synchronize()
     grown = torch.cuda.max_memory_allocated() - before
-    # parameters and inputs were there before; activations, workspaces and gradients come during the step.
-    # Slack: the allocator's 512-byte rounding and temporaries inside operations, which no profile lists.
     planned_bytes = planned.simulated_peak_bytes - profile.fixed_bytes + profile.fixed_memory.gradients_bytes
-    assert grown <= 1.25 * planned_bytes + (4 << 20), (grown, planned_bytes)
-    assert planned.peak_memory_bytes == planned.simulated_peak_bytes
-    plain_loss = _plain_step(plain_model, spec, inputs, targets)
-    torch.testing.assert_close(loss, plain_loss)
-    for a, b in zip(planned_model.parameters(), plain_model.parameters()):
-        torch.testing.assert_close(a.grad, b.grad)
+    assert grown <= 1.02 * planned_bytes + (4 << 20), (grown, planned_bytes)
+    assert_same(planned_model, plain_model, loss, plain_step(plain_model, spec, inputs, targets))
 
 
 def test_optimize_profiles_plans_and_returns_a_module_that_trains():
@@ -288,8 +306,7 @@ def test_optimize_profiles_plans_and_returns_a_module_that_trains():
     torch.manual_seed(1)
     loss = planned(inputs, targets)
     loss.backward()
-    plain_loss = _plain_step(plain_model, spec, inputs, targets)
-    _assert_same("transformer", model, plain_model, loss, plain_loss)
+    assert_same(model, plain_model, loss, plain_step(plain_model, spec, inputs, targets))
     assert list(planned.parameters()) == list(model.parameters())  # an optimizer can take either
 
 
@@ -303,35 +320,36 @@ def test_optimize_with_an_unreachable_planner_service_says_so():
 
 
 class _Odd(torch.nn.Module):
-    """Tuples and getitem, chunk, MultiheadAttention, a parameter used directly, `+=`, in-place ReLUs,
-    an int from size(), views, dropout, a weight used twice, and two model outputs."""
+    """Tuples and getitem, chunk, MultiheadAttention with q is k is v, a parameter used directly, `+=`, in-place
+    ReLUs, an int from size(), views, dropout, a weight used twice, keyword inputs and a dict output."""
 
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(8, 16)
         self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.self_attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
         self.w = torch.nn.Parameter(torch.randn(8, 8))
         self.head = torch.nn.Linear(8, 3)
         self.tied = torch.nn.Linear(8, 8, bias=False)
         self.act = torch.nn.ReLU(inplace=True)
         self.drop = torch.nn.Dropout(0.3)
 
-    def forward(self, x):
+    def forward(self, x, *, scale=None):
         a, b = self.lin(x).chunk(2, dim=-1)
         y, _ = self.attn(a * torch.sigmoid(b), a, b)
+        y, _ = self.self_attn(y, y, y)  # packed in-projection: one matmul for q, k and v
         y = torch.nn.functional.linear(y, self.w)
         y += x
         y = self.act(y)
         n = y.size(0)
         z = self.drop(y.view(n, -1)).view(n, -1, 8)
         z = torch.nn.functional.relu(self.tied(z), inplace=True)
-        z = self.tied(z).mean(1)
-        return self.head(z), z.sum()
+        z = self.tied(z).mean(1) * scale
+        return {"logits": self.head(z), "extra": z.sum()}
 
 
 def _odd_loss(output, targets):
-    logits, extra = output
-    return torch.nn.functional.cross_entropy(logits, targets) + 0.01 * extra
+    return torch.nn.functional.cross_entropy(output["logits"], targets) + 0.01 * output["extra"]
 
 
 @pytest.mark.parametrize("kind", ["keep-all", "offload-everything", "recompute-everything"])
@@ -339,56 +357,50 @@ def test_unusual_graphs_replay_like_plain_pytorch(kind):
     torch.manual_seed(0)
     model = _Odd().double()
     x = torch.randn(4, 5, 8, dtype=torch.float64)
+    scale = torch.rand(8, dtype=torch.float64)
     t = torch.tensor([0, 1, 2, 1])
-    profile = profile_model(model, x, _odd_loss, t, repeats=1, warmup=0, d2h_gb_per_s=10, h2d_gb_per_s=10)
+    profile, step = profile_step(model, x, _odd_loss, t, kwargs={"scale": scale}, repeats=1, warmup=0,
+                                 d2h_gb_per_s=10, h2d_gb_per_s=10)
     planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    planned = PlannedModule(planned_model, profile, _schedule(profile, kind), _odd_loss, strict=True)
+    planned = PlannedModule(planned_model, profile, schedule_of(profile, kind), _odd_loss, profiled=step, strict=True)
     torch.manual_seed(3)
-    loss = planned(x, t)
+    loss = planned(x, t, scale=scale)
     loss.backward()
     torch.manual_seed(3)
-    plain_loss = _odd_loss(plain_model(x), t)
+    plain_loss = _odd_loss(plain_model(x, scale=scale), t)
     plain_loss.backward()
-    assert loss.item() == plain_loss.item()
-    for a, b in zip(planned_model.parameters(), plain_model.parameters()):
-        # the tied weight's two contributions are summed in another order: 1e-17 here
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-14, atol=1e-15)
+    assert_same(planned_model, plain_model, loss, plain_loss)  # the tied weight's sum too: the joint graph's order
     assert planned.peak_memory_bytes == planned.simulated_peak_bytes
 
 
 def test_without_grad_the_module_just_evaluates(profiled):
-    spec, model, inputs, targets, profile = profiled("vgg19")
-    planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"), spec.loss)
+    spec, model, inputs, targets, profile, step = profiled("vgg19")
+    planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"), spec.loss, profiled=step)
     with torch.no_grad():
         loss = planned(inputs, targets)
-    assert loss.shape == () and planned.last_step is None
+    assert loss.shape == () and planned.last_ledger is None
 
 
 def test_transfers_bring_back_any_geometry_on_the_cpu():
     """Offload copies storages byte for byte, so strides, offsets and shared storages come back as they were."""
-    from executor.local import Entry
     from executor.transfers import Transfers
 
     base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
     view = base.t()[1:, ::2]  # non-contiguous, offset, on the same storage as base
     mask = torch.tensor([True, False, True])
-    entry = Entry(leaves=[base, 7], spec=None, requires_grad=[False, None], grads=[view], extras=[mask])
     transfers = Transfers(torch.device("cpu"))
-    copy_ = transfers.offload("n", entry, fixed_ptrs=set())
+    copy_ = transfers.offload(7, (base, view, mask))
     assert copy_.size_bytes == base.untyped_storage().nbytes() + mask.untyped_storage().nbytes()
     expected = [t.clone() for t in (base, view, mask)]
     geometry = [(t.shape, t.stride(), t.storage_offset()) for t in (base, view, mask)]
-    transfers.release("n", entry, fixed_ptrs=set())
-    assert entry.leaves == [None, 7] and entry.grads == [None] and entry.extras == [None]
-    transfers.prefetch("n", entry, copy_)
-    restored = [entry.leaves[0], entry.grads[0], entry.extras[0]]
+    restored = transfers.prefetch(7)
     for tensor, value, (shape, stride, offset) in zip(restored, expected, geometry):
         assert torch.equal(tensor, value)
         assert (tensor.shape, tensor.stride(), tensor.storage_offset()) == (shape, stride, offset)
     assert restored[0].untyped_storage().data_ptr() == restored[1].untyped_storage().data_ptr()
-    pool = transfers.host_pool["n"]
-    transfers.offload("n", entry, fixed_ptrs=set())
-    assert transfers.host_pool["n"] is pool  # host buffers are allocated once and reused
+    pool = transfers.host_pool[7]
+    transfers.offload(7, restored)
+    assert transfers.host_pool[7] is pool  # host buffers are allocated once and reused
 
 
 def test_optimize_plans_on_a_planner_service(tmp_path):
@@ -433,7 +445,7 @@ def test_optimize_plans_on_a_planner_service(tmp_path):
         torch.manual_seed(1)
         loss = planned(inputs, targets)
         loss.backward()
-        _assert_same("transformer", model, plain_model, loss, _plain_step(plain_model, spec, inputs, targets))
+        assert_same(model, plain_model, loss, plain_step(plain_model, spec, inputs, targets))
         with pytest.raises(PlannerServiceError, match="no plan fits.*smallest budget that works"):
             executor_optimize(model, inputs, spec.loss, targets=targets, budget="1KiB", strategy="chen-sqrt",
                               planner_url=f"http://127.0.0.1:{port}", repeats=1, warmup=0, progress=False)

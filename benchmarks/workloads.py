@@ -1,0 +1,66 @@
+"""Workloads the executor's benchmarks measure, as `benchmarks/workloads.py:NAME` specs (models/workload.py).
+
+- `elementwise`: issue 11's case of cheap element-wise operations with large activations, 12 x tanh(x * s)
+  on float32 activations of 32 MiB each: the product x * s is a transient the old ledger did not count.
+- `bert_small`: BertForSequenceClassification from a config (never downloaded): 4 layers, hidden 256,
+  4 heads, batch 8, sequence 128.
+- `resnet18_small`: the reference ResNet-18 (models/), small variant, batch 8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ElementwiseChain(nn.Module):
+    """tanh(x * s), `layers` times: every activation is as large as the input, every operation cheap."""
+
+    def __init__(self, layers: int = 12):
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.tensor(1.0 + 0.01 * i)) for i in range(layers))
+
+    def forward(self, x):
+        for scale in self.scales:
+            x = torch.tanh(x * scale)
+        return x
+
+
+def elementwise(batch_size: int | None = None, activation_mib: int = 32, layers: int = 12):
+    torch.manual_seed(0)
+    rows = batch_size or 8
+    x = torch.randn(rows, activation_mib * 2**20 // 4 // rows)
+    return {"model": ElementwiseChain(layers), "inputs": (x,), "loss_fn": lambda out: out.square().mean()}
+
+
+def bert_small(batch_size: int | None = None, layers: int = 4, hidden: int = 256, sequence: int = 128):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    batch = batch_size or 8
+    config = BertConfig(vocab_size=1024, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=hidden // 64, intermediate_size=4 * hidden,
+                        max_position_embeddings=max(512, sequence), num_labels=4)
+    model = BertForSequenceClassification(config).train()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1024, (batch, sequence), generator=generator)
+    labels = torch.randint(0, 4, (batch,), generator=generator)
+    return {"model": model, "inputs": (), "kwargs": {"input_ids": ids}, "targets": labels,
+            "loss_fn": lambda out, t: F.cross_entropy(out.logits, t)}
+
+
+def bert_base(batch_size: int | None = None):
+    """BERT-base's shape (12 layers, hidden 768, 12 heads) at sequence 512: the planning-node count target."""
+    return bert_small(batch_size or 1, layers=12, hidden=768, sequence=512)
+
+
+def resnet18_small(batch_size: int | None = None):
+    from models.workload import reference_workload
+
+    return reference_workload("resnet18", batch_size or 8, small=True)
+
+
+def resnet18_batch256(batch_size: int | None = None):
+    """ResNet-18-small at a batch whose activations (tens of MiB) dwarf the interpreter's own noise."""
+    return resnet18_small(batch_size or 256)

@@ -1,0 +1,478 @@
+"""Generate the planned training step as Python code, once per schedule.
+
+The code calls the ATen operators of each planning node in schedule order,
+with the schedule's offloads, prefetches, waits and frees, and
+recomputations, inlined. Values are Python locals named after the joint
+graph's nodes (`v_<name>`); a value is dropped (`v_x = None`) exactly where
+the schedule frees its planning node, and a node's transient intermediates
+right after their last use inside it. Views are not planned: each planning
+node derives the views it reads from their storage's root when it runs.
+
+The step is cut in two functions at the first backward computation:
+`forward_part(F, S)` returns the loss and the values still live, and
+`backward_part(F, S, tangent, live)` runs the rest. `F` is the list of the
+graph's inputs (parameters, buffers, constants, the user's inputs) in
+placeholder order; `S` is the runtime (transfers, RNG states, staging buffers
+for written-back buffers, parameter gradients, and optionally the ledger and
+the timing or memory hooks of the profiler).
+
+Modes (each adds calls to the generated code, nothing to the fast path):
+`ledger` (the byte-exact accountant), `strict` (real sizes checked against the
+profile, freed memory checked to be released), `timing` and `memory` (the
+profiler's hooks around every planning node).
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from executor import conv_algorithms
+from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph
+
+
+BATCH_NORM_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
+BATCH_NORM_IN_PLACE = torch.ops.aten._native_batch_norm_legit.default
+_IDENTITY_VIEWS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a program: compute (with an implementation), offload, prefetch, wait, free."""
+
+    kind: str
+    group: int
+    implementation: str = "default"
+    transfer: str = ""  # wait: offload | prefetch
+
+
+@dataclass
+class Modes:
+    ledger: bool = False
+    strict: bool = False
+    timing: bool = False  # also reports each node's real output sizes
+    memory: bool = False  # record_function scopes (CPU) or allocator statistics (CUDA) around each node
+    # mutations (by index) that may be written straight into their tensor, where nothing later reads it, instead
+    # of through a staging buffer and a copy at the end of the step (the replay: the model's own buffers)
+    direct_writes: frozenset = frozenset()
+
+
+@dataclass
+class Program:
+    """Compiled parts of one step and what the runtime needs to call them."""
+
+    source: str
+    parts: list[Callable]
+    live_after: list[list[str]]  # names handed from one part to the next
+    computes: int
+    constants: dict[str, Any] = field(default_factory=dict)
+    direct: frozenset = frozenset()  # mutations written in place during the step (no write-back at its end)
+
+
+def _literal(value, constants: dict[str, Any]) -> str:
+    if value is None or isinstance(value, (bool, int, str)):
+        return repr(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return repr(value)
+        return _constant(value, constants)
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_literal(v, constants) for v in value)
+        if isinstance(value, tuple):
+            return f"({inner}{',' if len(value) == 1 else ''})"
+        return f"[{inner}]"
+    return _constant(value, constants)
+
+
+def _constant(value, constants: dict[str, Any]) -> str:
+    for name, existing in constants.items():
+        if existing is value or (type(existing) is type(value) and not isinstance(value, torch.Tensor)
+                                 and _same(existing, value)):
+            return name
+    name = f"c_{len(constants)}"
+    constants[name] = value
+    return name
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b) and repr(a) == repr(b)
+    except Exception:  # noqa: BLE001 - incomparable constants are distinct
+        return False
+
+
+def local(node: fx.Node) -> str:
+    return f"v_{node.name}"
+
+
+class _Writer:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.indent = 1
+
+    def __call__(self, line: str) -> None:
+        self.lines.append("    " * self.indent + line)
+
+
+class CodeGenerator:
+    """Emits the code of planning nodes; one instance per generated program."""
+
+    def __init__(self, planning: PlanningGraph, modes: Modes, cuda: bool = False):
+        self.planning = planning
+        self.step = planning.step
+        self.modes = modes
+        self.cuda = cuda
+        self.constants: dict[str, Any] = {}
+        self.op_names: dict[Any, str] = {}
+        self.position = {node: i for i, node in enumerate(self.step.graph.nodes)}
+        self.placeholders = [n for n in self.step.graph.nodes if n.op == "placeholder"]
+        self.feed_index = {n: i for i, n in enumerate(self.placeholders)}
+        graph = planning
+        self.loss_root = graph.root_of[self.step.loss]
+        self.gradient_index = {value: k for k, (value, _, _) in enumerate(self.step.gradients)}
+        self.mutation_index = {value: k for k, (value, _) in enumerate(self.step.mutations)}
+        # graph outputs are handled inside the planning node that owns their storage; outputs that are views of
+        # a graph input (a gradient that is the loss's own gradient, expanded) at the start of the backward part
+        self.direct: set[int] = set()
+        self.in_place_values: set[fx.Node] = set()  # values an in-place operation left in their graph input
+        self._position = 0  # of the operation being generated
+        self._last_read: dict[fx.Node, int] = {}  # mutated placeholder -> position of the last compute reading it
+        self.outputs_of: dict[int | None, list[fx.Node]] = {}
+        for value in list(self.gradient_index) + list(self.mutation_index) + [self.step.loss]:
+            owner = graph.group_of.get(graph.root_of[value])
+            self.outputs_of.setdefault(owner, []).append(value)
+
+    # -- names ---------------------------------------------------------------------------------------
+
+    def op(self, target) -> str:
+        name = self.op_names.get(target)
+        if name is None:
+            base = target._op if isinstance(target, torch._ops.OpOverload) else target
+            name = f"op_{len(self.op_names)}"
+            self.op_names[target] = name
+            self.constants[name] = base
+        return name
+
+    def value(self, node: fx.Node) -> str:
+        if node.op == "placeholder":
+            return f"F[{self.feed_index[node]}]"
+        if node.op == "get_attr":
+            return _constant(getattr(self.step.graph_module, node.target), self.constants)
+        return local(node)
+
+    def argument(self, argument) -> str:
+        if isinstance(argument, fx.Node):
+            return self.value(argument)
+        if isinstance(argument, (list, tuple)):
+            inner = ", ".join(self.argument(a) for a in argument)
+            if isinstance(argument, tuple):
+                return f"({inner}{',' if len(argument) == 1 else ''})"
+            return f"[{inner}]"
+        return _literal(argument, self.constants)
+
+    # -- one planning node ---------------------------------------------------------------------------
+
+    def compute(self, w: _Writer, group: Group, implementation: str, first: bool, rng_later: bool) -> None:
+        """The code of one computation of `group`: its operations, graph outputs, and transient frees."""
+        graph = self.planning
+        w(f"# compute {group.id} [{implementation}]" + ("" if first else " (recompute)"))
+        if self.modes.timing:
+            w(f"S.tick({group.index})")
+        if self.modes.memory:
+            w(f"S.memory_begin({group.index})")
+        if group.random and first and rng_later:
+            w(f"S.rng[{group.index}] = S.get_rng()")
+        if group.random and not first:
+            w("_rng_now = S.get_rng()")
+            w(f"S.set_rng(S.rng[{group.index}])")
+        derived: list[fx.Node] = []  # view locals made here (dropped at the end)
+        members = set(group.ops)
+        made: set = set()
+        body: list[tuple[fx.Node, list[str]]] = []  # (node, code lines) in order, for last-use frees
+        for op in group.ops:
+            lines: list[str] = []
+            for argument in op.all_input_nodes:
+                self._derive(argument, lines, derived, made)
+            in_place = first and self._batch_norm_in_place(op)
+            if in_place:
+                lines.append(f"{local(op)} = {self.op(BATCH_NORM_IN_PLACE)}({self._arguments(op)})")
+            else:
+                lines.extend(self._call(op, group, implementation))
+            for item in sorted((u for u in op.users if u.target is operator.getitem), key=self.position.__getitem__):
+                if in_place and item.args[1] in (3, 4):
+                    # the running statistics, updated in the model's buffers by the call itself
+                    lines.append(f"{local(item)} = {self.value(op.args[item.args[1]])}")
+                    self.in_place_values.add(item)
+                    made.add(item)
+                elif item in graph.facts.root_bytes or item in graph.facts.alias_of:
+                    lines.append(f"{local(item)} = {local(op)}[{item.args[1]}]")
+                    made.add(item)
+            made.add(op)
+            body.append((op, lines))
+        # graph outputs whose storage this node owns
+        tail: list[str] = []
+        for value in self.outputs_of.get(group.index, []):
+            self._derive(value, tail, derived, made)
+            if value in self.gradient_index:
+                if first:
+                    tail.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
+            elif value in self.mutation_index:
+                if first:
+                    index = self.mutation_index[value]
+                    target = self.step.mutations[index][1]
+                    if value in self.in_place_values:
+                        self.direct.add(index)  # the operation itself wrote it
+                    elif index in self.modes.direct_writes and self._last_read.get(target, -1) <= self._position:
+                        # nothing after this point reads the tensor: update it now, as the eager step does
+                        tail.append(f"{self.value(target)}.copy_({self.value(value)})")
+                        self.direct.add(index)
+                    else:
+                        tail.append(f"S.stage({index}, {self.value(value)})")
+            elif value is self.step.loss and first:
+                tail.append(f"v__loss = {self.value(value)}")
+                if self.modes.strict:
+                    tail.append("S.loss_storage = v__loss.untyped_storage().data_ptr()")
+        # frees of transients right after their last use inside the node
+        keep = set(group.outputs)
+        transient = [n for n in made if n not in keep]
+        last_line: dict[fx.Node, int] = {}
+        flat: list[str] = []
+        for op, lines in body:
+            flat.extend(lines)
+        flat.extend(tail)
+        for index, line in enumerate(flat):
+            for n in transient:
+                if local(n) in _tokens(line):
+                    last_line[n] = index
+        for n in derived:
+            for index, line in enumerate(flat):
+                if local(n) in _tokens(line):
+                    last_line[n] = max(last_line.get(n, -1), index)
+        drop_after: dict[int, list[str]] = {}
+        for n in set(transient) | set(derived):
+            if n in keep:
+                continue
+            drop_after.setdefault(last_line.get(n, len(flat) - 1), []).append(local(n))
+        for index, line in enumerate(flat):
+            w(line)
+            names = drop_after.get(index)
+            if names:
+                w(" = ".join(sorted(set(names))) + " = None")
+        if group.random and not first:
+            w("S.set_rng(_rng_now)")
+        if self.modes.memory:
+            w(f"S.memory_end({group.index})")
+        if self.modes.timing:
+            w(f"S.tock({group.index})")
+        del members
+
+    def _graph_input_outputs(self, w: _Writer) -> None:
+        """Gradients and written-back values that are views of a graph input (no planning node owns them)."""
+        lines: list[str] = []
+        derived: list[fx.Node] = []
+        for value in self.outputs_of.get(None, []):
+            self._derive(value, lines, derived, set())
+            if value in self.gradient_index:
+                lines.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
+            elif value in self.mutation_index:
+                lines.append(f"S.stage({self.mutation_index[value]}, {self.value(value)})")
+        for line in lines:
+            w(line)
+        if derived:
+            w(" = ".join(local(n) for n in derived) + " = None")
+
+    def _derive(self, node: fx.Node, lines: list[str], derived: list, made: set) -> None:
+        """Make a view local (and the views it is made from) if this node has not made it yet."""
+        graph = self.planning
+        if node.op in ("placeholder", "get_attr") or node in made:
+            return
+        if node in graph.facts.alias_of:
+            self._derive(graph.facts.alias_of[node], lines, derived, made)
+            for argument in node.all_input_nodes:
+                self._derive(argument, lines, derived, made)
+            if node.target is operator.getitem:
+                lines.append(f"{local(node)} = {local(node.args[0])}[{node.args[1]}]")
+            elif node.target in _IDENTITY_VIEWS:
+                # the whole step runs without autograd, where detach/alias give the same tensor back in all but
+                # identity: reuse it and save a dispatcher call (AOTAutograd leaves two detaches per saved output)
+                lines.append(f"{local(node)} = {self.value(node.args[0])}")
+            else:
+                args = ", ".join([self.argument(a) for a in node.args]
+                                 + [f"{k}={self.argument(v)}" for k, v in node.kwargs.items()])
+                lines.append(f"{local(node)} = {self.op(node.target)}({args})")
+            made.add(node)
+            derived.append(node)
+
+    def _arguments(self, op: fx.Node) -> str:
+        return ", ".join([self.argument(a) for a in op.args] + [f"{k}={self.argument(v)}" for k, v in op.kwargs.items()])
+
+    def _batch_norm_in_place(self, op: fx.Node) -> bool:
+        """A functional batch norm (training) whose new running statistics go straight back into the buffers it
+        read, which nothing later reads: call the in-place form, as the eager step does (the functional form is
+        that call on clones of the buffers: the same arithmetic, two clones and two copies more). Readers of the new
+        statistics (the batch norm's backward) then read the buffers; the node's size still counts the clones the
+        profile measured (a few bytes over, never under)."""
+        if op.target is not BATCH_NORM_FUNCTIONAL:
+            return False
+        statistics = {u.args[1]: u for u in op.users if u.target is operator.getitem and u.args[1] in (3, 4)}
+        if len(statistics) != 2:
+            return False
+        for position, value in statistics.items():
+            if value not in self.mutation_index:
+                return False
+            index = self.mutation_index[value]
+            target = self.step.mutations[index][1]
+            if target is not op.args[position] or index not in self.modes.direct_writes \
+                    or self._last_read.get(target, -1) > self._position:
+                return False
+        return True
+
+    def _call(self, op: fx.Node, group: Group, implementation: str) -> list[str]:
+        args = self._arguments(op)
+        if op is group.convolution and implementation not in ("native", "default"):
+            if op.target is CONVOLUTION:
+                self.constants.setdefault("conv_forward", conv_algorithms.forward)
+                return [f"{local(op)} = conv_forward({implementation!r}, {args})"]
+            if op.target is CONVOLUTION_BACKWARD:
+                self.constants.setdefault("conv_backward", conv_algorithms.backward)
+                return [f"{local(op)} = conv_backward({implementation!r}, {args})"]
+        return [f"{local(op)} = {self.op(op.target)}({args})"]
+
+    # -- a whole program -----------------------------------------------------------------------------
+
+    def program(self, operations: list[Op], split: int | None, sizes: dict[int, int] | None = None,
+                name: str = "step") -> Program:
+        """Code for `operations`; `split` is the index of the first operation of the backward part."""
+        groups = self.planning.groups
+        computes_after: dict[int, int] = {}
+        later_computes: list[int] = []
+        for op in reversed(operations):
+            if op.kind == "compute":
+                later_computes.append(computes_after.get(op.group, 0))
+                computes_after[op.group] = computes_after.get(op.group, 0) + 1
+            else:
+                later_computes.append(0)
+        later_computes.reverse()
+        self._last_read = self._last_reads(operations)
+        cut = len(operations) if split is None else split
+        parts_ops = [operations[:cut], operations[cut:]] if split is not None else [operations]
+        source_lines: list[str] = []
+        live_after: list[list[str]] = []
+        seen: set[int] = set()
+        on_device: set[int] = set()
+        offset = 0
+        for part_index, part in enumerate(parts_ops):
+            w = _Writer()
+            w.indent = 0
+            if part_index == 0:
+                w(f"def part_{part_index}(F, S):")
+            else:
+                w(f"def part_{part_index}(F, S, tangent, live):")
+            w.indent = 1
+            if part_index == 0:
+                w("v__loss = None")
+            else:
+                names = live_after[-1]
+                # `live` is a one-element list: popping it leaves these locals the only references, so that each
+                # tensor goes when the schedule frees it
+                if names:
+                    w(f"({', '.join(names)},) = live.pop()")
+                else:
+                    w("live.pop()")
+            for k, op in enumerate(part):
+                group = groups[op.group]
+                outputs = [local(n) for n in group.outputs]
+                if op.kind == "compute":
+                    first = op.group not in seen
+                    seen.add(op.group)
+                    rng_later = later_computes[offset + k] > 0
+                    self._position = offset + k
+                    self.compute(w, group, op.implementation, first, rng_later)
+                    on_device.add(op.group)
+                    if self.modes.ledger or self.modes.strict or self.modes.timing:
+                        w(f"S.computed({op.group}, {op.implementation!r}, {_tuple(outputs)})")
+                elif op.kind == "offload":
+                    w(f"S.offload({op.group}, {_tuple(outputs)})")
+                elif op.kind == "prefetch":
+                    if outputs:
+                        w(f"{_tuple(outputs)} = S.prefetch({op.group})")
+                    else:
+                        w(f"S.prefetch({op.group})")
+                    on_device.add(op.group)
+                elif op.kind == "wait":
+                    w(f"S.wait({op.group}, {op.transfer!r})")
+                elif op.kind == "free":
+                    if self.modes.strict or self.modes.ledger or self.cuda:
+                        # a buffer updated in place is the model's, not the node's: it stays when the node goes
+                        owned = [local(n) for n in group.outputs if n not in self.in_place_values]
+                        w(f"S.release({op.group}, {_tuple(owned)})")
+                    if outputs:
+                        w(" = ".join(outputs) + " = None")
+                    if self.modes.strict:
+                        w(f"S.released({op.group})")
+                    on_device.discard(op.group)
+                else:
+                    raise ValueError(f"unknown operation {op.kind!r}")
+            if part_index == len(parts_ops) - 1:
+                self._graph_input_outputs(w)
+            offset += len(part)
+            names = sorted({local(n) for g in on_device for n in groups[g].outputs})
+            live_after.append(names)
+            if part_index == 0 and len(parts_ops) > 1:
+                w(f"return v__loss, ({', '.join(names)}{',' if names else ''})")
+            elif part_index == 0:
+                w("return v__loss, ()")
+            else:
+                w("return None")
+            source_lines.extend(w.lines)
+            source_lines.append("")
+        source = "\n".join(source_lines)
+        filename = f"<mosos {name} {id(self):x}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        namespace: dict[str, Any] = dict(self.constants)
+        exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
+        parts = [namespace[f"part_{i}"] for i in range(len(parts_ops))]
+        return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants,
+                       frozenset(self.direct))
+
+    def _last_reads(self, operations: list[Op]) -> dict[fx.Node, int]:
+        """For each mutated placeholder whose readers all belong to planning nodes: the position of the last
+        computation of such a node (absent: read elsewhere, so never written in place)."""
+        graph = self.planning
+        last: dict[fx.Node, int] = {}
+        for _, target in self.step.mutations:
+            readers: set[fx.Node] = set()
+            stack = [target]
+            while stack:
+                for user in stack.pop().users:
+                    if user in graph.facts.alias_of:
+                        stack.append(user)
+                    else:
+                        readers.add(user)
+            if any(user not in graph.group_of for user in readers):
+                continue
+            groups = {graph.group_of[user] for user in readers}
+            last[target] = max((k for k, op in enumerate(operations) if op.kind == "compute" and op.group in groups),
+                               default=-1)
+        return last
+
+
+def _tuple(names: list[str]) -> str:
+    return f"({', '.join(names)}{',' if len(names) == 1 else ''})" if names else "()"
+
+
+def _tokens(line: str) -> set[str]:
+    token, found = [], set()
+    for ch in line + " ":
+        if ch.isalnum() or ch == "_":
+            token.append(ch)
+        elif token:
+            found.add("".join(token))
+            token = []
+    return found

@@ -1,0 +1,415 @@
+"""The planner's view of a captured step: ATen operations grouped into planning nodes.
+
+Memory is counted per storage. An operation whose output shares storage with
+one of its inputs (a view: view, t, permute, expand, slice, detach, split...)
+allocates nothing; the reference run finds these by comparing storages, so
+operations that alias without saying so in their schema (`_unsafe_view`) are
+caught too. Every other operation output owns a storage: a *root*. Views are
+not planned at all: whoever reads a view reads its root, and derives the view
+again when it runs.
+
+The grouping rule (README, "Planning nodes"):
+
+1. Operations are taken in graph order (the order of an eager training step).
+2. An operation joins the group of an operation whose outputs it reads, if
+   every storage that operation produced is read by this operation and by
+   nothing else (not by another operation, not by backward: not saved; not a
+   graph output), and if it reads no storage that the group does not already
+   read or produce (so folding never makes a node hold more inputs at once,
+   which would raise the smallest budget any plan can meet). Chains of
+   operations whose intermediates nobody else reads fold into one planning
+   node; the intermediates are that node's transient memory, measured as its
+   workspace.
+3. Never across the forward/backward boundary, and at most one convolution
+   (forward, filter-gradient or data-gradient half) per planning node, whose
+   algorithm is then the node's implementation.
+
+So every storage a backward operation reads from the forward pass is the
+output of its own planning node (a candidate to keep, offload or recompute),
+and so is every storage read by two or more operations. Parameter gradients,
+parameters, buffers, inputs and constants are fixed memory. Folding can only
+contract an edge whose source has a single reader, so the planning graph stays
+acyclic.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from executor.capture import CapturedStep
+
+ATEN = torch.ops.aten
+CONVOLUTION = ATEN.convolution.default
+CONVOLUTION_BACKWARD = ATEN.convolution_backward.default
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage (its StorageImpl), real or fake; valid while the storage lives."""
+    return tensor.untyped_storage()._cdata
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+@dataclass
+class Facts:
+    """What one run of the joint graph on real tensors showed."""
+
+    alias_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a view -> the argument it shares storage with
+    root_bytes: dict[fx.Node, int] = field(default_factory=dict)  # a storage-owning value -> its storage's bytes
+    storage_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a root on an earlier root's storage -> that root
+    random_ops: set = field(default_factory=set)
+    values_seen: int = 0
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+
+
+def is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def reference_run(step: CapturedStep, feed: dict[fx.Node, torch.Tensor]) -> Facts:
+    """Run the joint graph once on fake tensors (shapes and storages, no memory, no arithmetic), node by node,
+    dropping each value after its last use, and record which outputs are views and how large each storage is.
+    Fake tensors follow the operators' meta functions, which model storage aliasing exactly as the real kernels
+    do (functionalisation depends on it); the replay's strict mode checks the sizes on real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    facts = Facts()
+    graph = step.graph
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for source in node.all_input_nodes:
+            last_use[source] = node
+    release: dict[fx.Node, list[fx.Node]] = {}
+    for source, user in last_use.items():
+        release.setdefault(user, []).append(source)
+    mode = FakeTensorMode()
+    env: dict[fx.Node, object] = {}
+    argument_storages: dict[fx.Node, dict[int, fx.Node]] = {}  # tuple op -> storages of its arguments
+    output_storages: dict[fx.Node, dict[int, fx.Node]] = {}  # tuple op -> storages of its outputs seen so far
+    fakes: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                value = feed[node]
+                env[node] = fakes.setdefault(id(value), mode.from_tensor(value)) if isinstance(value, torch.Tensor) else value
+            elif node.op == "get_attr":
+                value = getattr(step.graph_module, node.target)
+                env[node] = fakes.setdefault(id(value), mode.from_tensor(value)) if isinstance(value, torch.Tensor) else value
+            elif node.op == "call_function":
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+                with mode:
+                    value = node.target(*args, **kwargs)
+                env[node] = value
+                if node.target is operator.getitem:
+                    _record_item(node, value, facts, argument_storages, output_storages)
+                else:
+                    _record_op(node, value, env, facts, argument_storages)
+            for source in release.get(node, ()):
+                if source.op != "placeholder":
+                    env.pop(source, None)
+    return facts
+
+
+def _argument_storages(node: fx.Node, env) -> dict[int, fx.Node]:
+    found: dict[int, fx.Node] = {}
+    for argument in node.all_input_nodes:
+        for tensor in tensors_in(env.get(argument)):
+            if tensor.untyped_storage().nbytes():
+                found.setdefault(storage_key(tensor), argument)
+    return found
+
+
+def _record_op(node: fx.Node, value, env, facts: Facts, argument_storages) -> None:
+    if is_random(node):
+        facts.random_ops.add(node)
+    if isinstance(value, torch.Tensor):
+        if value.untyped_storage().nbytes() == 0:
+            facts.root_bytes[node] = 0
+            return
+        storages = _argument_storages(node, env)
+        key = storage_key(value)
+        if key in storages:
+            facts.alias_of[node] = storages[key]
+        else:
+            facts.root_bytes[node] = storage_bytes(value)
+        return
+    outputs = [t for t in tensors_in(value) if t.untyped_storage().nbytes()]
+    if not outputs:
+        return
+    storages = _argument_storages(node, env)
+    bases = {storages.get(storage_key(t)) for t in outputs}
+    if len(bases) == 1 and None not in bases:
+        facts.alias_of[node] = bases.pop()  # a view op with several results (split, unbind, chunk)
+        return
+    argument_storages[node] = storages
+
+
+def _record_item(node: fx.Node, value, facts: Facts, argument_storages, output_storages) -> None:
+    parent = node.args[0]
+    if parent in facts.alias_of:
+        facts.alias_of[node] = parent
+        return
+    if not isinstance(value, torch.Tensor):
+        return
+    if value.untyped_storage().nbytes() == 0:
+        facts.root_bytes[node] = 0
+        return
+    key = storage_key(value)
+    storages = argument_storages.get(parent, {})
+    if key in storages:
+        facts.alias_of[node] = storages[key]
+        return
+    seen = output_storages.setdefault(parent, {})
+    if key in seen:
+        facts.storage_of[node] = seen[key]  # its own value, on the storage of an earlier output (counted once)
+    else:
+        seen[key] = node
+    facts.root_bytes[node] = storage_bytes(value)
+
+
+# --- the planning graph ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    """One planning node: operations that run together, and the storages it hands on."""
+
+    index: int
+    kind: str  # forward | loss | backward
+    ops: list[fx.Node] = field(default_factory=list)  # storage-allocating operations, in graph order
+    outputs: list[fx.Node] = field(default_factory=list)  # roots read by other groups (or the loss)
+    inputs: list[int] = field(default_factory=list)  # groups whose outputs it reads, in first-read order
+    id: str = ""
+    module: str | None = None
+    op_type: str = ""
+    convolution: fx.Node | None = None  # the convolution (or half) whose algorithm is the node's implementation
+    forward_node: int | None = None
+    random: bool = False
+
+    @property
+    def output_bytes(self) -> int:
+        return 0
+
+
+@dataclass
+class PlanningGraph:
+    step: CapturedStep
+    facts: Facts
+    groups: list[Group]
+    group_of: dict[fx.Node, int]  # allocating op (and its getitems) -> group index
+    root_of: dict[fx.Node, fx.Node | None]  # every value -> the root whose storage it uses (None: fixed memory)
+    fixed_roots: set  # roots that are fixed memory (placeholders, constants, parameter gradients)
+    readers: dict[fx.Node, list[fx.Node]]  # root -> ops reading it (through views), in graph order
+    gradient_roots: set
+
+    def size_bytes(self, group: Group) -> int:
+        """Bytes of the distinct storages of the node's outputs."""
+        storages = {self.facts.storage_of.get(root, root): self.facts.root_bytes.get(root, 0) for root in group.outputs}
+        return sum(storages.values())
+
+    def by_id(self) -> dict[str, Group]:
+        return {group.id: group for group in self.groups}
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The allocating op of a root (a getitem's tuple op, else the node itself)."""
+    return node.args[0] if node.target is operator.getitem else node
+
+
+def _is_convolution(node: fx.Node) -> bool:
+    return node.target in (CONVOLUTION, CONVOLUTION_BACKWARD)
+
+
+def build(step: CapturedStep, facts: Facts) -> PlanningGraph:
+    graph = step.graph
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    root_of: dict[fx.Node, fx.Node | None] = {}
+    fixed_roots: set = set()
+
+    def root(node: fx.Node) -> fx.Node | None:
+        if node in root_of:
+            return root_of[node]
+        if node.op in ("placeholder", "get_attr"):
+            root_of[node] = node
+            fixed_roots.add(node)
+        elif node in facts.alias_of:
+            root_of[node] = root(facts.alias_of[node])
+        else:
+            root_of[node] = node
+        return root_of[node]
+
+    gradient_roots = set()
+    for value, _, _ in step.gradients:
+        gradient_roots.add(root(value))
+    fixed_roots |= gradient_roots
+
+    # allocating operations: call_functions that are neither views nor getitems
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+           and n not in facts.alias_of and (n in facts.root_bytes or any(u in facts.root_bytes for u in n.users))]
+    op_set = set(ops)
+    # what each allocating op reads (roots, through views and getitems of views) and what each root's readers are
+    reads: dict[fx.Node, list[fx.Node]] = {}
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for op in ops:
+        found = []
+        for argument in op.all_input_nodes:
+            r = root(argument)
+            if r is not None and r not in found:
+                found.append(r)
+        reads[op] = found
+        for r in found:
+            readers.setdefault(r, []).append(op)
+    graph_uses: dict[fx.Node, int] = {}
+    for value in [step.loss] + [v for v, _ in step.mutations] + [v for v, _, _ in step.gradients]:
+        r = root(value)
+        graph_uses[r] = graph_uses.get(r, 0) + 1
+
+    def roots_of_op(op: fx.Node) -> list[fx.Node]:
+        if op in facts.root_bytes:
+            return [op]
+        return [u for u in op.users if u in facts.root_bytes]
+
+    group_of: dict[fx.Node, int] = {}
+    members: list[list[fx.Node]] = []
+    for op in ops:
+        backward = op in step.backward
+        candidates = []
+        for r in reads[op]:
+            if r in fixed_roots:
+                continue
+            producer = _producer(r)
+            if producer not in op_set or producer not in group_of:
+                continue
+            if (producer in step.backward) != backward:
+                continue
+            produced = roots_of_op(producer)
+            if all(readers.get(p, []) == [op] and not graph_uses.get(p) and p not in fixed_roots for p in produced):
+                candidates.append(group_of[producer])
+        candidates = list(dict.fromkeys(candidates))
+        if candidates:
+            # fold only if the op brings no planned storage the node does not already read or make: folding must
+            # never make a planning node hold more inputs at once (that would raise the smallest feasible budget)
+            known: set = set()
+            for g in candidates:
+                for member in members[g]:
+                    known.update(roots_of_op(member))
+                    known.update(reads[member])
+            if any(r not in known for r in reads[op] if r not in fixed_roots):
+                candidates = []
+        if _is_convolution(op):
+            candidates = [g for g in candidates if not any(_is_convolution(m) for m in members[g])]
+        conv_groups = [g for g in candidates if any(_is_convolution(m) for m in members[g])]
+        if len(conv_groups) > 1:
+            candidates = [g for g in candidates if g not in conv_groups[1:]]
+        if not candidates:
+            group_of[op] = len(members)
+            members.append([op])
+            continue
+        target = candidates[0]
+        for other in candidates[1:]:
+            for m in members[other]:
+                group_of[m] = target
+            members[target].extend(members[other])
+            members[other] = []
+        members[target].append(op)
+        group_of[op] = target
+    # compact, order groups by their last operation
+    kept = sorted((m for m in members if m), key=lambda m: max(position[x] for x in m))
+    groups: list[Group] = []
+    group_of = {}
+    for index, member_ops in enumerate(kept):
+        member_ops.sort(key=position.__getitem__)
+        backward = member_ops[0] in step.backward
+        group = Group(index=index, kind="backward" if backward else "forward", ops=member_ops)
+        for op in member_ops:
+            group_of[op] = index
+            for r in roots_of_op(op):
+                group_of[r] = index
+        groups.append(group)
+    loss_root = root(step.loss)
+    for group in groups:
+        inputs: list[int] = []
+        outputs: list[fx.Node] = []
+        for op in group.ops:
+            for r in reads[op]:
+                if r in fixed_roots:
+                    continue
+                source = group_of[r]
+                if source != group.index and source not in inputs:
+                    inputs.append(source)
+            for r in roots_of_op(op):
+                if r in fixed_roots:
+                    continue
+                outside = [reader for reader in readers.get(r, []) if group_of[reader] != group.index]
+                if outside or r is loss_root:
+                    outputs.append(r)
+            if _is_convolution(op):
+                group.convolution = op
+            if op in facts.random_ops:
+                group.random = True
+        group.inputs = inputs
+        group.outputs = outputs
+        if loss_root is not None and loss_root in {r for op in group.ops for r in roots_of_op(op)}:
+            group.kind = "loss"
+    _name(step, groups)
+    _forward_nodes(step, groups, group_of)
+    return PlanningGraph(step, facts, groups, group_of, root_of, fixed_roots, readers, gradient_roots)
+
+
+def op_name(node: fx.Node) -> str:
+    target = node.target
+    name = target._schema.name.split("::")[-1] if isinstance(target, torch._ops.OpOverload) else str(target)
+    name = name.lstrip("_").replace("_legit_functional", "").replace("_functional", "")
+    half = node.meta.get("convolution_half")
+    return f"{name}.{half}" if half else name
+
+
+def _name(step: CapturedStep, groups: list[Group]) -> None:
+    used: dict[str, int] = {}
+    for group in groups:
+        first = group.ops[0]
+        module = step.module_path.get(first, "")
+        names = [op_name(op) for op in group.ops]
+        shown = list(dict.fromkeys(names))
+        group.op_type = "+".join(shown[:4]) + ("+..." if len(shown) > 4 else "")
+        main = group.convolution if group.convolution is not None else first
+        label = op_name(main) + (f"+{len(group.ops) - 1}" if len(group.ops) > 1 else "")
+        base = f"{module or '<root>'}/{label}"
+        suffix = ":bwd" if group.kind == "backward" else ""
+        count = used.get(base + suffix, 0) + 1
+        used[base + suffix] = count
+        group.id = (base if count == 1 else f"{base}#{count}") + suffix
+        group.module = module or None
+
+
+def _forward_nodes(step: CapturedStep, groups: list[Group], group_of: dict) -> None:
+    """A backward node's forward_node: the forward node whose operation it differentiates (same autograd
+    sequence number), if it reads that node's output; else the first forward node it reads."""
+    by_sequence: dict[int, int] = {}
+    for group in groups:
+        if group.kind == "backward":
+            continue
+        for op in group.ops:
+            seq = op.meta.get("seq_nr")
+            if seq is not None:
+                by_sequence.setdefault(seq, group.index)
+    for group in groups:
+        if group.kind != "backward":
+            continue
+        forward_inputs = [g for g in group.inputs if groups[g].kind != "backward"]
+        if not forward_inputs:
+            continue
+        seq = group.ops[0].meta.get("seq_nr")
+        match = by_sequence.get(seq)
+        group.forward_node = match if match in forward_inputs else forward_inputs[0]

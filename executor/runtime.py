@@ -1,0 +1,152 @@
+"""What the generated step calls: transfers, RNG states, parameter gradients, write-backs, the ledger.
+
+One `StepRuntime` serves one PlannedModule (the profiler has its own, with
+timing and memory hooks); `begin_step` resets what belongs to a single step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from executor.accountant import Accountant
+from executor.errors import ReplayError
+from executor.transfers import Transfers
+
+
+def distinct_storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def obeys_layout(gradient: torch.Tensor, parameter: torch.Tensor) -> bool:
+    """What AccumulateGrad checks before it keeps a gradient as it is: the parameter's strides, and here also a
+    storage exactly its size (so that a view never pins a larger buffer as .grad)."""
+    return (gradient.stride() == parameter.stride() and gradient.storage_offset() == 0
+            and gradient.untyped_storage().nbytes() == parameter.numel() * parameter.element_size()
+            and gradient.dtype == parameter.dtype)
+
+
+def accumulate(parameter: torch.Tensor, gradient: torch.Tensor) -> int:
+    """`.grad` as plain PyTorch's AccumulateGrad leaves it (no grad mode): kept as it is, copied into the
+    parameter's layout, or added in place. Returns the bytes of a transient (a gradient added to an existing one)."""
+    current = parameter.grad
+    if current is None:
+        if obeys_layout(gradient, parameter):
+            parameter.grad = gradient
+        else:
+            parameter.grad = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype,
+                                                 device=parameter.device).copy_(gradient)
+        return 0
+    current += gradient
+    return gradient.untyped_storage().nbytes()
+
+
+class StepRuntime:
+    """The runtime of generated steps: one per PlannedModule."""
+
+    def __init__(self, device: torch.device, staging: list[torch.Tensor], node_ids: list[str]):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.transfers = Transfers(device)
+        self.staging = staging  # one buffer per written-back value, allocated once (fixed memory)
+        self.node_ids = node_ids
+        self.rng: dict[int, tuple] = {}
+        self.parameters: list[torch.Tensor] = []  # this step's parameters, by gradient index
+        self.ledger: Accountant | None = None
+        self.implementation_of: Callable[[int, str], tuple[float, int]] | None = None
+        self.expected_bytes: list[int] | None = None  # strict mode: the profile's size of each node
+        self.accumulated_bytes = 0
+        self.watch: list = []
+        self.loss_storage = 0  # data_ptr of the loss's storage once the forward part returned it
+
+    # -- per step ------------------------------------------------------------------------------------
+
+    def begin_step(self, parameters: list[torch.Tensor], ledger: Accountant | None) -> None:
+        self.parameters = parameters
+        self.ledger = ledger
+        self.rng.clear()
+        self.accumulated_bytes = 0
+
+    def end_step(self) -> None:
+        self.transfers.settle()
+        self.rng.clear()
+        self.parameters = []
+
+    # -- RNG -----------------------------------------------------------------------------------------
+
+    def get_rng(self) -> tuple:
+        cuda = torch.cuda.get_rng_state(self.device) if self.cuda else None
+        return torch.get_rng_state(), cuda
+
+    def set_rng(self, state: tuple) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.device)
+
+    # -- graph outputs -------------------------------------------------------------------------------
+
+    def gradient(self, index: int, value: torch.Tensor) -> None:
+        transient = accumulate(self.parameters[index], value)
+        if transient and self.ledger is not None:
+            # a gradient added to one that was already there lives next to it until the addition ends
+            self.ledger.transient(f"gradient accumulation {index}", transient)
+        self.accumulated_bytes += transient
+
+    def stage(self, index: int, value: torch.Tensor) -> None:
+        self.staging[index].copy_(value)
+
+    # -- transfers -----------------------------------------------------------------------------------
+
+    def offload(self, group: int, tensors: tuple) -> None:
+        self.transfers.offload(group, tensors)
+        if self.ledger is not None:
+            self.ledger.offload(self.node_ids[group])
+
+    def prefetch(self, group: int) -> tuple:
+        try:
+            tensors = self.transfers.prefetch(group)
+        except KeyError:
+            raise ReplayError(f"{self.node_ids[group]!r} is prefetched but was never offloaded in this step") from None
+        if self.ledger is not None:
+            self.ledger.prefetch(self.node_ids[group], distinct_storage_bytes(tensors))
+        return tensors
+
+    def wait(self, group: int, transfer: str) -> None:
+        self.transfers.wait(group, transfer)
+        if self.ledger is not None:
+            self.ledger.wait(self.node_ids[group], transfer)
+
+    def release(self, group: int, tensors: tuple) -> None:
+        self.transfers.release(group, tensors)
+        if self.ledger is not None:
+            self.ledger.free(self.node_ids[group])
+        if self.expected_bytes is not None:
+            from torch.multiprocessing.reductions import StorageWeakRef
+
+            # the loss handed to the caller stays alive, as it should
+            self.watch = [StorageWeakRef(t.untyped_storage()) for t in tensors
+                          if t.untyped_storage().data_ptr() != self.loss_storage]
+
+    def released(self, group: int) -> None:
+        """Strict mode, after a free: nothing else may hold the freed storages (else the plan's memory is fiction)."""
+        if any(not ref.expired() for ref in self.watch):
+            raise ReplayError(f"{self.node_ids[group]!r} was freed but its memory is still referenced elsewhere")
+        self.watch = []
+
+    # -- ledger and strict checks --------------------------------------------------------------------
+
+    def computed(self, group: int, implementation: str, tensors: tuple) -> None:
+        size = distinct_storage_bytes(tensors)
+        if self.expected_bytes is not None and size != self.expected_bytes[group]:
+            raise ReplayError(
+                f"{self.node_ids[group]!r} holds {size} bytes but the profile says {self.expected_bytes[group]}: the "
+                "profile does not describe this model and these inputs"
+            )
+        if self.ledger is not None:
+            time_ms, workspace = self.implementation_of(group, implementation)
+            self.ledger.compute(self.node_ids[group], time_ms, size, workspace)
