@@ -160,7 +160,9 @@ class Windows:
             add_family(model, data, variables)
         set_objective(model, data, variables)
         add_hint(model, data, variables, solution)
-        wall_s = max(0.01, min(time_s if (self.options.workers or 2) != 1 else 3 * time_s + 1,
+        # with one worker the deterministic time bounds the window and the deadline is only a safety net: a wall
+        # cap near the window's time would cut some runs and not others, and the search would not repeat
+        wall_s = max(0.01, min(time_s if (self.options.workers or 2) != 1 else float("inf"),
                                self.options.remaining_s() - self.margin_s))
         if check_only:
             values = complete_hint(model, time_s, self.options.seed, wall_s, keep_objective=True)
@@ -426,7 +428,7 @@ def _solve_whole(profile, budget_bytes, features, options: SolveOptions, data: M
     wall_s = max(0.01, options.remaining_s() - finish_margin_s(data.n))
     if workers == 1:
         parameters.max_deterministic_time = time_s
-        parameters.max_time_in_seconds = max(0.01, min(3 * time_s + 5, wall_s))
+        parameters.max_time_in_seconds = wall_s  # a safety net only (see Windows.solve)
     else:
         parameters.max_time_in_seconds = max(0.01, min(time_s, wall_s))
     status = solver.solve(built.model)
