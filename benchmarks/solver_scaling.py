@@ -30,7 +30,7 @@ from benchmarks.results_file import write_section  # noqa: E402
 from planner.bounds import keep_all_bound_ms, order_bound_ms  # noqa: E402
 from planner.budget import budget_from_ratio, minimum_budget_bytes  # noqa: E402
 from planner.cpsat.greedy import greedy_recompute_schedule  # noqa: E402
-from planner.cpsat.reorder import memory_aware_order, reordered_schedule  # noqa: E402
+from planner.cpsat.reorder import keep_all_in_order, memory_aware_order, reordered_schedule  # noqa: E402
 from planner.cpsat.solve import solve_model  # noqa: E402
 from planner.errors import MososError  # noqa: E402
 from planner.planning import plan  # noqa: E402
@@ -231,6 +231,7 @@ def layered_rows(limit_s: float, workers: int):
         profile = random_layered_profile(n, seed=0)
         peak = keep_all_peak_bytes(profile)
         floor = minimum_budget_bytes(profile)
+        smallest_known = _smallest_known_budget(profile)
         for ratio in LAYERED_RATIOS:
             budget = int(peak * ratio)
             if budget < floor:
@@ -250,10 +251,20 @@ def layered_rows(limit_s: float, workers: int):
             bound = order_bound_ms(profile, budget, transfers=False)
             known = ", ".join(found) if found else (
                 "none: no plan in the profile's order fits (the peak-instant bound is infinite)" if bound == float("inf")
-                else "none found by any strategy in this run (no plan is known to exist)"
+                else "none found by any strategy in this run (no plan is known to exist at this budget; the "
+                f"smallest budget with a known plan is {smallest_known} bytes = {smallest_known / peak:.3f} of the "
+                f"peak, keep-all in a memory-aware order; no plan needs less than the floor, {floor} bytes = "
+                f"{floor / peak:.3f})"
             )
             rows.append(f"| n{n} | {ratio} | {budget} | plans found by | {known} | | |")
     return rows
+
+
+def _smallest_known_budget(profile) -> int:
+    """The peak of keep-all in the memory-aware order (`planner/cpsat/reorder.py`), certified by the simulator."""
+    order, _ = memory_aware_order(profile)
+    schedule = keep_all_in_order(profile, order, None)
+    return simulate(profile, schedule, keep_timeline=False).peak_memory_bytes
 
 
 LAYERED_HEADER = (
@@ -316,7 +327,8 @@ def main() -> int:
             "with offload used, VGG-416 within 5%. The *trivial bound* is every node once at its fastest (keep-all); "
             "the *best valid bound* also counts what the budget forces (`planner/bounds.py`, the peak-instant bound: "
             "at the moment a node finishes, what does not fit must come back by recomputation or by an offload that "
-            "ended on the one d2h link), valid for every plan in the profile's order. *Gap to bound* = (step - bound) "
+            "ended on the one d2h link, and a recomputation also brings back its inputs that died before that moment), "
+            "valid for every plan in the profile's order. *Gap to bound* = (step - bound) "
             "/ step. *First feasible*: the first plan any solver phase reported; *best found*: the last improvement of "
             "the plan returned, when it is the model's. *Plan from*: `model (window search from X)` is a solution of "
             "the joint model (`planner/cpsat/lns.py`) started from X's plan, certified by the simulator.",

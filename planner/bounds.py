@@ -15,10 +15,25 @@ The cheapest way to free the bytes that do not fit is a fractional knapsack:
 offload capacity to the tensors dearest to recompute first (optimal for these
 nested capacities, a polymatroid), the rest recomputed cheapest-per-byte first.
 E is the smallest extra time that pays for itself (a fixed point, found by
-bisection). Each moment gives a valid bound; the largest over the moments where
-memory is tightest is reported. Relaxations made (each only lowers the bound):
-fractions of tensors, a recomputation's inputs for free, transfer latency
-ignored, the cost of the recomputation counted once.
+bisection).
+
+That knapsack takes a recomputation's inputs for free, which is far from true
+where the cheapest tensors to recompute sit at the end of a chain whose middle
+died before the moment (a ReLU after an addition: the sum is read by nothing
+else, so recomputing the ReLU means recomputing the sum first). A linear
+program (GLOP) per moment tightens it: an input of a recomputed tensor that was
+dead at the moment (its last reader came before) must be back on the device
+later, so it was kept through the moment (its bytes count there), offloaded
+before it (the d2h link again), or recomputed after it (its own time, and the
+same question for its inputs); one recomputation serves every reader. Tensors
+live across the moment or read by node t itself need nothing more: they are
+resident then, or their own return is already paid for. When the program
+cannot be solved in time, the knapsack's value stands.
+
+Each moment gives a valid bound; the largest over the moments where memory is
+tightest is reported. Relaxations kept (each only lowers the bound): fractions
+of tensors, transfer latency and the host-to-device link ignored, workspaces of
+recomputations ignored, each tensor's return counted once.
 
 Plans in another compute order (the memory-aware order) are not covered: such
 a plan is compared against the trivial bound only.
@@ -29,6 +44,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from ortools.linear_solver import pywraplp
 
 from planner.profile import GraphProfile
 
@@ -106,16 +122,17 @@ def order_bound_ms(profile: GraphProfile, budget_bytes: int | None, transfers: b
 
 
 def peak_instant_bound_ms(profile: GraphProfile, budget_bytes: int, transfers: bool = True,
-                          deadline: float | None = None) -> float:
+                          deadline: float | None = None, dead_inputs: bool = True) -> float:
     """A lower bound on the step time of any plan in the profile's order within `budget_bytes` (see the module).
 
     Moments are evaluated largest overflow first until `deadline` (time.monotonic()); fewer moments only
-    weaken the bound. Infinite when no plan in this order fits.
+    weaken the bound. Infinite when no plan in this order fits. `dead_inputs=False`: the knapsack alone.
     """
-    return _peak_instant_bound(profile, budget_bytes, transfers, deadline)[0]
+    return _peak_instant_bound(profile, budget_bytes, transfers, deadline, dead_inputs)[0]
 
 
-def _peak_instant_bound(profile: GraphProfile, budget_bytes: int, transfers: bool, deadline: float | None):
+def _peak_instant_bound(profile: GraphProfile, budget_bytes: int, transfers: bool, deadline: float | None,
+                        dead_inputs: bool = True):
     """(the bound, whether every moment chosen was evaluated)."""
     order = list(profile.order)
     position = {node_id: i for i, node_id in enumerate(order)}
@@ -151,6 +168,7 @@ def _peak_instant_bound(profile: GraphProfile, budget_bytes: int, transfers: boo
         dying[last_reader[t]] += node.size_bytes if last_reader[t] > t else 0
         live -= dying.pop(t, 0)
     base = keep_all_bound_ms(profile)
+    graph = _OrderGraph(nodes, position, fastest, end_times, last_reader)
     best = 0.0
     complete = True
     for overflow, t in sorted(overflows, reverse=True)[:MOMENTS]:
@@ -162,8 +180,117 @@ def _peak_instant_bound(profile: GraphProfile, budget_bytes: int, transfers: boo
             (j, nodes[j].size_bytes, fastest[j])
             for j in range(t) if last_reader[j] > t and j not in inputs and nodes[j].size_bytes > 0
         ]
-        best = max(best, _fixed_point(_Moment(candidates, end_times, end_times[t]), overflow, bytes_per_ms))
+        knapsack = _fixed_point(_Moment(candidates, end_times, end_times[t]), overflow, bytes_per_ms)
+        if dead_inputs and 0.0 < knapsack < float("inf"):
+            knapsack = max(knapsack, _dead_inputs_lp_ms(graph, t, overflow, bytes_per_ms, deadline))
+        best = max(best, knapsack)
     return base + best, complete
+
+
+class _OrderGraph:
+    """The profile in its order, as the per-moment program reads it."""
+
+    def __init__(self, nodes, position, fastest, end_times, last_reader):
+        self.nodes, self.fastest, self.end_times, self.last_reader = nodes, fastest, end_times, last_reader
+        self.inputs = [sorted({position[s] for s in node.inputs}) for node in nodes]
+
+
+LP_MIN_TIME_S = 0.05  # below this much time left, the knapsack's value stands
+LP_SAFETY = 1e-6  # relative margin below GLOP's optimum: its tolerances must never lift the bound above the truth
+
+
+def _dead_inputs_lp_ms(graph: _OrderGraph, t: int, overflow: int, bytes_per_ms: float | None,
+                       deadline: float | None) -> float:
+    """The least extra time E at moment t when recomputing a tensor also brings back its dead inputs (0.0 when
+    unsolved: the caller keeps the knapsack's value, which this program never undercuts)."""
+    time_left_s = None if deadline is None else deadline - time.monotonic()
+    if time_left_s is not None and time_left_s < LP_MIN_TIME_S:
+        return 0.0
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    if solver is None:
+        return 0.0
+    if time_left_s is not None:
+        solver.SetTimeLimit(int(time_left_s * 1000))
+    infinity, per_mb = solver.infinity(), 1e-6  # bytes in MB keep the coefficients near 1
+    nodes, fastest, last_reader = graph.nodes, graph.fastest, graph.last_reader
+    extra_ms = solver.NumVar(0.0, infinity, "extra_ms")
+    pays = solver.Constraint(0.0, infinity)  # extra_ms >= every recomputation after the moment
+    pays.SetCoefficient(extra_ms, 1.0)
+    freed = solver.Constraint(overflow * per_mb, infinity)  # removed bytes - dead bytes kept >= overflow
+    offloaded: list[tuple[int, object, float]] = []  # (made position, fraction, MB) for the link's capacity
+    dead_options: dict[int, list] = {}
+    t_inputs = set(graph.inputs[t])
+    recomputations: list[tuple[object, int]] = []  # (fraction recomputed, node): their dead inputs still to tie
+
+    def dead_option(a: int) -> list:
+        if a in dead_options:
+            return dead_options[a]
+        size_mb = nodes[a].size_bytes * per_mb
+        recomputed, kept = solver.NumVar(0.0, 1.0, ""), solver.NumVar(0.0, 1.0, "")
+        pays.SetCoefficient(recomputed, -fastest[a])
+        freed.SetCoefficient(kept, -size_mb)
+        options = [recomputed, kept]
+        if bytes_per_ms:
+            moved = solver.NumVar(0.0, 1.0, "")
+            offloaded.append((a, moved, size_mb))
+            options.append(moved)
+        dead_options[a] = options
+        recomputations.append((recomputed, a))
+        return options
+
+    def tie_dead_inputs() -> None:
+        while recomputations:  # a worklist, not recursion: dead chains can be thousands of nodes long
+            recomputed, j = recomputations.pop()
+            for a in graph.inputs[j]:
+                if last_reader[a] < t:  # dead at the moment: back only if kept, offloaded before or recomputed after
+                    row = solver.Constraint(-infinity, 0.0)
+                    row.SetCoefficient(recomputed, 1.0)
+                    for option in dead_option(a):
+                        row.SetCoefficient(option, -1.0)
+
+    for j in range(t):
+        if last_reader[j] <= t or j in t_inputs or nodes[j].size_bytes <= 0:
+            continue
+        size_mb = nodes[j].size_bytes * per_mb
+        recomputed = solver.NumVar(0.0, 1.0, "")
+        pays.SetCoefficient(recomputed, -fastest[j])
+        freed.SetCoefficient(recomputed, size_mb)
+        recomputations.append((recomputed, j))
+        if bytes_per_ms:
+            moved = solver.NumVar(0.0, 1.0, "")
+            freed.SetCoefficient(moved, size_mb)
+            offloaded.append((j, moved, size_mb))
+            once = solver.Constraint(-infinity, 1.0)
+            once.SetCoefficient(recomputed, 1.0)
+            once.SetCoefficient(moved, 1.0)
+    tie_dead_inputs()
+    _link_capacity(solver, graph, t, offloaded, bytes_per_ms, extra_ms, per_mb)
+    solver.Objective().SetCoefficient(extra_ms, 1.0)
+    solver.Objective().SetMinimization()
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return 0.0
+    return extra_ms.solution_value() * (1.0 - LP_SAFETY)
+
+
+def _link_capacity(solver, graph: _OrderGraph, t: int, offloaded, bytes_per_ms, extra_ms, per_mb) -> None:
+    """The bytes offloaded among the tensors made at or after each one fit the d2h link from its end to t's
+    (+ extra_ms); suffix sums keep the program linear in size."""
+    if not bytes_per_ms or not offloaded:
+        return
+    infinity = solver.infinity()
+    suffix = None
+    for made, moved, size_mb in sorted(offloaded, key=lambda item: item[0], reverse=True):
+        total = solver.NumVar(0.0, infinity, "")
+        row = solver.Constraint(0.0, 0.0)  # total = size * moved + the next suffix
+        row.SetCoefficient(total, 1.0)
+        row.SetCoefficient(moved, -size_mb)
+        if suffix is not None:
+            row.SetCoefficient(suffix, -1.0)
+        window_mb = bytes_per_ms * per_mb * (graph.end_times[t] - graph.end_times[made])
+        capacity = solver.Constraint(-infinity, window_mb)
+        capacity.SetCoefficient(total, 1.0)
+        capacity.SetCoefficient(extra_ms, -bytes_per_ms * per_mb)
+        suffix = total
 
 
 def _fixed_point(moment: _Moment, overflow: int, bytes_per_ms: float | None) -> float:
