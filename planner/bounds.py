@@ -182,7 +182,11 @@ def _peak_instant_bound(profile: GraphProfile, budget_bytes: int, transfers: boo
         ]
         knapsack = _fixed_point(_Moment(candidates, end_times, end_times[t]), overflow, bytes_per_ms)
         if dead_inputs and 0.0 < knapsack < float("inf"):
-            knapsack = max(knapsack, _dead_inputs_lp_ms(graph, t, overflow, bytes_per_ms, deadline))
+            tightened = _dead_inputs_lp_ms(graph, t, overflow, bytes_per_ms, deadline)
+            if tightened is None:
+                complete = False  # the knapsack's value stands, valid but not kept for later callers
+            else:
+                knapsack = max(knapsack, tightened)
         best = max(best, knapsack)
     return base + best, complete
 
@@ -200,15 +204,15 @@ LP_SAFETY = 1e-6  # relative margin below GLOP's optimum: its tolerances must ne
 
 
 def _dead_inputs_lp_ms(graph: _OrderGraph, t: int, overflow: int, bytes_per_ms: float | None,
-                       deadline: float | None) -> float:
-    """The least extra time E at moment t when recomputing a tensor also brings back its dead inputs (0.0 when
-    unsolved: the caller keeps the knapsack's value, which this program never undercuts)."""
+                       deadline: float | None) -> float | None:
+    """The least extra time E at moment t when recomputing a tensor also brings back its dead inputs (None when
+    unsolved in time: the caller keeps the knapsack's value, which this program never undercuts)."""
     time_left_s = None if deadline is None else deadline - time.monotonic()
     if time_left_s is not None and time_left_s < LP_MIN_TIME_S:
-        return 0.0
+        return None
     solver = pywraplp.Solver.CreateSolver("GLOP")
     if solver is None:
-        return 0.0
+        return None
     if time_left_s is not None:
         solver.SetTimeLimit(int(time_left_s * 1000))
     infinity, per_mb = solver.infinity(), 1e-6  # bytes in MB keep the coefficients near 1
@@ -268,7 +272,7 @@ def _dead_inputs_lp_ms(graph: _OrderGraph, t: int, overflow: int, bytes_per_ms: 
     solver.Objective().SetCoefficient(extra_ms, 1.0)
     solver.Objective().SetMinimization()
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
-        return 0.0
+        return None
     return extra_ms.solution_value() * (1.0 - LP_SAFETY)
 
 
