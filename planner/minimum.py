@@ -6,11 +6,15 @@ proves that objective optimal, no plan of that model fits in a byte less;
 otherwise the figure is the best found in the time given, and says so. The
 search shares the caller's deadline: with no time left the answer is the
 smallest budget known to work so far (the keep-all peak at worst, a plan
-every strategy may return), never a guess.
+every strategy may return), never a guess. The strategies that may compute
+in another topological order (`REORDERING_STRATEGIES`) also count keep-all
+in the memory-aware order: on graphs with wide joins its peak is far below
+anything the model, bound to the profile's order, finds.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from planner.budget import minimum_budget_bytes
@@ -20,6 +24,10 @@ from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions
 from planner.units import format_bytes
+
+
+# The strategies whose plans may follow the memory-aware order (`planner.cpsat.reorder.reordered_schedule`).
+REORDERING_STRATEGIES = frozenset({"mosos", "recompute-only"})
 
 
 @dataclass
@@ -51,6 +59,8 @@ def smallest_budget(
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
     if options.out_of_time(2 * finish_margin_s(len(profile.nodes))):
         return _keep_all_answer(profile, searched=False)
+    # first, while there is time: the model's solve runs to the deadline
+    reordered = _memory_aware_answer(profile, strategy, options)
     keep_all = keep_all_schedule(profile)
     outcome = solve_model(
         profile,
@@ -62,16 +72,33 @@ def smallest_budget(
         time_limit_s=limit,
     )
     if outcome.schedule is None or outcome.objective_value is None:
-        return _keep_all_answer(profile, searched=True, wall_time_s=outcome.info.wall_time_s)
-    budget = max(int(round(outcome.objective_value)), minimum_budget_bytes(profile))
-    schedule = outcome.schedule.model_copy(update={"budget_bytes": budget})
-    proven = outcome.info.status == "OPTIMAL"
-    if features.recompute and not options.out_of_time():
+        answer = _keep_all_answer(profile, searched=True, wall_time_s=outcome.info.wall_time_s)
+    else:
+        budget = max(int(round(outcome.objective_value)), minimum_budget_bytes(profile))
+        schedule = outcome.schedule.model_copy(update={"budget_bytes": budget})
+        answer = MinimumBudget(budget, outcome.info.status == "OPTIMAL", schedule, outcome.info.wall_time_s)
+    if reordered is not None and reordered.budget_bytes < answer.budget_bytes:
+        answer = replace(reordered, wall_time_s=answer.wall_time_s)
+    if features.recompute and not options.out_of_time() and answer.schedule is not None:
         # The strategies also fall back on the greedy plan, which may recompute more often than the model allows.
-        greedy = _greedy_minimum(profile, budget, options)
+        greedy = _greedy_minimum(profile, answer.budget_bytes, options)
         if greedy is not None:
-            budget, schedule, proven = greedy[0], greedy[1], False
-    return MinimumBudget(budget, proven, schedule, outcome.info.wall_time_s)
+            answer = replace(answer, budget_bytes=greedy[0], schedule=greedy[1], proven=False)
+    return answer
+
+
+def _memory_aware_answer(profile: GraphProfile, strategy: str, options: SolveOptions) -> MinimumBudget | None:
+    """Keep-all in the memory-aware order, for the strategies that may use it; None for the others.
+
+    A proof of the model's minimum holds in the profile's order only, so this figure is never "proven".
+    """
+    from planner.cpsat.reorder import keep_all_in_order, memory_aware_order
+
+    if strategy not in REORDERING_STRATEGIES:
+        return None
+    # a quarter of what is left at most: the model's search is the main part
+    order, peak_bytes = memory_aware_order(profile, deadline=time.monotonic() + 0.25 * max(0.0, options.remaining_s()))
+    return MinimumBudget(peak_bytes, False, keep_all_in_order(profile, order, peak_bytes), 0.0)
 
 
 def _keep_all_answer(profile: GraphProfile, searched: bool, wall_time_s: float = 0.0) -> MinimumBudget:

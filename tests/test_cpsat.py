@@ -169,3 +169,28 @@ def test_random_layered_n250_fits_0_8_in_a_memory_aware_order():
     result = simulate(profile, schedule, budget, keep_timeline=False)
     assert result.peak_memory_bytes <= budget
     assert certify(profile, schedule, "recompute-only").summary.peak_memory_bytes == result.peak_memory_bytes
+
+
+def test_the_smallest_budget_counts_keep_all_in_the_memory_aware_order():
+    """The model, bound to the profile's order, finds no budget as small as keep-all in another order: the
+    figure a user is told is the smaller one, with its plan, and not called proven."""
+    from planner.cpsat.reorder import memory_aware_order
+    from planner.minimum import smallest_budget
+    from planner.random_layered import random_layered_profile
+    from planner.strategies import SolveOptions
+    from planner.cpsat.reorder import in_profile_order
+    from planner.strategies.checkmate_auto import CHECKMATE
+    from planner.strategies.mosos import MOSOS
+    from planner.strategies.recompute_only import RECOMPUTE_ONLY
+
+    profile = random_layered_profile(150, seed=0)
+    _, aware_peak_bytes = memory_aware_order(profile)
+    options = SolveOptions(time_limit_s=3, workers=1, seed=0)
+    for strategy, features in (("mosos", MOSOS), ("recompute-only", RECOMPUTE_ONLY)):
+        minimum = smallest_budget(profile, features, options, strategy)
+        assert minimum.budget_bytes <= aware_peak_bytes
+        assert not minimum.proven
+        assert simulate(profile, minimum.schedule, minimum.budget_bytes).peak_memory_bytes <= minimum.budget_bytes
+    # a strategy bound to the profile's order is not credited with another order's plan
+    bound = smallest_budget(profile, CHECKMATE, options, "checkmate-auto")
+    assert bound.schedule is None or in_profile_order(profile, bound.schedule)
