@@ -233,11 +233,11 @@ def main() -> int:
     for config in columns:
         answers = {a.strategy: a for a in results[config][0].strategies}
         if "mosos" in answers and "recompute-only" in answers:
-            m, r = answers["mosos"], answers["recompute-only"]
-            if m.max_batch_size and r.max_batch_size:
-                floor = results[config][0].floor_batch_size
+            compared = mosos_against_recompute(results[config][0])
+            if compared is not None:
+                m, r, verdict = compared
                 at_floor = " (both at the floor: no plan of any strategy fits a larger batch)" if (
-                    m.max_batch_size == r.max_batch_size == floor) else ""
+                    verdict == "floor") else ""
                 findings.append(f"- {CONFIGS[config][4]}: mosos {cell(m)} against recompute-only {cell(r)} "
                                 f"({100 * (m.max_batch_size / r.max_batch_size - 1):+.0f}%){at_floor}")
         else:
@@ -305,18 +305,34 @@ its costs are in Checkmate's units, against which no PCIe transfer can be timed.
 """
 
 
+def mosos_against_recompute(result: MaxBatchResult):
+    """(mosos' answer, recompute-only's, "more" | "floor" | "behind"), or None where either has no largest batch.
+
+    "floor": both at the largest batch any plan fits; "behind": mosos fits no more, below the floor.
+    """
+    answers = {a.strategy: a for a in result.strategies}
+    m, r = answers.get("mosos"), answers.get("recompute-only")
+    if m is None or r is None or not m.max_batch_size or not r.max_batch_size:
+        return None
+    if m.max_batch_size > r.max_batch_size:
+        return m, r, "more"
+    if m.max_batch_size == r.max_batch_size == result.floor_batch_size:
+        return m, r, "floor"
+    return m, r, "behind"
+
+
 def conclusion(results: dict[str, MaxBatchResult]) -> str:
     """What this run shows of mosos against recompute-only, column by column (nothing here is written by hand)."""
     more, floor_both, behind, stalls = [], [], [], []
     for config, result in results.items():
-        answers = {a.strategy: a for a in result.strategies}
-        m, r = answers.get("mosos"), answers.get("recompute-only")
-        if m is None or r is None or not m.max_batch_size or not r.max_batch_size:
+        compared = mosos_against_recompute(result)
+        if compared is None:
             continue
+        m, r, verdict = compared
         label = CONFIGS[config][4]
-        if m.max_batch_size > r.max_batch_size:
+        if verdict == "more":
             more.append(label)
-        elif m.max_batch_size == r.max_batch_size == result.floor_batch_size:
+        elif verdict == "floor":
             floor_both.append(label)
         else:
             behind.append(f"{label} ({m.max_batch_size} against {r.max_batch_size})")

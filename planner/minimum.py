@@ -96,7 +96,7 @@ def _memory_aware_answer(profile: GraphProfile, strategy: str, options: SolveOpt
 
     if strategy not in REORDERING_STRATEGIES:
         return None
-    # a quarter of what is left at most: the model's search is the main part
+    # usually known already (the strategy asked for it); else a quarter of what is left at most
     order, peak_bytes = memory_aware_order(profile, deadline=time.monotonic() + 0.25 * max(0.0, options.remaining_s()))
     return MinimumBudget(peak_bytes, False, keep_all_in_order(profile, order, peak_bytes), 0.0)
 

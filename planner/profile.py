@@ -274,7 +274,8 @@ class GraphProfile(_Strict):
         return self.model_dump_json(indent=indent, exclude_none=True)
 
 
-_DERIVED_VIEWS = ("node_by_id", "order", "position", "consumers", "_digest")
+# "_memory_aware_order": kept there by planner.cpsat.reorder.memory_aware_order
+_DERIVED_VIEWS = ("node_by_id", "order", "position", "consumers", "_digest", "_memory_aware_order")
 
 
 def check_graph(nodes: list[Node]) -> list[Issue]:

@@ -174,11 +174,10 @@ def test_random_layered_n250_fits_0_8_in_a_memory_aware_order():
 def test_the_smallest_budget_counts_keep_all_in_the_memory_aware_order():
     """The model, bound to the profile's order, finds no budget as small as keep-all in another order: the
     figure a user is told is the smaller one, with its plan, and not called proven."""
-    from planner.cpsat.reorder import memory_aware_order
+    from planner.cpsat.reorder import in_profile_order, memory_aware_order
     from planner.minimum import smallest_budget
     from planner.random_layered import random_layered_profile
     from planner.strategies import SolveOptions
-    from planner.cpsat.reorder import in_profile_order
     from planner.strategies.checkmate_auto import CHECKMATE
     from planner.strategies.mosos import MOSOS
     from planner.strategies.recompute_only import RECOMPUTE_ONLY
