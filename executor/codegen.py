@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from executor import conv_algorithms
 from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph
+from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 
 
 BATCH_NORM_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
@@ -461,6 +462,22 @@ class CodeGenerator:
             last[target] = max((k for k, op in enumerate(operations) if op.kind == "compute" and op.group in groups),
                                default=-1)
         return last
+
+def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -> list[Op]:
+    """A schedule's operations as the generator's, planning nodes by index."""
+    operations = []
+    for _, _, op in schedule.operations():
+        if isinstance(op, Compute):
+            operations.append(Op("compute", index_of[op.node], op.implementation))
+        elif isinstance(op, Offload):
+            operations.append(Op("offload", index_of[op.tensor]))
+        elif isinstance(op, Prefetch):
+            operations.append(Op("prefetch", index_of[op.tensor]))
+        elif isinstance(op, Wait):
+            operations.append(Op("wait", index_of[op.tensor], transfer=op.transfer))
+        elif isinstance(op, Free):
+            operations.append(Op("free", index_of[op.tensor]))
+    return operations
 
 
 def _tuple(names: list[str]) -> str:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from executor.profiler import profile_step
+from executor.profiler import as_tuple, plan_step, preserved, profile_step, provisional_profile
 from executor.replay import PlannedModule
 from planner.errors import MososError
 from planner.planning import plan
@@ -89,6 +89,19 @@ def plan_remotely(
         raise PlannerServiceError(f"cannot reach the planner service at {base}: {error}") from None
 
 
+def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio: float) -> int:
+    """`memory_ratio` of the keep-all peak as the capture estimates it, before anything is allocated."""
+    from torch.utils._pytree import tree_flatten
+
+    from executor import conv_algorithms
+    from planner.budget import budget_from_ratio
+
+    leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    provisional = provisional_profile(profiled, leaves, device, optimizer, conv_algorithms.ALGORITHMS, None, None)
+    return budget_from_ratio(provisional, memory_ratio)
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -108,21 +121,41 @@ def optimize(
     h2d_gb_per_s: float | None = None,
     repeats: int = 5,
     warmup: int = 2,
+    measuring: str = "auto",
     progress: bool | Callable[[str], None] = True,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
-    keep-all peak), and return the PlannedModule that trains as planned."""
+    keep-all peak), and return the PlannedModule that trains as planned.
+
+    The budget holds from the first allocation: the capture needs no memory (fake tensors), the profile is
+    measured under a schedule certified within the budget (keep-all only where it fits; `measuring="frugal"`
+    measures under a frugal schedule even then), and a budget no measuring pass or plan fits is a BudgetError
+    naming the smallest one that works, raised before anything beyond the model is allocated. `memory_ratio` is a
+    fraction of the keep-all peak as the capture estimates it before anything runs (exact sizes, workspaces from
+    above).
+    """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
     if not callable(loss_fn):
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
     say = _reporter(progress)
     budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
+    inputs = as_tuple(example_inputs)
+    say("capturing the step with torch.export")
+    with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
+        profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+    say(f"captured {len(profiled.planning.groups)} planning nodes in "
+        f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
+    if memory_ratio is not None:
+        budget_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio)
+        say(f"budget {format_bytes(budget_bytes)} ({memory_ratio:g} of the estimated keep-all peak)")
     profile, profiled = profile_step(
-        model, example_inputs, loss_fn, targets, kwargs=kwargs,
+        model, inputs, loss_fn, targets, kwargs=kwargs,
         optimizer=optimizer, repeats=repeats, warmup=warmup,
-        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, progress=say,
+        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
+        profiled=profiled, progress=say,
     )
+    memory_ratio = None  # resolved above into budget_bytes, which the plan keeps
     say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
     if planner_url:
         schedule = plan_remotely(planner_url, profile, budget_bytes, memory_ratio, strategy, time_limit_s,

@@ -23,11 +23,10 @@ The model's parameters, buffers, gradients and the RNG are left as they were.
 
 from __future__ import annotations
 
-import contextlib
+import math
 import os
 import platform
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -39,13 +38,18 @@ from torch.utils._pytree import tree_flatten
 
 from executor import conv_algorithms
 from executor.capture import CapturedStep, capture, tensor_signature
-from executor.codegen import CodeGenerator, Modes, Op
+from executor.allocations import memory_events
+from executor.codegen import CodeGenerator, Modes, schedule_operations
 from executor.errors import CaptureError
 from executor.feeds import Feeder
 from executor.planning_graph import CONVOLUTION, PlanningGraph, build, reference_run
 from executor.runtime import StepRuntime, distinct_storage_bytes, obeys_layout
+from executor.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes,
+                                transient_peak_bytes, with_implementations)
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
+from planner.simulator import simulate
+from planner.units import format_bytes
 
 TOOL = "mosos executor.profiler 0.2 (torch.export joint graph)"
 
@@ -157,6 +161,10 @@ class _Preserved:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
 
 
+def preserved(model: nn.Module) -> _Preserved:
+    return _Preserved(model, next((p.device for p in model.parameters()), torch.device("cpu")))
+
+
 def _first_device(model: nn.Module, leaves: list) -> torch.device:
     for tensor in list(model.parameters()) + [t for t in leaves if isinstance(t, torch.Tensor)]:
         return tensor.device
@@ -173,6 +181,7 @@ class ProfiledStep:
     step: CapturedStep
     planning: PlanningGraph
     feeder: Feeder
+    measuring: MeasuringPlan | None = None  # the schedule the profile was measured under
 
 
 def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable) -> ProfiledStep:
@@ -202,6 +211,11 @@ def implementations_of(planning: PlanningGraph, algorithms: tuple[str, ...]) -> 
     return names
 
 
+def _convolution_input(group):
+    node = group.convolution
+    return node.args[0] if node.target is CONVOLUTION else node.args[1]
+
+
 def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
     node = group.convolution
     if node is None:
@@ -216,22 +230,6 @@ def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
                                        transposed, groups)
 
 
-def keep_all_operations(planning: PlanningGraph, implementation: Callable[[int], str]) -> list[Op]:
-    """Every planning node once, in order; each node's outputs freed after their last reader."""
-    last_reader: dict[int, int] = {}
-    for group in planning.groups:
-        for source in group.inputs:
-            last_reader[source] = group.index
-    frees: dict[int, list[int]] = {}
-    for group in planning.groups:
-        frees.setdefault(last_reader.get(group.index, group.index), []).append(group.index)
-    operations = []
-    for group in planning.groups:
-        operations.append(Op("compute", group.index, implementation(group.index)))
-        operations.extend(Op("free", g) for g in sorted(frees.get(group.index, [])))
-    return operations
-
-
 class _ProfilingRuntime(StepRuntime):
     """The runtime of the profiler's passes: a clock and an allocator watch around every node; gradients go to a
     sink (a parameter's .grad is left alone) the way they would go to an empty .grad."""
@@ -242,6 +240,7 @@ class _ProfilingRuntime(StepRuntime):
         self.clock = clock
         self.sink: dict[int, torch.Tensor] = {}
         self.elapsed_ns: dict[int, int] = {}
+        self.counts: dict[int, int] = {}  # computations of each node in the pass (a recomputed node runs again)
         self.started = 0
         self.scopes: dict[int, object] = {}
         self.memory: dict[int, tuple[int, int]] = {}  # CUDA: node -> (peak rise, held at the end)
@@ -268,6 +267,7 @@ class _ProfilingRuntime(StepRuntime):
             self.started = self.clock()
 
     def tock(self, group: int) -> None:
+        self.counts[group] = self.counts.get(group, 0) + 1
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -358,12 +358,103 @@ def profile_model(
     algorithms: tuple[str, ...] = conv_algorithms.ALGORITHMS,
     d2h_gb_per_s: float | None = None,
     h2d_gb_per_s: float | None = None,
+    budget_bytes: int | None = None,
+    measuring: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> GraphProfile:
     """Profile one training step of `model`: loss = loss_fn(model(*inputs, **kwargs), targets)."""
     return profile_step(model, example_inputs, loss_fn, targets, kwargs=kwargs, name=name, optimizer=optimizer,
                         repeats=repeats, warmup=warmup, algorithms=algorithms, d2h_gb_per_s=d2h_gb_per_s,
-                        h2d_gb_per_s=h2d_gb_per_s, progress=progress)[0]
+                        h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
+                        progress=progress)[0]
+
+
+def _hardware(device, d2h_gb_per_s, h2d_gb_per_s) -> dict:
+    return {
+        "name": _device_name(device),
+        "memory_capacity_bytes": _memory_capacity_bytes(device),
+        "d2h_bandwidth_gb_per_s": d2h_gb_per_s,
+        "h2d_bandwidth_gb_per_s": h2d_gb_per_s,
+    }
+
+
+def _node_document(planning: PlanningGraph, group, implementations: list[dict], kept_bytes: int) -> dict:
+    """One node of the profile; `kept_bytes`: the distinct storages of what it hands on."""
+    groups = planning.groups
+    main = planning.facts.storage_of.get(group.outputs[0], group.outputs[0]) if group.outputs else None
+    main_bytes = planning.facts.root_bytes.get(main, 0) if main is not None else 0
+    document = {
+        "id": group.id,
+        "name": group.id,
+        "kind": group.kind,
+        "op_type": group.op_type,
+        "output_bytes": min(main_bytes, kept_bytes),
+        "extra_saved_bytes": kept_bytes - min(main_bytes, kept_bytes),
+        "module": group.module,
+        "inputs": [groups[i].id for i in group.inputs],
+        "implementations": implementations,
+    }
+    if group.forward_node is not None:
+        document["forward_node"] = groups[group.forward_node].id
+    return document
+
+
+# Rough rates for the provisional profile's times: they only steer the choice of a measuring schedule.
+_PROVISIONAL_BYTES_PER_MS = 1e7  # 10 GB/s
+_PROVISIONAL_NODE_MS = 0.005
+
+
+def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, element_size: int) -> int:
+    """ATen's own convolution (oneDNN, cuDNN) keeps its scratch to itself. Measured on the CPU (ResNet-18 small,
+    batch 8 and 256, every convolution and backward half) it stayed within both 3 x (im2col's columns + input +
+    weights + output), reached by strided 1x1 convolutions, and 8 x (input + weights + output), reached by tiny
+    ones; the smaller of the two, and 64 KiB for small buffers."""
+    output_elements = math.prod((geometry.input_shape[0], geometry.weight_shape[0]) + geometry.output_hw)
+    tensors = math.prod(geometry.input_shape) + math.prod(geometry.weight_shape) + output_elements
+    return element_size * min(3 * (geometry.columns_elements + tensors), 8 * tensors) + (64 << 10)
+
+
+def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer, algorithms, d2h_gb_per_s,
+                        h2d_gb_per_s, name: str | None = None) -> GraphProfile:
+    """The profile as far as the capture knows it, before anything runs: exact sizes from the fake run, workspaces
+    from above (transient intermediates, a kernel's scratch, a convolution's columns), times from bytes moved."""
+    planning, step = profiled.planning, profiled.step
+    names = implementations_of(planning, algorithms)
+    nodes = []
+    for group in planning.groups:
+        transient = transient_peak_bytes(planning, group) + scratch_allowance_bytes(planning, group)
+        touched = sum(planning.facts.root_bytes.get(v, 0) for v in group.outputs) + sum(
+            planning.size_bytes(planning.groups[i]) for i in group.inputs)
+        time_ms = _PROVISIONAL_NODE_MS + touched / _PROVISIONAL_BYTES_PER_MS
+        geometry = convolution_geometry(group)
+        element_size = _convolution_input(group).meta["val"].element_size() if geometry is not None else 4
+        phase = "forward" if group.kind == "forward" else "backward"
+        implementations = []
+        for implementation in names[group.index]:
+            workspace = transient
+            if geometry is not None and implementation == "native":
+                workspace += native_convolution_scratch_bytes(geometry, element_size)
+            elif geometry is not None:
+                workspace += conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase)
+            implementations.append({"name": implementation, "time_ms": time_ms, "workspace_bytes": workspace})
+        nodes.append(_node_document(planning, group, implementations, planning.size_bytes(group)))
+    loss = step.loss.meta["val"]
+    document = {
+        "name": (name or f"{type(step.model).__name__} {step.input_signature}") + " (provisional: not measured)",
+        "hardware": _hardware(device, d2h_gb_per_s, h2d_gb_per_s),
+        "fixed_memory": fixed_memory(profiled, leaves, optimizer, loss.untyped_storage().nbytes()),
+        "nodes": nodes,
+        "provenance": {
+            "source": "estimated",
+            "tool": f"{TOOL}, provisional profile from the capture's fake-tensor run",
+            "model_structure_sha256": step.structure_sha256(),
+            "input_signature": step.input_signature,
+            "target_signature": step.target_signature,
+            "notes": "sizes from the fake run; workspaces from above; times from bytes moved (only to choose how to "
+                     "measure)",
+        },
+    }
+    return parse_profile(document, "provisional profile")
 
 
 def profile_step(
@@ -380,15 +471,24 @@ def profile_step(
     algorithms: tuple[str, ...] = conv_algorithms.ALGORITHMS,
     d2h_gb_per_s: float | None = None,
     h2d_gb_per_s: float | None = None,
+    budget_bytes: int | None = None,
+    measuring: str = "auto",
+    profiled: ProfiledStep | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[GraphProfile, ProfiledStep]:
     """The profile and the captured step it was measured on.
 
+    With `budget_bytes`, every pass holds at most that much (fixed memory included): the step is measured under
+    a schedule certified within the budget (executor.measuring: keep-all where it fits, `measuring="frugal"` to
+    measure under a frugal schedule even then), and a budget no measuring pass fits is a BudgetError naming the
+    smallest that works, raised before anything beyond the model is allocated.
     On a GPU, transfer bandwidth is measured with pinned buffers unless given;
     on the CPU it is taken from the arguments or left out (no offloading).
     """
     if repeats < 1 or warmup < 0:
         raise MososError(f"repeats must be at least 1 and warmup at least 0, not {repeats} and {warmup}")
+    if measuring not in MODES:
+        raise MososError(f"measuring is one of {', '.join(MODES)}, not {measuring!r}")
     optimizer_state_bytes(optimizer, 0)  # an unknown optimizer is refused before any work
     if not isinstance(model, nn.Module):
         raise MososError(f"the model must be a torch.nn.Module, not {type(model).__name__}")
@@ -399,26 +499,28 @@ def profile_step(
     leaves = tree_flatten(((inputs, kwargs, targets), {}))[0]
     device = _first_device(model, leaves)
     say = progress or (lambda message: None)
-    say("capturing the step with torch.export")
-    with _Preserved(model, device):
-        profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
-        say(f"captured {len(profiled.planning.groups)} planning nodes in "
-            f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s; timing")
-        nodes_doc, spread, notes, loss_bytes = _measure(profiled, leaves, device, repeats, warmup, algorithms, say)
     if device.type == "cuda" and (d2h_gb_per_s is None or h2d_gb_per_s is None):
         say("measuring PCIe bandwidth with pinned buffers")
         measured_d2h, measured_h2d = measure_bandwidth_gb_per_s(device)
         d2h_gb_per_s = d2h_gb_per_s or measured_d2h
         h2d_gb_per_s = h2d_gb_per_s or measured_h2d
+    with _Preserved(model, device):
+        if profiled is None:
+            say("capturing the step with torch.export")
+            profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+            say(f"captured {len(profiled.planning.groups)} planning nodes in "
+                f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
+        provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,
+                                          h2d_gb_per_s, name)
+        chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
+        profiled.measuring = chosen
+        say(f"measuring under {chosen.describe()}")
+        nodes_doc, spread, notes, loss_bytes = _measure(profiled, provisional, chosen, leaves, device, repeats,
+                                                        warmup, algorithms, say)
     step = profiled.step
     document = {
         "name": name or f"{type(model).__name__} {step.input_signature} on {device.type}",
-        "hardware": {
-            "name": _device_name(device),
-            "memory_capacity_bytes": _memory_capacity_bytes(device),
-            "d2h_bandwidth_gb_per_s": d2h_gb_per_s,
-            "h2d_bandwidth_gb_per_s": h2d_gb_per_s,
-        },
+        "hardware": _hardware(device, d2h_gb_per_s, h2d_gb_per_s),
         "fixed_memory": fixed_memory(profiled, leaves, optimizer, loss_bytes),
         "nodes": nodes_doc,
         "provenance": {
@@ -434,7 +536,32 @@ def profile_step(
             "notes": "; ".join([f"warmup={warmup}", *notes]),
         },
     }
-    return parse_profile(document, "measured profile"), profiled
+    profile = parse_profile(document, "measured profile")
+    _check_measuring_peak(profile, provisional, chosen, say)
+    return profile, profiled
+
+
+def _check_measuring_peak(profile: GraphProfile, provisional: GraphProfile, chosen: MeasuringPlan, say) -> None:
+    """The measuring schedule replayed on what was measured: its peak is what the passes really held. The
+    provisional workspaces are upper estimates, so this stays within the budget; if a kernel's scratch was larger
+    than that, say so loudly rather than let the promise break silently."""
+    from planner.schedule import Schedule
+
+    schedule = Schedule.model_validate(chosen.schedule.model_dump() | {"profile_digest": profile.digest(),
+                                                                       "profile_name": profile.name})
+    try:
+        peak = simulate(profile, schedule, None, keep_timeline=False, check_digest=False).peak_memory_bytes
+    except Exception as error:  # noqa: BLE001 - an unexpected rejection is reported, not fatal
+        say(f"warning: could not replay the measuring schedule on the measured figures: {error}")
+        return
+    chosen.measured_peak_bytes = peak
+    if chosen.budget_bytes is not None and peak > chosen.budget_bytes:
+        message = (f"the measuring pass held {format_bytes(peak)} by the measured figures, over the budget "
+                   f"{format_bytes(chosen.budget_bytes)}: a kernel's scratch was larger than estimated")
+        say("warning: " + message)
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _distinct_bytes(tensors) -> int:
@@ -469,7 +596,26 @@ def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: in
     }
 
 
-def _measure(profiled: ProfiledStep, leaves, device, repeats, warmup, algorithms, say):
+def _passes(profiled: ProfiledStep, provisional: GraphProfile, chosen: MeasuringPlan, names, algorithms):
+    """Per algorithm: the measuring schedule's operations with every convolution set to that algorithm where it
+    applies and its workspace fits at that moment (native everywhere for the first pass), and what each planning
+    node runs in it."""
+    planning = profiled.planning
+    index_of = {group.id: group.index for group in planning.groups}
+    passes = []
+    for algorithm in ["native"] + [a for a in algorithms if a != "native" and any(a in n for n in names)]:
+        choose = (lambda node_id, a=algorithm: a if a in names[index_of[node_id]] else names[index_of[node_id]][0])
+        schedule = with_implementations(provisional, chosen.schedule, choose, chosen.budget_bytes)
+        operations = schedule_operations(provisional, schedule, index_of)
+        ran = {op.group: op.implementation for op in operations if op.kind == "compute"}
+        if algorithm != "native" and not any(impl == algorithm for impl in ran.values()):
+            continue  # no convolution has room for it anywhere
+        passes.append((algorithm, operations, ran))
+    return passes
+
+
+def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: MeasuringPlan, leaves, device, repeats,
+             warmup, algorithms, say):
     planning, step, feeder = profiled.planning, profiled.step, profiled.feeder
     groups = planning.groups
     names = implementations_of(planning, algorithms)
@@ -480,21 +626,21 @@ def _measure(profiled: ProfiledStep, leaves, device, repeats, warmup, algorithms
         values[feeder.tangent_index] = torch.ones(loss_meta.shape, dtype=loss_meta.dtype, device=device)
     staging = feeder.staging_buffers(device)
     runtime = _ProfilingRuntime(device, staging, [g.id for g in groups], feeder.parameters(), clock)
-    algorithm_passes = ["native"] + [a for a in algorithms if a != "native" and any(a in n for n in names)]
-    programs = {}
-    for algorithm in algorithm_passes:
-        choose = (lambda g, a=algorithm: a if a in names[g] else names[g][0])
-        operations = keep_all_operations(planning, choose)
+    passes = _passes(profiled, provisional, chosen, names, algorithms)
+    pass_names = [algorithm for algorithm, _, _ in passes]
+    programs = []
+    for algorithm, operations, ran in passes:
         generator = CodeGenerator(planning, Modes(timing=True), cuda=device.type == "cuda")
-        programs[algorithm] = (generator.program(operations, None, name=f"profile {algorithm}"), choose)
+        programs.append((algorithm, generator.program(operations, None, name=f"profile {algorithm}"), ran,
+                         operations))
     samples: dict[tuple[int, str], list[float]] = {}
     harness: list[float] = []
     with torch.no_grad():
-        for algorithm in algorithm_passes:
-            program, choose = programs[algorithm]
+        for algorithm, program, ran, _ in programs:
             for index in range(warmup + repeats):
                 say(f"timing pass {index + 1}/{warmup + repeats}" + ("" if algorithm == "native" else f" ({algorithm})"))
                 runtime.elapsed_ns = {}
+                runtime.counts = {}
                 runtime.rng.clear()
                 loss, _ = program.parts[0](list(values), runtime)
                 runtime.sink.clear()
@@ -506,10 +652,12 @@ def _measure(profiled: ProfiledStep, leaves, device, repeats, warmup, algorithms
                     continue
                 harness.append(overhead)
                 for g, elapsed in times.items():
-                    if _owner_pass(choose(g), algorithm_passes) == algorithm:
-                        samples.setdefault((g, choose(g)), []).append(max(0.0, elapsed - overhead))
+                    implementation = ran[g]
+                    if _owner_pass(implementation, pass_names) == algorithm:
+                        count = runtime.counts.get(g, 1)
+                        samples.setdefault((g, implementation), []).append(max(0.0, elapsed / count - overhead))
         sizes = dict(runtime.sizes)
-        workspace = _workspaces(profiled, values, staging, device, algorithm_passes, names, runtime, say)
+        workspace = _workspaces(profiled, programs, values, device, pass_names, runtime, say)
     spread = []
     nodes_doc = []
     for group in groups:
@@ -523,32 +671,21 @@ def _measure(profiled: ProfiledStep, leaves, device, repeats, warmup, algorithms
                 spread.append(100.0 * (max(measured) - min(measured)) / median)
             implementations.append({"name": implementation, "time_ms": median,
                                     "workspace_bytes": workspace.get((group.index, implementation), 0)})
-        outputs = sizes[group.index]  # measured: a kernel may keep more than its shape says (a view of a buffer)
-        main = planning.facts.storage_of.get(group.outputs[0], group.outputs[0]) if group.outputs else None
-        main_bytes = planning.facts.root_bytes.get(main, 0) if main is not None else 0
-        document = {
-            "id": group.id,
-            "name": group.id,
-            "kind": group.kind,
-            "op_type": group.op_type,
-            "output_bytes": min(main_bytes, outputs),
-            "extra_saved_bytes": outputs - min(main_bytes, outputs),
-            "module": group.module,
-            "inputs": [groups[i].id for i in group.inputs],
-            "implementations": implementations,
-        }
-        if group.forward_node is not None:
-            document["forward_node"] = groups[group.forward_node].id
-        nodes_doc.append(document)
+        # measured: a kernel may keep more than its shape says (a view of a larger buffer)
+        nodes_doc.append(_node_document(planning, group, implementations, sizes[group.index]))
+    frugal = chosen.strategy != "keep-all"
     notes = [
         ("timer=cuda events" if device.type == "cuda" else f"timer={clock_name}"),
         f"torch_threads={torch.get_num_threads()}",
         f"capture: torch.export {step.export_seconds:.2f} s, joint graph {step.joint_seconds:.2f} s, "
         f"{sum(1 for n in step.graph.nodes if n.op == 'call_function')} ATen nodes in {len(groups)} planning nodes",
-        "each node's time is its share of a real step: the clock around its code in the generated keep-all step, "
-        f"less the clock's own cost ({statistics.median(harness) * 1000 if harness else 0:.2f} us, an empty node "
+        f"measured under {chosen.describe()}" + (f" (tried {', '.join(chosen.tried)})" if frugal else ""),
+        "each node's time is its share of a real step: the clock around its code in the measuring step"
+        + (" (a recomputed node: the mean of its computations)" if frugal else "")
+        + f", less the clock's own cost ({statistics.median(harness) * 1000 if harness else 0:.2f} us, an empty node "
         "timed the same way in every pass), median over the passes after warm-up",
-        "convolution algorithms other than native: passes of their own with every convolution set to them",
+        "convolution algorithms other than native: passes of their own with every convolution set to them where "
+        "its workspace fits",
         "workspace=" + ("caching allocator requested bytes, peak less held at the node's end" if device.type == "cuda"
                         else "torch.profiler memory events (c10 CPU allocator), peak of the running total inside the "
                         "node less what it holds at its end"),
@@ -572,16 +709,15 @@ def _harness_ms(runtime: _ProfilingRuntime) -> float:
         runtime.tick(-1)
         runtime.tock(-1)
         costs.append(runtime.elapsed_ns.pop(-1) / 1e6)
+    runtime.counts.pop(-1, None)
     return statistics.median(costs)
 
 
-def _workspaces(profiled: ProfiledStep, values, staging, device, algorithm_passes, names, runtime, say) -> dict:
-    """(node, implementation) -> workspace bytes, one memory pass per algorithm."""
+def _workspaces(profiled: ProfiledStep, programs, values, device, pass_names, runtime, say) -> dict:
+    """(node, implementation) -> workspace bytes, one memory pass per algorithm, on the same schedules as timing."""
     planning = profiled.planning
     result: dict[tuple[int, str], int] = {}
-    for algorithm in algorithm_passes:
-        choose = (lambda g, a=algorithm: a if a in names[g] else names[g][0])
-        operations = keep_all_operations(planning, choose)
+    for algorithm, _, ran, operations in programs:
         generator = CodeGenerator(planning, Modes(memory=True), cuda=device.type == "cuda")
         program = generator.program(operations, None, name=f"memory {algorithm}")
         say("measuring workspace" + ("" if algorithm == "native" else f" ({algorithm})"))
@@ -592,37 +728,14 @@ def _workspaces(profiled: ProfiledStep, values, staging, device, algorithm_passe
             runtime.sink.clear()
             measured = {g: max(0, peak - held) for g, (peak, held) in runtime.memory.items()}
         else:
-            from torch.profiler import ProfilerActivity, profile
-
-            recorder = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            with _quiet_stderr():  # kineto prints a line to stderr when it starts and when it stops
-                recorder.__enter__()
-            try:
+            with memory_events() as trees:
                 program.parts[0](list(values), runtime)
                 runtime.sink.clear()
-            finally:
-                with _quiet_stderr():
-                    recorder.__exit__(None, None, None)
-            measured = cpu_workspace_bytes(recorder.profiler.kineto_results.experimental_event_tree(),
-                                           len(planning.groups))
+            measured = cpu_workspace_bytes(trees[0], len(planning.groups))
         for g, size in measured.items():
-            if _owner_pass(choose(g), algorithm_passes) == algorithm:
-                result[(g, choose(g))] = size
+            if _owner_pass(ran[g], pass_names) == algorithm:
+                result[(g, ran[g])] = size
     return result
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """File descriptor 2 to /dev/null for the duration (C++ logging that Python's sys.stderr cannot catch)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as sink:
-            os.dup2(sink.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def plain_step_time_ms(model: nn.Module, example_inputs, loss_fn: Callable, targets=None, *, kwargs=None,

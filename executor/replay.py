@@ -33,13 +33,13 @@ from torch.utils._pytree import tree_flatten
 
 from executor.accountant import Accountant
 from executor.capture import tensor_signature
-from executor.codegen import CodeGenerator, Modes, Op, Program
+from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
 from executor.errors import ProfileMismatch, ReplayError
 from executor.feeds import Feeder
 from executor.profiler import ProfiledStep, as_tuple, plan_step
 from executor.runtime import StepRuntime
 from planner.profile import GraphProfile
-from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
+from planner.schedule import Schedule
 from planner.simulator import simulate
 
 
@@ -88,22 +88,6 @@ def check_inputs(profile: GraphProfile, inputs: tuple, kwargs: dict, targets) ->
                 f"profile {profile.name!r} was measured with {what} {expected or '(none)'}, "
                 f"but this step got {actual or '(none)'}: profile the model again for these shapes"
             )
-
-
-def schedule_operations(profile: GraphProfile, schedule: Schedule, index_of: dict[str, int]) -> list[Op]:
-    operations = []
-    for _, _, op in schedule.operations():
-        if isinstance(op, Compute):
-            operations.append(Op("compute", index_of[op.node], op.implementation))
-        elif isinstance(op, Offload):
-            operations.append(Op("offload", index_of[op.tensor]))
-        elif isinstance(op, Prefetch):
-            operations.append(Op("prefetch", index_of[op.tensor]))
-        elif isinstance(op, Wait):
-            operations.append(Op("wait", index_of[op.tensor], transfer=op.transfer))
-        elif isinstance(op, Free):
-            operations.append(Op("free", index_of[op.tensor]))
-    return operations
 
 
 class _Prepared:
@@ -202,6 +186,9 @@ class PlannedModule(nn.Module):
         self.simulated_step_time_ms = simulated.step_time_ms
         self.last_ledger: Accountant | None = None
         self._prepared: _Prepared | None = None
+        measuring = getattr(profiled, "measuring", None)
+        # how the profile was measured (keep-all, or a frugal schedule within the budget), when optimize() made it
+        self.profiled_under: str | None = measuring.describe() if measuring is not None else None
         if profiled is not None:
             self._prepared = _Prepared(self, profiled)
         elif example_inputs is not None:

@@ -1,0 +1,224 @@
+"""Which step the profiler runs to measure a model: one that fits the budget, from the first allocation.
+
+Sizes come from the capture's fake-tensor run and need no memory; times and
+workspaces need a real run. The keep-all step is the most faithful one to
+time, but it is exactly what does not fit for the models mosos is for. So,
+before anything is allocated, the profiler builds a *provisional* profile
+(exact sizes, conservative workspaces, rough times) and asks the planner for a
+measuring schedule the simulator certifies within the budget on it:
+
+1. keep-all, when it fits (the figures are those of the step people know);
+2. everything offloaded after its last forward reader and prefetched before
+   its first backward reader, where there is a host link (as the Chainer
+   swap/recompute runtime profiles its first iterations);
+3. recomputation from checkpoints: checkpoint-all, then Chen's sqrt(n), then
+   the recompute-only solver.
+
+If none fits, nothing is run: a BudgetError names the smallest budget known
+to work. The workspaces are upper estimates (the transient intermediates the
+fake run sees, one more operation-sized buffer for a kernel's own scratch, and
+for a convolution its im2col columns), so a schedule certified on them holds
+on the real figures too; the profiler checks that afterwards with what it
+measured.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from planner.budget import minimum_budget_bytes
+from planner.errors import BudgetError
+from planner.profile import GraphProfile
+from planner.schedule import Compute, Schedule
+from planner.simulator import ScheduleRejected, simulate
+from planner.units import format_bytes
+
+MODES = ("auto", "keep-all", "frugal")
+FRUGAL_STRATEGIES = ("checkpoint-all", "chen-sqrt", "recompute-only")
+# small allocations kernels make beside their outputs (a scalar, a shape buffer)
+SCRATCH_SLACK_BYTES = 4096
+
+
+def _readers_through_views(root, facts) -> list:
+    found, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in facts.alias_of or (user.target is operator.getitem and user not in facts.root_bytes):
+                stack.append(user)
+            else:
+                found.append(user)
+    return found
+
+
+def transient_peak_bytes(planning, group) -> int:
+    """The most a node holds beyond its outputs while it runs, as the fake run sees it: each intermediate storage
+    from the operation that makes it to its last reader inside the node."""
+    facts = planning.facts
+    position = {op: i for i, op in enumerate(group.ops)}
+    keep = set(group.outputs)
+    events = []
+    for op in group.ops:
+        for value in [op] + [u for u in op.users if u.target is operator.getitem]:
+            if value not in facts.root_bytes or value in facts.storage_of:
+                continue
+            size = facts.root_bytes[value]
+            events.append((position[op], 0, size))
+            if value not in keep:
+                last = max([position[r] for r in _readers_through_views(value, facts) if r in position]
+                           + [position[op]])
+                events.append((last, 1, -size))
+    running = peak = 0
+    for _, _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        running += delta
+        peak = max(peak, running)
+    kept = sum(facts.root_bytes.get(v, 0) for v in keep if v not in facts.storage_of)
+    return max(0, peak - kept)
+
+
+def scratch_allowance_bytes(planning, group) -> int:
+    """A kernel's own scratch, which no fake tensor shows (dropout's mask, a reduction's buffer): up to one more
+    buffer as large as the largest storage an operation of the node makes."""
+    facts = planning.facts
+    sizes = [facts.root_bytes.get(v, 0) for op in group.ops
+             for v in [op] + [u for u in op.users if u.target is operator.getitem]]
+    return max(sizes, default=0) + SCRATCH_SLACK_BYTES
+
+
+@dataclass
+class MeasuringPlan:
+    schedule: Schedule
+    strategy: str
+    peak_bytes: int  # simulated on the provisional profile (fixed memory included)
+    budget_bytes: int | None
+    tried: list[str]
+    measured_peak_bytes: int | None = None  # the same schedule replayed on the measured figures
+
+    def describe(self) -> str:
+        budget = f" within {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
+        return f"{self.strategy} (estimated peak {format_bytes(self.peak_bytes)}{budget})"
+
+
+def _certified_peak(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None) -> int | None:
+    try:
+        return simulate(profile, schedule, budget_bytes, keep_timeline=False).peak_memory_bytes
+    except ScheduleRejected:
+        return None
+
+
+def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode: str = "auto",
+                       time_limit_s: float = 20.0) -> MeasuringPlan:
+    """The schedule to measure under (see the module's docstring); BudgetError if none fits."""
+    from planner.planning import InfeasibleBudget, plan
+    from planner.strategies.keep_all import keep_all_schedule
+
+    if mode not in MODES:
+        raise ValueError(f"measuring mode is one of {', '.join(MODES)}, not {mode!r}")
+    tried: list[str] = []
+    if budget_bytes is not None:
+        floor = minimum_budget_bytes(provisional)
+        if budget_bytes < provisional.fixed_bytes:
+            raise BudgetError(
+                f"budget {format_bytes(budget_bytes)} is below the model's fixed memory "
+                f"{format_bytes(provisional.fixed_bytes)} (parameters {format_bytes(provisional.fixed_memory.parameters_bytes)}, "
+                f"gradients, optimizer state, inputs, buffers), so no step fits; the smallest budget that any plan "
+                f"needs is {format_bytes(floor)} ({floor} bytes)", minimum_budget_bytes=floor)
+    keep_all = keep_all_schedule(provisional)
+    keep_all_peak = simulate(provisional, keep_all, keep_timeline=False).peak_memory_bytes
+    if mode == "keep-all" or budget_bytes is None:
+        if budget_bytes is not None and keep_all_peak > budget_bytes:
+            raise BudgetError(f"measuring keep-all needs about {format_bytes(keep_all_peak)}, over the budget "
+                              f"{format_bytes(budget_bytes)}: measure with a frugal schedule instead",
+                              minimum_budget_bytes=keep_all_peak)
+        return MeasuringPlan(keep_all, "keep-all", keep_all_peak, budget_bytes, ["keep-all"])
+    if mode == "auto":
+        tried.append("keep-all")
+        if keep_all_peak <= budget_bytes:
+            return MeasuringPlan(keep_all, "keep-all", keep_all_peak, budget_bytes, tried)
+    smallest = [keep_all_peak]
+    if provisional.hardware.can_transfer:
+        from executor.schedules import offload_everything_schedule
+
+        tried.append("offload-everything")
+        schedule = offload_everything_schedule(provisional)
+        peak = _certified_peak(provisional, schedule, None)
+        if peak is not None:
+            smallest.append(peak)
+            if peak <= budget_bytes:
+                return MeasuringPlan(schedule, "offload-everything", peak, budget_bytes, tried)
+    for strategy in FRUGAL_STRATEGIES:
+        if strategy == "recompute-only":
+            # the greedy evict-and-recompute pass first: a measuring schedule only has to fit, and it takes
+            # milliseconds where the solver takes its whole time limit to prove what it found
+            tried.append("greedy recompute")
+            schedule = _greedy(provisional, budget_bytes, time_limit_s)
+            if schedule is not None:
+                return MeasuringPlan(schedule, "greedy recompute", schedule.summary.peak_memory_bytes, budget_bytes,
+                                     tried)
+        tried.append(strategy)
+        try:
+            schedule = plan(provisional, budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=1)
+        except InfeasibleBudget as error:
+            if error.minimum_budget_bytes:
+                smallest.append(error.minimum_budget_bytes)
+            continue
+        except BudgetError as error:  # below what any plan needs
+            raise BudgetError(f"no measuring pass fits: {error}", minimum_budget_bytes=error.minimum_budget_bytes) \
+                from None
+        return MeasuringPlan(schedule, strategy, schedule.summary.peak_memory_bytes, budget_bytes, tried)
+    minimum = min(smallest)
+    raise BudgetError(
+        f"no measuring pass fits in {format_bytes(budget_bytes)} ({budget_bytes} bytes): tried {', '.join(tried)}; "
+        f"the smallest budget known to work is {format_bytes(minimum)} ({minimum} bytes)",
+        minimum_budget_bytes=minimum)
+
+
+def _greedy(provisional: GraphProfile, budget_bytes: int, time_limit_s: float) -> Schedule | None:
+    import time
+
+    from planner.builder import certify
+    from planner.cpsat.greedy import greedy_recompute_schedule
+    from planner.cpsat.reorder import reordered_schedule
+
+    deadline = time.monotonic() + time_limit_s / 4
+    for make in (lambda: greedy_recompute_schedule(provisional, budget_bytes, deadline=deadline),
+                 lambda: reordered_schedule(provisional, budget_bytes, deadline=deadline)):
+        schedule = make()
+        if schedule is not None:
+            try:
+                return certify(provisional, schedule, "greedy recompute")
+            except ScheduleRejected:
+                continue
+    return None
+
+
+def with_implementations(provisional: GraphProfile, schedule: Schedule, choose, budget_bytes: int | None) -> Schedule:
+    """`schedule` with each computation's implementation set to `choose(node_id)` wherever the simulated step still
+    fits the budget (all at once if that fits, else one node at a time in program order); elsewhere as it was."""
+    def substituted(allowed: set[str]) -> Schedule:
+        stages = []
+        for stage in schedule.stages:
+            operations = [op.model_copy(update={"implementation": choose(op.node)})
+                          if isinstance(op, Compute) and op.node in allowed else op for op in stage.operations]
+            stages.append(stage.model_copy(update={"operations": operations}))
+        return schedule.model_copy(update={"stages": stages})
+
+    wanted = [op.node for _, _, op in schedule.operations()
+              if isinstance(op, Compute) and choose(op.node) != op.implementation]
+    wanted = list(dict.fromkeys(wanted))
+    if not wanted:
+        return schedule
+    every = substituted(set(wanted))
+    if _certified_peak(provisional, every, budget_bytes) is not None:
+        return every
+    allowed: set[str] = set()
+    for node_id in wanted:
+        trial = substituted(allowed | {node_id})
+        if _certified_peak(provisional, trial, budget_bytes) is not None:
+            allowed.add(node_id)
+    return substituted(allowed)
+
+
+__all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "with_implementations", "transient_peak_bytes",
+           "scratch_allowance_bytes"]
