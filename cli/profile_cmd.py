@@ -18,7 +18,7 @@ import typer
 from cli.app import app, console, error_console, friendly
 from cli.checks import positive_finite, whole_number_in, writable_output, write_output
 from planner.errors import MososError
-from planner.units import format_bytes
+from planner.units import format_bytes, parse_bytes
 
 
 def _load():
@@ -48,6 +48,10 @@ def profile_command(
     h2d_gb_per_s: float = typer.Option(None, "--h2d-gb-per-s", help="host-to-device bandwidth, 1e9 B/s"),
     seed: int = typer.Option(0, help="seed for the parameters"),
     threads: int = typer.Option(None, help="torch CPU threads (default: torch's); 1 avoids thread-barrier stalls on a busy machine"),
+    budget: str = typer.Option(None, "--budget", help="device memory the profiling may hold, fixed memory included, "
+                               "e.g. 6GiB: measured under a schedule that fits it (keep-all only where it fits)"),
+    measuring: str = typer.Option("auto", "--measuring", help="auto (keep-all where it fits the budget), frugal "
+                                  "(a frugal schedule even then) or keep-all"),
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
     """Profile one training step of your model (or a reference network), planning node by node, on this machine."""
@@ -60,6 +64,9 @@ def profile_command(
         raise MososError("--repeats must be at least 1 and --warmup at least 0")
     positive_finite(d2h_gb_per_s, "--d2h-gb-per-s")
     positive_finite(h2d_gb_per_s, "--h2d-gb-per-s")
+    budget_bytes = parse_bytes(budget) if budget is not None else None
+    if measuring not in ("auto", "frugal", "keep-all"):
+        raise MososError(f"--measuring is auto, frugal or keep-all, not {measuring!r}")
     reference = _load()
     with console.status(f"loading {workload or model}") as status:
         loaded = reference.load(model, workload, batch, device=device, small=small, image_size=image_size,
@@ -68,7 +75,8 @@ def profile_command(
             loaded.name = f"{loaded.name} {dtype or 'float32'} on {device}"
         measured = reference.profile_workload(
             loaded, optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
-            h2d_gb_per_s=h2d_gb_per_s, threads=threads, progress=status.update,
+            h2d_gb_per_s=h2d_gb_per_s, threads=threads, budget_bytes=budget_bytes, measuring=measuring,
+            progress=status.update,
         )
     profile, label, nodes_ms, plain_ms, ratio = (
         measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio
@@ -82,10 +90,11 @@ def profile_command(
         f"spread {profile.provenance.spread_percent}% over {repeats} repeats"
     )
     backward_nodes = sum(1 for node in profile.nodes if node.kind == "backward")
+    plain = (f"a plain PyTorch step takes {plain_ms:.2f} ms (ratio {ratio:.2f})" if plain_ms is not None
+             else "no plain step was timed (it does not fit the budget)")
     console.print(
-        f"node times with native algorithms add up to {nodes_ms:.2f} ms; a plain PyTorch step takes "
-        f"{plain_ms:.2f} ms (ratio {ratio:.2f}); {len(profile.nodes) - backward_nodes} forward and "
-        f"{backward_nodes} backward planning nodes"
+        f"measured under {measured.measured_under}; node times with native algorithms add up to {nodes_ms:.2f} ms; "
+        f"{plain}; {len(profile.nodes) - backward_nodes} forward and {backward_nodes} backward planning nodes"
     )
     if profile.hardware.d2h_bandwidth_gb_per_s is None:
         error_console.print("note: no transfer bandwidth (give --d2h-gb-per-s/--h2d-gb-per-s): plans cannot offload")

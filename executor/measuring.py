@@ -25,7 +25,7 @@ measured.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from planner.budget import minimum_budget_bytes
 from planner.errors import BudgetError
@@ -93,7 +93,8 @@ class MeasuringPlan:
     peak_bytes: int  # simulated on the provisional profile (fixed memory included)
     budget_bytes: int | None
     tried: list[str]
-    measured_peak_bytes: int | None = None  # the same schedule replayed on the measured figures
+    measured_peak_bytes: int | None = None  # the most any pass's schedule holds, replayed on the measured figures
+    pass_schedules: dict = field(default_factory=dict)  # algorithm -> the schedule its passes ran
 
     def describe(self) -> str:
         budget = f" within {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""

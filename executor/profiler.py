@@ -435,7 +435,10 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
             if geometry is not None and implementation == "native":
                 workspace += native_convolution_scratch_bytes(geometry, element_size)
             elif geometry is not None:
-                workspace += conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase)
+                # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
+                # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
+                workspace += 2 * conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase) \
+                    + (64 << 10)
             implementations.append({"name": implementation, "time_ms": time_ms, "workspace_bytes": workspace})
         nodes.append(_node_document(planning, group, implementations, planning.size_bytes(group)))
     loss = step.loss.meta["val"]
@@ -542,21 +545,25 @@ def profile_step(
 
 
 def _check_measuring_peak(profile: GraphProfile, provisional: GraphProfile, chosen: MeasuringPlan, say) -> None:
-    """The measuring schedule replayed on what was measured: its peak is what the passes really held. The
+    """Each measuring pass's schedule replayed on what was measured: its peak is what the passes really held. The
     provisional workspaces are upper estimates, so this stays within the budget; if a kernel's scratch was larger
     than that, say so loudly rather than let the promise break silently."""
     from planner.schedule import Schedule
+    from planner.units import MAX_SIZE_BYTES
 
-    schedule = Schedule.model_validate(chosen.schedule.model_dump() | {"profile_digest": profile.digest(),
-                                                                       "profile_name": profile.name})
-    try:
-        peak = simulate(profile, schedule, None, keep_timeline=False, check_digest=False).peak_memory_bytes
-    except Exception as error:  # noqa: BLE001 - an unexpected rejection is reported, not fatal
-        say(f"warning: could not replay the measuring schedule on the measured figures: {error}")
+    peaks = []
+    for algorithm, schedule in chosen.pass_schedules.items():
+        replayed = Schedule.model_validate(schedule.model_dump() | {"profile_digest": profile.digest(),
+                                                                    "profile_name": profile.name})
+        try:
+            peaks.append(simulate(profile, replayed, MAX_SIZE_BYTES, keep_timeline=False).peak_memory_bytes)
+        except Exception as error:  # noqa: BLE001 - an unexpected rejection is reported, not fatal
+            say(f"warning: could not replay the {algorithm} measuring pass on the measured figures: {error}")
+    if not peaks:
         return
-    chosen.measured_peak_bytes = peak
+    peak = chosen.measured_peak_bytes = max(peaks)
     if chosen.budget_bytes is not None and peak > chosen.budget_bytes:
-        message = (f"the measuring pass held {format_bytes(peak)} by the measured figures, over the budget "
+        message = (f"the measuring passes held up to {format_bytes(peak)} by the measured figures, over the budget "
                    f"{format_bytes(chosen.budget_bytes)}: a kernel's scratch was larger than estimated")
         say("warning: " + message)
         import warnings
@@ -611,6 +618,7 @@ def _passes(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measuring
         if algorithm != "native" and not any(impl == algorithm for impl in ran.values()):
             continue  # no convolution has room for it anywhere
         passes.append((algorithm, operations, ran))
+        chosen.pass_schedules[algorithm] = schedule
     return passes
 
 

@@ -24,12 +24,13 @@ class ReferenceProfile:
     profile: GraphProfile
     label: str
     nodes_ms: float  # node times with native algorithms, added up
-    plain_ms: float  # a plain PyTorch step, timed the same way
+    plain_ms: float | None  # a plain PyTorch step, timed the same way (None: it would not fit the budget)
     repeats: int
+    measured_under: str = "keep-all"  # the schedule the profile was measured under
 
     @property
-    def ratio(self) -> float:
-        return self.nodes_ms / self.plain_ms
+    def ratio(self) -> float | None:
+        return self.nodes_ms / self.plain_ms if self.plain_ms else None
 
 
 def _check_device(device: str) -> None:
@@ -102,30 +103,40 @@ def profile_workload(
     d2h_gb_per_s: float | None = None,
     h2d_gb_per_s: float | None = None,
     threads: int | None = None,
+    budget_bytes: int | None = None,
+    measuring: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> ReferenceProfile:
-    """Measure one training step of a workload and check the node times against a plain step."""
+    """Measure one training step of a workload and check the node times against a plain step; within
+    `budget_bytes` the plain step is run only where keep-all fits (executor.measuring)."""
     if threads is not None:
         if threads < 1:
             raise MososError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     say = progress or (lambda message: None)
     label = workload.name
-    profile = profiler.profile_model(
+    profile, profiled = profiler.profile_step(
         workload.model, workload.inputs, workload.loss_fn, workload.targets, kwargs=workload.kwargs,
         name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
-        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
+        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
         progress=lambda message: say(f"profiling {label}: {message}"),
     )
+    measured_under = profiled.measuring.describe() if profiled.measuring else "keep-all"
+    nodes_ms = profiler.plain_equivalent_time_ms(profile)
+    if profiled.measuring is not None and profiled.measuring.strategy != "keep-all":
+        notes = (profile.provenance.notes + "; " if profile.provenance.notes else "") + (
+            f"check: node times with native algorithms add up to {nodes_ms:.3f} ms; no plain step was timed (it "
+            "does not fit the budget)")
+        profile = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": notes})})
+        return ReferenceProfile(profile, label, nodes_ms, None, repeats, measured_under)
     say(f"timing plain PyTorch steps of {label}")
     # a whole step is short and noisy on a busy machine: at least 10 repeats for its median
     plain_repeats = max(repeats, 10)
     plain_ms = profiler.plain_step_time_ms(workload.model, workload.inputs, workload.loss_fn, workload.targets,
                                            kwargs=workload.kwargs, repeats=plain_repeats, warmup=max(warmup, 2))
-    nodes_ms = profiler.plain_equivalent_time_ms(profile)
     notes = (profile.provenance.notes + "; " if profile.provenance.notes else "") + (
         f"check: node times with native algorithms add up to {nodes_ms:.3f} ms, a plain PyTorch step "
         f"(median of {plain_repeats}) took {plain_ms:.3f} ms, ratio {nodes_ms / plain_ms:.2f}"
     )
     profile = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": notes})})
-    return ReferenceProfile(profile, label, nodes_ms, plain_ms, repeats)
+    return ReferenceProfile(profile, label, nodes_ms, plain_ms, repeats, measured_under)

@@ -189,6 +189,8 @@ class PlannedModule(nn.Module):
         measuring = getattr(profiled, "measuring", None)
         # how the profile was measured (keep-all, or a frugal schedule within the budget), when optimize() made it
         self.profiled_under: str | None = measuring.describe() if measuring is not None else None
+        # the most the measuring passes held, by the measured figures (None: not profiled by optimize())
+        self.profiled_peak_bytes: int | None = measuring.measured_peak_bytes if measuring is not None else None
         if profiled is not None:
             self._prepared = _Prepared(self, profiled)
         elif example_inputs is not None:

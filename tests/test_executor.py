@@ -17,12 +17,13 @@ torch = pytest.importorskip("torch")
 models = pytest.importorskip("models")
 
 from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
-from executor.plugin import PlannerServiceError  # noqa: E402
+from executor.plugin import PlannerServiceError, plan_remotely  # noqa: E402
 from executor.plugin import optimize as executor_optimize  # noqa: E402
 from executor.profiler import profile_step  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.budget import minimum_budget_bytes  # noqa: E402
+from planner.errors import BudgetError  # noqa: E402
 from planner.planning import InfeasibleBudget, plan, strategy_names  # noqa: E402
 from planner.schedule import Compute  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
@@ -446,9 +447,13 @@ def test_optimize_plans_on_a_planner_service(tmp_path):
         loss = planned(inputs, targets)
         loss.backward()
         assert_same(model, plain_model, loss, plain_step(plain_model, spec, inputs, targets))
-        with pytest.raises(PlannerServiceError, match="no plan fits.*smallest budget that works"):
+        # a budget below the model's fixed memory is refused here, before anything is measured or sent
+        with pytest.raises(BudgetError, match="fixed memory.*smallest budget"):
             executor_optimize(model, inputs, spec.loss, targets=targets, budget="1KiB", strategy="chen-sqrt",
                               planner_url=f"http://127.0.0.1:{port}", repeats=1, warmup=0, progress=False)
+        # and a plan the service cannot make comes back as its answer, with the smallest budget it knows
+        with pytest.raises(PlannerServiceError, match="no plan fits.*smallest budget that works"):
+            plan_remotely(f"http://127.0.0.1:{port}", planned.profile, 1024, None, "chen-sqrt", 10)
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -1,0 +1,135 @@
+"""The budget holds from the first allocation, in the process itself: every allocation of capture, profiling,
+planning and the first planned step counted by the allocator's own events (executor.allocations), and the profile
+measured within a budget agrees with the keep-all one where keep-all fits."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import executor  # noqa: E402
+from executor.allocations import AllocationTrace  # noqa: E402
+from executor.profiler import profile_step  # noqa: E402
+from planner.errors import BudgetError  # noqa: E402
+from planner.planning import plan  # noqa: E402
+from planner.schedule import Schedule  # noqa: E402
+from planner.simulator import simulate  # noqa: E402
+from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
+from tests.zoo import ZOO  # noqa: E402
+
+
+def _resident_bytes(model, args, kwargs, targets) -> int:
+    """What the caller already holds when optimize() starts: parameters, buffers, inputs (distinct storages)."""
+    seen = {}
+    tensors = list(model.parameters()) + list(model.buffers()) + list(args) + list(kwargs.values()) + [targets]
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _step(planned, args, kwargs, targets):
+    loss = planned(*args, targets=targets, **kwargs)
+    loss.backward()
+    return loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZOO))
+def test_live_storage_stays_within_the_budget_from_capture_to_the_first_step(name):
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model, args, kwargs, targets, loss_fn = ZOO[name]()
+    resident = _resident_bytes(model, args, kwargs, targets)
+    error = None
+    with AllocationTrace() as trace:
+        try:
+            planned = executor.optimize(model, args, loss_fn, targets=targets, kwargs=kwargs, memory_ratio=0.5,
+                                        repeats=1, warmup=0, time_limit_s=5, workers=1, progress=False)
+            _step(planned, args, kwargs, targets)
+        except BudgetError as raised:
+            error = raised
+    if error is not None:
+        # no plan at 0.5 of keep-all (convolutions' scratch): said before the step, naming what would work
+        assert error.minimum_budget_bytes, str(error)
+        assert trace.peak_bytes <= error.minimum_budget_bytes
+        return
+    budget = planned.schedule.budget_bytes
+    assert trace.peak_bytes <= budget - resident, (
+        f"{name}: live storage rose by {trace.peak_bytes} bytes over the {resident} already held, "
+        f"budget {budget}: {trace.peak_bytes + resident - budget} bytes over")
+    assert planned.peak_memory_bytes <= budget
+
+
+def _total_ms(profile) -> float:
+    return sum(next(i for i in node.implementations if i.name in ("native", "default")).time_ms
+               for node in profile.nodes)
+
+
+@pytest.mark.slow
+def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
+    """BERT-small at 0.5 of its keep-all peak, measured under a frugal schedule although keep-all would fit, beside
+    two keep-all profiles taken before and after it (the machine drifts between passes)."""
+    from models.workload import load_workload
+
+    torch.set_num_threads(1)
+    work = load_workload("benchmarks/workloads.py:bert_small")
+
+    def measure(**options):
+        return profile_step(work.model, work.inputs, work.loss_fn, work.targets, kwargs=work.kwargs, repeats=5,
+                            warmup=1, **options)
+
+    keep_all, profiled = measure()
+    budget = int(keep_all_peak_bytes(keep_all) * 0.5)
+    frugal, _ = measure(budget_bytes=budget, measuring="frugal", profiled=profiled)
+    measured_under = profiled.measuring  # the capture is shared: the next measurement replaces it
+    keep_all_again, _ = measure(profiled=profiled)
+    assert measured_under.strategy != "keep-all"
+    assert measured_under.measured_peak_bytes <= budget
+    assert [n.size_bytes for n in frugal.nodes] == [n.size_bytes for n in keep_all.nodes]
+    reference_ms = statistics.mean([_total_ms(keep_all), _total_ms(keep_all_again)])
+    assert abs(_total_ms(frugal) / reference_ms - 1) <= 0.10, (_total_ms(frugal), reference_ms)
+    # the plan made from the frugal profile, replayed on the keep-all one, is as fast as the keep-all profile's plan
+    plan_budget = int(keep_all_peak_bytes(keep_all) * 0.6)
+    from_keep_all = plan(keep_all, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
+    from_frugal = plan(frugal, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
+    transplanted = Schedule.model_validate(from_frugal.model_dump() | {"profile_digest": keep_all.digest(),
+                                                                        "profile_name": keep_all.name})
+    replayed = simulate(keep_all, transplanted, plan_budget, keep_timeline=False)
+    assert replayed.step_time_ms <= from_keep_all.summary.predicted_step_time_ms * 1.02, (
+        replayed.step_time_ms, from_keep_all.summary.predicted_step_time_ms)
+
+
+def test_a_budget_below_the_parameters_is_refused_before_anything_is_allocated():
+    from models.workload import load_workload
+
+    work = load_workload("benchmarks/workloads.py:bert_small")
+    with AllocationTrace() as trace:
+        with pytest.raises(BudgetError) as raised:
+            executor.optimize(work.model, work.inputs, work.loss_fn, targets=work.targets, kwargs=work.kwargs,
+                              budget="1MiB", progress=False)
+    message = str(raised.value)
+    assert "fixed memory" in message and "smallest budget" in message
+    assert raised.value.minimum_budget_bytes > 1 << 20
+    assert trace.peak_bytes < 1 << 20  # the capture runs on fake tensors: no activation was allocated
+
+
+def test_a_budget_below_every_measuring_pass_names_the_smallest_that_works():
+    from models.workload import load_workload
+
+    work = load_workload("benchmarks/workloads.py:elementwise")  # 12 x tanh(x * s), 32 MiB activations
+    with AllocationTrace() as trace:
+        with pytest.raises(BudgetError) as raised:
+            executor.optimize(work.model, work.inputs, work.loss_fn, budget="60MiB", progress=False)
+    minimum = raised.value.minimum_budget_bytes
+    assert minimum is not None and minimum > 60 << 20
+    assert f"{minimum} bytes" in str(raised.value)
+    assert trace.peak_bytes < 1 << 20
+    # and that budget does work
+    planned = executor.optimize(work.model, work.inputs, work.loss_fn, budget=minimum, repeats=1, warmup=0,
+                                time_limit_s=5, workers=1, progress=False)
+    assert planned.schedule.budget_bytes == minimum
