@@ -122,6 +122,8 @@ def optimize(
     repeats: int = 5,
     warmup: int = 2,
     measuring: str = "auto",
+    timed_steps: int = 2,
+    replan_when_off: bool = True,
     progress: bool | Callable[[str], None] = True,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
@@ -133,6 +135,11 @@ def optimize(
     naming the smallest one that works, raised before anything beyond the model is allocated. `memory_ratio` is a
     fraction of the keep-all peak as the capture estimates it before anything runs (exact sizes, workspaces from
     above).
+
+    The first `timed_steps` planned steps time every node; `planned.report()` then gives the measured step time and
+    peak beside the simulated ones and the nodes that differ most, and where the measured step is more than 10% off
+    the simulated one (`replan_when_off`), the module re-plans once on the measured node times, within the same
+    budget, for the steps after.
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
@@ -176,7 +183,15 @@ def optimize(
             profile, budget_bytes, memory_ratio=memory_ratio, strategy=strategy,
             time_limit_s=time_limit_s, workers=workers, progress=on_progress,
         )
-    planned = PlannedModule(model, profile, schedule, loss_fn, profiled=profiled)
+    def replan(measured: GraphProfile) -> Schedule:
+        say("the planned step is more than 10% off the simulated one: re-planning on the measured node times")
+        if planner_url:
+            return plan_remotely(planner_url, measured, schedule.budget_bytes, None, strategy, time_limit_s,
+                                 planner_token, say)
+        return plan(measured, schedule.budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=workers)
+
+    planned = PlannedModule(model, profile, schedule, loss_fn, profiled=profiled, timed_steps=timed_steps,
+                            replan=replan if replan_when_off else None)
     summary = schedule.summary
     if summary is not None:
         say(

@@ -36,8 +36,9 @@ from executor.capture import tensor_signature
 from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
 from executor.errors import ProfileMismatch, ReplayError
 from executor.feeds import Feeder
-from executor.profiler import ProfiledStep, as_tuple, plan_step
-from executor.runtime import StepRuntime
+from executor.measured import StepReport, measured_profile, node_differences
+from executor.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
+from executor.runtime import StepRuntime, TimedStepRuntime
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
@@ -93,8 +94,10 @@ def check_inputs(profile: GraphProfile, inputs: tuple, kwargs: dict, targets) ->
 class _Prepared:
     """Everything a step needs that does not change between steps."""
 
-    def __init__(self, planned: "PlannedModule", profiled: ProfiledStep):
+    def __init__(self, planned: "PlannedModule", profiled: ProfiledStep, timed: bool = False):
         profile, schedule = planned.profile, planned.schedule
+        self.timed = timed
+        self.clock = None
         check_model(profiled, profile)
         self.profiled = profiled
         step, planning, feeder = profiled.step, profiled.planning, profiled.feeder
@@ -108,11 +111,17 @@ class _Prepared:
         self.device = planned.device
         # the planned model's own tensors (the capture may have been made on another copy of the same model)
         self.feeder = feeder = Feeder(step, planned.model, planned.loss_fn)
-        modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict,
+        modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict, timing=timed,
                       direct_writes=feeder.in_place_candidates())
         generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda")
-        self.program: Program = generator.program(self.operations, self.split, name="planned step")
-        self.runtime = StepRuntime(self.device, feeder.staging_buffers(self.device), [g.id for g in groups])
+        self.program: Program = generator.program(self.operations, self.split,
+                                                  name="planned step (timed)" if timed else "planned step")
+        node_ids = [g.id for g in groups]
+        if timed:
+            self.clock = cpu_clock(self.device)[0]
+            self.runtime = TimedStepRuntime(self.device, feeder.staging_buffers(self.device), node_ids, self.clock)
+        else:
+            self.runtime = StepRuntime(self.device, feeder.staging_buffers(self.device), node_ids)
         nodes = profile.node_by_id
         implementations = {(g.index, impl.name): (impl.time_ms, impl.workspace_bytes)
                            for g in groups for impl in nodes[g.id].implementations}
@@ -166,6 +175,8 @@ class PlannedModule(nn.Module):
         strict: bool = False,
         ledger: bool | None = None,
         profiled: ProfiledStep | None = None,
+        timed_steps: int = 0,
+        replan: Callable[[GraphProfile], Schedule] | None = None,
     ):
         super().__init__()
         self.model = model
@@ -185,6 +196,14 @@ class PlannedModule(nn.Module):
         self.simulated_peak_bytes = simulated.peak_memory_bytes
         self.simulated_step_time_ms = simulated.step_time_ms
         self.last_ledger: Accountant | None = None
+        # the first `timed_steps` steps time every node, for report() and for one re-plan with `replan` (a
+        # function of the re-measured profile) when the measured step is more than REPLAN_OFF off the simulated one
+        self.timed_steps = timed_steps
+        self._replan = replan
+        self._steps_timed = 0
+        self._timings: list[tuple[float, dict[int, float], int | None]] = []  # (step ms, node ms, peak bytes)
+        self._reports: list[StepReport] = []
+        self._timed: _Prepared | None = None
         self._prepared: _Prepared | None = None
         measuring = getattr(profiled, "measuring", None)
         # how the profile was measured (keep-all, or a frugal schedule within the budget), when optimize() made it
@@ -226,6 +245,10 @@ class PlannedModule(nn.Module):
         if self._prepared is None:
             self._prepared = _Prepared(self, plan_step(self.model, inputs, kwargs, targets, self.loss_fn))
         prepared = self._prepared
+        if self._steps_timed < self.timed_steps:
+            if self._timed is None:
+                self._timed = _Prepared(self, prepared.profiled, timed=True)
+            prepared = self._timed
         if spec != prepared.input_spec:
             raise ProfileMismatch(f"this step's inputs are structured as {spec}, the captured step's as "
                                   f"{prepared.input_spec}: capture the model again for these inputs")
@@ -243,7 +266,69 @@ class PlannedModule(nn.Module):
         prepared.runtime.begin_step(parameters, ledger)
         self.last_ledger = ledger
         state = _StepState(prepared, feed, leaves)
+        state.planned = self
         return _StepFunction.apply(self, state, *parameters)
+
+    # -- measured against planned --------------------------------------------------------------------
+
+    def _step_timed(self, runtime: TimedStepRuntime) -> None:
+        """After a timed step's backward: keep its figures; after the last, compare and re-plan once if off."""
+        self._steps_timed += 1
+        peak = self.last_ledger.peak_bytes() if self.last_ledger is not None else (
+            torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)
+        self._timings.append((runtime.step_ns / 1e6, runtime.node_times_ms(), peak))
+        if self._steps_timed < self.timed_steps:
+            return
+        self._timed = None
+        report = self._compare()
+        self._reports.append(report)
+        if report.off and self._replan is not None and not any(r.replanned for r in self._reports[:-1]):
+            profile = measured_profile(self.profile, self.schedule, self._measured_node_ms())
+            schedule = self._replan(profile)
+            report.replanned = True
+            report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
+            self._adopt(profile, schedule)
+            self._steps_timed = 0  # time the new plan's first steps too, and report them
+
+    def _measured_node_ms(self) -> dict[str, float]:
+        """Per node: the least of its times over the timed steps (the first step may run cold)."""
+        groups = self._prepared.profiled.planning.groups
+        found: dict[str, float] = {}
+        for _, times, _ in self._timings:
+            for g, ms in times.items():
+                found[groups[g].id] = min(ms, found.get(groups[g].id, float("inf")))
+        return found
+
+    def _compare(self) -> StepReport:
+        measured_ms = min(step for step, _, _ in self._timings)
+        peaks = [peak for _, _, peak in self._timings if peak is not None]
+        return StepReport(
+            strategy=self.schedule.summary.strategy if self.schedule.summary else "?",
+            steps_timed=len(self._timings), measured_step_time_ms=measured_ms,
+            simulated_step_time_ms=self.simulated_step_time_ms,
+            measured_peak_bytes=max(peaks) if peaks else None, simulated_peak_bytes=self.simulated_peak_bytes,
+            budget_bytes=self.schedule.budget_bytes,
+            nodes=node_differences(self.profile, self.schedule, self._measured_node_ms()),
+        )
+
+    def _adopt(self, profile: GraphProfile, schedule: Schedule) -> None:
+        profiled = self._prepared.profiled
+        self.profile, self.schedule = profile, schedule
+        simulated = simulate(profile, schedule, keep_timeline=False)
+        self.simulated_peak_bytes = simulated.peak_memory_bytes
+        self.simulated_step_time_ms = simulated.step_time_ms
+        self._timings = []
+        self._prepared = _Prepared(self, profiled)
+
+    def report(self) -> StepReport | None:
+        """Measured against planned: the step time and peak of the first timed steps beside the simulator's, and
+        the nodes whose measured time differs most from the profile's (None until the timed steps have run).
+        After a re-plan, the report of the new plan's timed steps, with `history` the earlier ones."""
+        if not self._reports:
+            return None
+        latest = self._reports[-1]
+        latest.history = self._reports[:-1]
+        return latest
 
 
 class _StepState:
@@ -253,13 +338,17 @@ class _StepState:
         self.leaves = leaves
         self.live: tuple = ()
         self.backward_done = False
+        self.planned = None
 
 
 class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, planned: PlannedModule, state: _StepState, *parameters):
         prepared = state.prepared
+        started = prepared.clock() if prepared.timed else 0
         loss, state.live = prepared.program.parts[0](state.feed, prepared.runtime)
+        if prepared.timed:
+            prepared.runtime.part(started)
         if loss is None:
             raise ReplayError("the schedule's forward part never computed the loss")
         prepared.runtime.loss_storage = loss.untyped_storage().data_ptr()
@@ -279,14 +368,19 @@ class _StepFunction(torch.autograd.Function):
         runtime = prepared.runtime
         try:
             with torch.no_grad():
+                started = prepared.clock() if prepared.timed else 0
                 if prepared.tangent_index is not None:
                     state.feed[prepared.tangent_index] = grad_loss
                 if len(prepared.program.parts) > 1:
                     live, state.live = [state.live], ()
                     prepared.program.parts[1](state.feed, runtime, grad_loss, live)
                 prepared.feeder.write_back(runtime.staging, state.leaves, prepared.program.direct)
+                if prepared.timed:
+                    runtime.part(started)
         finally:
             runtime.end_step()
             state.feed = []
             state.live = ()
+        if prepared.timed:
+            state.planned._step_timed(runtime)
         return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)

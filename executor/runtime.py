@@ -150,3 +150,52 @@ class StepRuntime:
         if self.ledger is not None:
             time_ms, workspace = self.implementation_of(group, implementation)
             self.ledger.compute(self.node_ids[group], time_ms, size, workspace)
+
+
+class TimedStepRuntime(StepRuntime):
+    """The runtime of a planned step timed node by node (the first steps, to compare with the plan): the clock
+    around each computation, as the profiler's passes time them, and the clock around the step's two parts."""
+
+    def __init__(self, device: torch.device, staging: list[torch.Tensor], node_ids: list[str], clock):
+        super().__init__(device, staging, node_ids)
+        self.clock = clock
+        self.elapsed_ns: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+        self.started = None
+        self.step_ns = 0.0
+
+    def begin_step(self, parameters, ledger) -> None:
+        super().begin_step(parameters, ledger)
+        self.elapsed_ns, self.counts, self.step_ns = {}, {}, 0.0
+        self._spans: list = []
+
+    def tick(self, group: int) -> None:
+        if self.cuda:
+            self.started = torch.cuda.Event(enable_timing=True)
+            self.started.record()
+        else:
+            self.started = self.clock()
+
+    def tock(self, group: int) -> None:
+        self.counts[group] = self.counts.get(group, 0) + 1
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._spans.append((group, self.started, end))
+        else:
+            self.elapsed_ns[group] = self.elapsed_ns.get(group, 0) + self.clock() - self.started
+
+    def part(self, started_ns: float) -> None:
+        """Add one part of the step (forward or backward) from `started_ns` (the clock's value when it began)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.step_ns += self.clock() - started_ns
+
+    def node_times_ms(self) -> dict[int, float]:
+        """Per planning node: its mean time per computation in this step."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            for group, start, end in self._spans:
+                self.elapsed_ns[group] = self.elapsed_ns.get(group, 0) + start.elapsed_time(end) * 1e6
+            self._spans = []
+        return {g: ns / 1e6 / self.counts.get(g, 1) for g, ns in self.elapsed_ns.items()}

@@ -133,3 +133,58 @@ def test_a_budget_below_every_measuring_pass_names_the_smallest_that_works():
     planned = executor.optimize(work.model, work.inputs, work.loss_fn, budget=minimum, repeats=1, warmup=0,
                                 time_limit_s=5, workers=1, progress=False)
     assert planned.schedule.budget_bytes == minimum
+
+
+def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is_off():
+    """A profile whose times are three times what the step takes: the report says so, names the nodes, the module
+    re-plans once on what it measured, and every step stays plain PyTorch's, bit for bit."""
+    import copy
+
+    from executor.replay import PlannedModule
+
+    torch.set_num_threads(1)
+    model, args, kwargs, targets, loss_fn = ZOO["bert"]()
+    plain = copy.deepcopy(model)
+    profile, profiled = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0)
+    document = profile.model_dump(mode="json")
+    for node in document["nodes"]:
+        for implementation in node["implementations"]:
+            implementation["time_ms"] *= 3
+    from planner.profile import parse_profile
+
+    slow = parse_profile(document, "three times too slow")
+    budget = int(keep_all_peak_bytes(slow) * 0.7)
+    schedule = plan(slow, budget, strategy="recompute-only", time_limit_s=5, workers=1)
+    asked: list = []
+
+    def replan(measured):
+        asked.append(measured)
+        return plan(measured, budget, strategy="recompute-only", time_limit_s=5, workers=1)
+
+    planned = PlannedModule(model, slow, schedule, loss_fn, profiled=profiled, timed_steps=2, replan=replan)
+    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    for step in range(6):
+        for m, o in ((model, optimizer), (plain, plain_optimizer)):
+            o.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = planned(*args, targets=targets, **kwargs)
+        loss.backward()
+        torch.manual_seed(step)
+        expected = loss_fn(plain(*args, **kwargs), targets)
+        expected.backward()
+        assert torch.equal(loss, expected), step
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, name)
+        if step == 0:
+            assert planned.report() is None  # two timed steps first
+        optimizer.step()
+        plain_optimizer.step()
+    assert len(asked) == 1  # re-planned once, not after the new plan's own timed steps
+    report = planned.report()
+    first = report.history[0]
+    assert first.off and first.replanned and first.ratio < 0.6
+    assert first.nodes and abs(first.nodes[0].difference_ms) >= abs(first.nodes[-1].difference_ms)
+    assert planned.profile is asked[0] and planned.schedule.profile_digest == asked[0].digest()
+    assert report.steps_timed == 2 and not report.replanned
+    assert report.measured_peak_bytes <= budget
+    assert "re-planned" in report.describe() and "nodes that differ most" in report.describe()
