@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
 from cli import app  # noqa: E402
-from models.batch_profiles import BatchProfileError, EstimatedProfiles, MeasuredProfiles  # noqa: E402
+from executor.batch_profiles import MeasuredProfiles  # noqa: E402
+from models.batch_profiles import BatchProfileError, EstimatedProfiles  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.max_batch import max_batch  # noqa: E402
 from planner.planning import plan  # noqa: E402
