@@ -199,7 +199,7 @@ def convolution_algorithms(node: fx.Node, graph_module: fx.GraphModule, gpu: GPU
         direction = "data" if node.args[10][0] else "filter"
     if x.dim() != 4 or w.dim() != 4:
         return None
-    device = Device(gpu, _math_of(node, math) if direction == "forward" else math)
+    device = Device(gpu, _math_of(node, math))
     element = x.element_size()
     n, c, h, wd = (int(s) for s in x.shape)
     stride, padding, dilation, groups = _pair(stride), _pair(padding), _pair(dilation), int(groups)
