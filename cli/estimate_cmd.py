@@ -1,12 +1,17 @@
-"""`mosos estimate`: a profile for a reference network on a GPU we do not have (roofline + cuDNN families).
+"""`mosos estimate`: a profile of a training step on a GPU we do not have (roofline + cuDNN families).
 
-torch and the `models` package are imported only when the command runs, so the
-planner stays importable without them.
+Two kinds of model: a reference network by name (`--model vgg19`, priced per
+layer by `models.estimator`), or the user's own `path/to/file.py:build` /
+`package.module:build` workload (`models.workload`), captured here and priced
+per ATen operation by `executor.estimate`, without running a step. torch,
+`models` and `executor` are imported only when the command runs, so the planner
+stays importable without them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import typer
@@ -40,10 +45,43 @@ def _listing(gpus, registry) -> None:
     console.print("models (--model): " + ", ".join(registry.list_models()))
 
 
+def _summary(profile, output: Path | None) -> str:
+    from planner.simulator import simulate
+    from planner.strategies.keep_all import keep_all_schedule
+
+    keep_all = simulate(profile, keep_all_schedule(profile), keep_timeline=False)
+    fits = "fits" if keep_all.peak_memory_bytes <= profile.hardware.memory_capacity_bytes else "does NOT fit"
+    where = f"wrote {output}: " if output else ""
+    return (f"{where}{profile.name}, {len(profile.nodes)} nodes; keep-all (fastest algorithms): step "
+            f"{keep_all.step_time_ms:.2f} ms, peak {format_bytes(keep_all.peak_memory_bytes)} of "
+            f"{format_bytes(profile.hardware.memory_capacity_bytes)} ({fits}; fixed {format_bytes(profile.fixed_bytes)})")
+
+
+def _estimate_workload(spec: str, gpu: str | None, batch: int | None, output: Path | None, *, math: str,
+                       optimizer: str, memory_bytes: int | None, compact: bool) -> None:
+    """Capture the user's workload here and estimate it per ATen operation on the GPU (no step is run)."""
+    if gpu is None:
+        raise MososError(f"mosos estimate {spec} needs --gpu (one of the table: mosos estimate --list)")
+    whole_number_in(batch, "--batch", 1, 1 << 24)
+    from executor.estimate import estimate_workload, gpu_of
+
+    gpu_of(gpu)  # an unknown GPU is refused, with the known keys, before the user's code runs
+    started = time.monotonic()
+    profile = estimate_workload(spec, gpu, batch_size=batch, math=math, optimizer=optimizer,
+                                memory_bytes=memory_bytes)
+    seconds = time.monotonic() - started
+    if output is not None:
+        write_output(output, profile.to_json(indent=None if compact else 1), "-o")
+    console.print(_summary(profile, output) + f"; estimated in {seconds:.1f} s", highlight=False)
+
+
 @app.command("estimate")
 @friendly
 def estimate_command(
-    model: str = typer.Option(None, "--model", "-m", help="reference network, e.g. vgg19, unet, resnet50 (see --list)"),
+    workload: str = typer.Argument(None, help="your own workload, path/to/file.py:build or package.module:build "
+                                   "(build() returns model, inputs, targets, loss; it may take batch_size=)"),
+    model: str = typer.Option(None, "--model", "-m", help="reference network, e.g. vgg19, unet, resnet50 (see --list); "
+                              "or your file.py:build"),
     batch: int = typer.Option(None, "--batch", "-b", help="batch size"),
     gpu: str = typer.Option(None, "--gpu", "-g", help="GPU key: titanx, p40, p100, v100, a100, h100"),
     output: Path = typer.Option(None, "-o", "--output", help="where to write the profile (JSON)"),
@@ -56,10 +94,29 @@ def estimate_command(
     compact: bool = typer.Option(False, help="write the JSON on one line (smaller files)"),
     list_: bool = typer.Option(False, "--list", help="list the GPUs and models and exit"),
 ) -> None:
-    """Estimate a training-step profile of MODEL at BATCH on GPU, without that GPU."""
+    """Estimate a training-step profile of a reference MODEL at BATCH, or of your WORKLOAD, on GPU, without that GPU."""
     estimator, gpus, registry = _load_estimator()
     if list_:
         _listing(gpus, registry)
+        return
+    if workload is not None and model is not None:
+        raise MososError(f"give your workload ({workload}) or --model, not both")
+    spec = workload if workload is not None else model
+    from models.workload import looks_like_spec
+
+    if spec is not None and (workload is not None or looks_like_spec(spec)):
+        if not looks_like_spec(spec):
+            raise MososError(f"{spec!r} is not a workload spec: write path/to/file.py:build or package.module:build "
+                             f"(a reference network goes in --model: {', '.join(registry.list_models())})")
+        for flag, value in (("--image-size", image_size), ("--tokens", tokens), ("--small", small or None)):
+            if value is not None:
+                raise MososError(f"{flag} is for reference networks; your build() sets its own inputs")
+        writable_output(output, "-o")
+        memory_bytes = parse_bytes(memory) if memory else None
+        if memory_bytes == 0:
+            raise MososError("--memory must be more than 0 bytes")
+        _estimate_workload(spec, gpu, batch, output, math=math, optimizer=optimizer, memory_bytes=memory_bytes,
+                           compact=compact)
         return
     missing = [flag for flag, value in (("--model", model), ("--batch", batch), ("--gpu", gpu), ("-o", output))
                if value is None]

@@ -1,9 +1,11 @@
 """`mosos max-batch`: the largest batch whose plan fits the GPU, per strategy, and the batch with the best throughput.
 
 A named model is estimated for a named GPU (`--model vgg19 --gpu v100`); a
-user's `--model path.py:build` workload is measured on this machine's device
-at a few batches and scaled (`models.batch_profiles`). torch and `models` are
-imported only when the command runs.
+user's `--model path.py:build` workload is estimated for a named GPU from its
+captured step at every batch (`--gpu h100`, `executor.batch_profiles.EstimatedWorkloadProfiles`),
+or, without `--gpu`, measured on this machine's device at a few batches and
+scaled (`executor.batch_profiles.MeasuredProfiles`). torch, `models` and
+`executor` are imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def _profile_source(model: str, gpu: str | None, *, image_size, tokens, small, m
 
     if looks_like_spec(model):
         if gpu is not None:
-            raise MososError(f"--gpu is for reference networks, which are estimated; {model!r} is your own workload, "
-                             "measured on this machine's device (--device cpu or cuda)")
-        from models.batch_profiles import MeasuredProfiles
+            from executor.batch_profiles import EstimatedWorkloadProfiles
+
+            return EstimatedWorkloadProfiles(model, gpu, math=math, optimizer=optimizer, memory_bytes=memory,
+                                             progress=say)
+        from executor.batch_profiles import MeasuredProfiles
 
         return MeasuredProfiles(model, device=device, measure_batches=measure_batches, validate_batch=validate_batch,
                                 optimizer=optimizer, repeats=repeats, threads=threads, d2h_gb_per_s=d2h,
@@ -154,9 +158,10 @@ class _Progress:
 @friendly
 def max_batch_command(
     model: str = typer.Option(..., "--model", "-m", help="reference network (vgg19, resnet50, ...) with --gpu, or "
-                              "path/to/file.py:build (your workload, measured here; build(batch_size=...))"),
-    gpu: str = typer.Option(None, "--gpu", "-g", help="GPU to estimate a reference network on: titanx, p40, p100, "
-                            "v100, a100, h100"),
+                              "path/to/file.py:build (your workload, build(batch_size=...): estimated for --gpu, "
+                              "else measured here)"),
+    gpu: str = typer.Option(None, "--gpu", "-g", help="GPU to estimate on (a reference network, or your "
+                            "file.py:build without measuring it): titanx, p40, p100, v100, a100, h100"),
     budget: str = typer.Option(None, help="memory budget (16GB, 16GiB, bytes); default: the GPU's (or device's) memory"),
     max_overhead: str = typer.Option("10%", help="slowest acceptable step over each batch's lower bound: 10%, 0.1, "
                                      "'forward' (one extra forward pass, Checkmate's) or 'none'"),
@@ -213,7 +218,7 @@ def max_batch_command(
     with _Progress(not as_json and error_console.is_terminal, time_limit) as progress:
         source = _profile_source(
             model, gpu, image_size=image_size, tokens=tokens, small=small, math=math,
-            optimizer=optimizer or ("sgd" if ":" in model else "sgd-momentum"), memory=memory_bytes, device=device,
+            optimizer=optimizer or ("sgd" if ":" in model and gpu is None else "sgd-momentum"), memory=memory_bytes, device=device,
             measure_batches=measures, validate_batch=validate_batch or None, repeats=repeats, threads=threads,
             d2h=d2h_gb_per_s, h2d=h2d_gb_per_s, say=progress.say,
         )

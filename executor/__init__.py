@@ -5,7 +5,7 @@ Needs torch (the planner never imports this package).
 
 from __future__ import annotations
 
-__all__ = ["profile_model", "PlannedModule", "optimize", "CaptureError", "ProfileMismatch", "ReplayError"]
+__all__ = ["profile_model", "estimate_profile", "PlannedModule", "optimize", "CaptureError", "ProfileMismatch", "ReplayError"]
 
 
 def __getattr__(name: str):
@@ -14,6 +14,10 @@ def __getattr__(name: str):
         from executor.profiler import profile_model
 
         return profile_model
+    if name == "estimate_profile":
+        from executor.estimate import estimate_profile
+
+        return estimate_profile
     if name == "PlannedModule":
         from executor.replay import PlannedModule
 

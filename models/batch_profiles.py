@@ -3,8 +3,11 @@
 - `EstimatedProfiles(model, gpu)`: the estimator (`models.estimator`) at each
   batch asked for. An estimate costs tens of milliseconds, so every batch is
   estimated exactly, and kept for the rest of the search.
-- `MeasuredProfiles(spec)`: a user's `file.py:build(batch_size=...)` workload
-  measured by `executor.profile_model` on this machine's device. A measurement
+- Scaling measured profiles across batches (`scale_profile`, `check_same_graph`,
+  `ScalingReport`), for `executor.batch_profiles.MeasuredProfiles`: a user's
+  `file.py:build(batch_size=...)` workload measured by the executor's profiler
+  on this machine's device (the measuring lives with the profiler: `models/`
+  never imports `executor/`). A measurement
   costs seconds to minutes and the batches a search reaches may not even run
   without a plan, so only a few batches are measured (`measure_batches`,
   default 4 and 8) and every other batch is scaled from them: each tensor
@@ -28,10 +31,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
@@ -214,134 +214,7 @@ def scale_profile(low: GraphProfile, high: GraphProfile, a: int, b: int, batch: 
         raise BatchProfileError(f"the profile scaled to batch {batch} is out of bounds: {error}") from None
 
 
-def _memory_peak(profile: GraphProfile) -> int:
+def memory_peak_bytes(profile: GraphProfile) -> int:
     """Keep-all's peak with the smallest workspaces: sizes only (the fastest algorithm follows noisy timings)."""
     schedule = with_smallest_workspaces(profile, keep_all_schedule(profile))
     return simulate(profile, schedule, keep_timeline=False).peak_memory_bytes
-
-
-def _to(value, device):
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
-
-
-class MeasuredProfiles:
-    """`profile(batch)` for a user's workload: measured at a few batches on this machine, scaled in between."""
-
-    def __init__(
-        self,
-        spec: str,
-        *,
-        device: str = "cpu",
-        measure_batches: tuple[int, ...] = (4, 8),
-        validate_batch: int | None = 16,
-        threads: int | None = None,
-        optimizer: str = "sgd",
-        repeats: int = 3,
-        warmup: int = 1,
-        d2h_gb_per_s: float | None = None,
-        h2d_gb_per_s: float | None = None,
-        progress: Callable[[str], None] | None = None,
-    ):
-        batches = sorted(set(measure_batches))
-        if len(batches) < 2 or batches[0] < 1:
-            raise BatchProfileError(f"measure at least two different batch sizes of 1 or more, not {measure_batches}")
-        if validate_batch is not None and (validate_batch < 1 or validate_batch in batches):
-            raise BatchProfileError(f"the validation batch {validate_batch} must be 1 or more and not one of the "
-                                    f"measured batches {batches}")
-        if device not in ("cpu", "cuda"):
-            raise BatchProfileError(f"the device is cpu or cuda, not {device!r}")
-        if threads is not None:
-            if threads < 1:
-                raise BatchProfileError(f"threads must be at least 1, not {threads}")
-            import torch
-
-            torch.set_num_threads(threads)  # 1 avoids thread-barrier stalls that make CPU timings noisy under load
-        self.spec, self.device = spec, device
-        self.options = dict(optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
-                            h2d_gb_per_s=h2d_gb_per_s)
-        self.say = progress or (lambda message: None)
-        self.measured: dict[int, GraphProfile] = {}
-        self._scaled: dict[int, GraphProfile] = {}
-        self.label = spec
-        started = time.monotonic()
-        for batch in batches:
-            self.measured[batch] = self.measure(batch)
-        first = self.measured[batches[0]]
-        for batch in batches[1:]:
-            check_same_graph(first, self.measured[batch], (batches[0], batch))
-        self.report = ScalingReport(measured_batches=list(batches), validate_batch=validate_batch)
-        if validate_batch is not None:
-            predicted = self(validate_batch)
-            actual = self.measure(validate_batch)
-            check_same_graph(first, actual, (batches[0], validate_batch))
-            self._compare(predicted, actual)
-            self.measured[validate_batch] = actual
-            self._scaled.clear()
-            self.report.measured_batches = sorted(self.measured)
-        self.report.measure_seconds = time.monotonic() - started
-
-    def measure(self, batch: int) -> GraphProfile:
-        import torch
-
-        from executor import profile_model
-        from models.workload import load_workload
-
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise BatchProfileError("device cuda: no CUDA device is available here")
-        workload = load_workload(self.spec, batch_size=batch)
-        self.label = workload.name
-        model = workload.model.to(self.device)
-        inputs, targets = _to(workload.inputs, self.device), _to(workload.targets, self.device)
-        kwargs = {key: _to(value, self.device) for key, value in workload.kwargs.items()}
-        self.say(f"measuring {self.spec} at batch {batch} on {self.device}")
-        return profile_model(model, inputs, workload.loss_fn, targets, kwargs=kwargs,
-                             name=f"{workload.name} batch {batch} on {self.device} (measured)",
-                             progress=lambda message: self.say(f"batch {batch}: {message}"), **self.options)
-
-    def __call__(self, batch_size: int) -> GraphProfile:
-        if batch_size in self.measured:
-            return self.measured[batch_size]
-        if batch_size not in self._scaled:
-            known = sorted(self.measured)
-            above = [b for b in known if b > batch_size]
-            below = [b for b in known if b < batch_size]
-            if below and above:
-                a, b = below[-1], above[0]
-            elif above:
-                a, b = above[0], above[1]
-            else:
-                a, b = below[-2], below[-1]
-            name = f"{self.label} batch {batch_size} on {self.device} (scaled from batches {a} and {b})"
-            self._scaled[batch_size] = scale_profile(self.measured[a], self.measured[b], a, b, batch_size, name)
-        return self._scaled[batch_size]
-
-    def _compare(self, predicted: GraphProfile, actual: GraphProfile) -> None:
-        differences = [p.size_bytes - q.size_bytes for p, q in zip(predicted.nodes, actual.nodes)]
-        differences += [
-            i.workspace_bytes - actual.node_by_id[p.id].implementation(i.name).workspace_bytes
-            for p in predicted.nodes for i in p.implementations
-        ]
-        differences.append(predicted.fixed_bytes - actual.fixed_bytes)
-        self.report.size_error_bytes = max(abs(d) for d in differences)
-        self.report.size_underestimate_bytes = max(0, -min(differences))
-        measured_peak = _memory_peak(actual)
-        self.report.peak_error = (_memory_peak(predicted) - measured_peak) / measured_peak
-        step = simulate(actual, keep_all_schedule(actual), keep_timeline=False).step_time_ms
-        scaled_step = simulate(predicted, keep_all_schedule(predicted), keep_timeline=False).step_time_ms
-        self.report.step_time_error = (scaled_step - step) / step if step > 0 else 0.0
-        relative = [
-            abs(p.fastest.time_ms - q.fastest.time_ms) / q.fastest.time_ms
-            for p, q in zip(predicted.nodes, actual.nodes) if q.fastest.time_ms >= 0.01 * step and q.fastest.time_ms > 0
-        ]
-        self.report.node_time_error_median = statistics.median(relative) if relative else 0.0
-
-    def describe(self) -> str:
-        return self.report.describe()

@@ -14,7 +14,8 @@ torch = pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
 from cli import app  # noqa: E402
-from models.batch_profiles import BatchProfileError, EstimatedProfiles, MeasuredProfiles  # noqa: E402
+from executor.batch_profiles import MeasuredProfiles  # noqa: E402
+from models.batch_profiles import BatchProfileError, EstimatedProfiles  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.max_batch import max_batch  # noqa: E402
 from planner.planning import plan  # noqa: E402
@@ -144,11 +145,34 @@ def test_bad_input_is_a_message(arguments, code, message):
     assert message in result.output
 
 
-def test_a_workload_spec_takes_no_gpu_and_needs_a_batch_size_parameter(workload):
-    result = invoke("max-batch", "--model", f"{workload}:build", "--gpu", "v100")
-    assert result.exit_code == 2 and "--gpu is for reference networks" in result.output
+def test_a_workload_spec_needs_a_batch_size_parameter(workload):
     result = invoke("max-batch", "--model", f"{workload}:one_batch", "--time-limit", "30")
     assert result.exit_code == 2 and "takes no batch_size parameter" in result.output
+    result = invoke("max-batch", "--model", f"{workload}:one_batch", "--gpu", "v100", "--time-limit", "30")
+    assert result.exit_code == 2 and "takes no batch_size parameter" in result.output
+    result = invoke("max-batch", "--model", f"{workload}:build", "--gpu", "k80", "--time-limit", "30")
+    assert result.exit_code == 2 and "unknown GPU 'k80'; known: titanx, p40" in result.output
+
+
+def test_with_a_gpu_a_workload_is_estimated_at_every_batch_not_measured(workload):
+    """`--model file.py:build --gpu`: each batch the search reaches is captured and estimated for the GPU, exactly
+    (the profile at a batch is the estimate at that batch, not a line through others); nothing is measured."""
+    from executor.batch_profiles import EstimatedWorkloadProfiles
+    from executor.estimate import estimate_workload
+
+    result = invoke("max-batch", "--model", f"{workload}:build", "--gpu", "v100", "--budget", "3MiB",
+                    "--strategy", "keep-all", "--max-overhead", "none", "--time-limit", "120", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert "estimated for Tesla V100" in report["profiles"] and "scaling" not in report
+    largest = report["strategies"][0]["max_batch_size"]
+    assert largest is not None and largest > 1
+    profiles = EstimatedWorkloadProfiles(f"{workload}:build", "v100")
+    assert keep_all_peak_bytes(profiles(largest)) <= 3 * MIB < keep_all_peak_bytes(profiles(largest + 1))
+    assert profiles(largest).provenance.source == "estimated"
+    assert profiles(largest).provenance.input_signature == f"float32[{largest},3,16,16]"
+    again = estimate_workload(f"{workload}:build", "v100", batch_size=largest)
+    assert again.model_dump() == profiles(largest).model_dump()
 
 
 def test_measured_profiles_are_scaled_exactly_in_size_and_the_search_runs_on_them(workload):

@@ -40,13 +40,12 @@ def test_cli_help_without_torch():
     assert "plan" in result.stdout and "simulate" in result.stdout
 
 
-def test_planner_imports_none_of_the_other_packages():
-    """planner/ is the library the CLI, the service and the executor use: it imports none of them, not even lazily."""
+def _imports_of(folder: str, packages: set[str]) -> list[str]:
+    """Every import (top level or inside a function) of one of `packages` in the .py files under `folder`."""
     import ast
 
-    others = {"api", "cli", "executor", "models"}
     found = []
-    for path in sorted((REPO / "planner").rglob("*.py")):
+    for path in sorted((REPO / folder).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -54,5 +53,28 @@ def test_planner_imports_none_of_the_other_packages():
                 names = [node.module]
             else:
                 continue
-            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in others]
+            found += [f"{path.relative_to(REPO)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in packages]
+    return found
+
+
+def test_planner_imports_none_of_the_other_packages():
+    """planner/ is the library the CLI, the service and the executor use: it imports none of them, not even lazily."""
+    found = _imports_of("planner", {"api", "cli", "executor", "models"})
     assert not found, "\n".join(found)
+
+
+def test_models_import_no_executor():
+    """models/ (reference networks, the GPU table, the estimator) never imports executor/, not even lazily: what
+    needs the profiler or the capture (measured profiles of a workload, estimates of a user's model) lives there."""
+    found = _imports_of("models", {"executor", "api", "cli"})
+    assert not found, "\n".join(found)
+
+
+def test_the_import_scan_sees_lazy_imports(tmp_path, monkeypatch):
+    """The scan is not vacuous: an import inside a function of a file under the folder is found."""
+    import tests.test_no_torch as this
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("def f():\n    from executor.profiler import profile_model\n")
+    monkeypatch.setattr(this, "REPO", tmp_path)
+    assert this._imports_of("pkg", {"executor"}) == ["pkg/m.py:2 imports executor.profiler"]

@@ -1,0 +1,179 @@
+"""Profiles at any batch size of a user's `file.py:build(batch_size=...)` workload, for `mosos max-batch` and
+`planner.max_batch.max_batch` (which takes any `batch -> GraphProfile` function).
+
+- `EstimatedWorkloadProfiles(spec, gpu)`: estimated for a GPU of the table at every batch asked for
+  (`executor.estimate`: the step is captured at that batch, nothing runs), and kept for the rest of the search.
+  Each batch is exact; each costs a capture (seconds for a BERT-sized model).
+- `MeasuredProfiles(spec)`: measured by the profiler on this machine's device at a few batches and scaled
+  linearly in between and beyond (`models.batch_profiles.scale_profile`), checked against a further measurement.
+  A measurement costs seconds to minutes and the batches a search reaches may not even run without a plan,
+  hence the scaling; see `models.batch_profiles` for what is linear in the batch and what is not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from executor.estimate import estimate_workload, gpu_of
+from executor.profiler import profile_model
+from models.batch_profiles import BatchProfileError, ScalingReport, check_same_graph, memory_peak_bytes, scale_profile
+from models.workload import load_workload
+from planner.errors import MososError
+from planner.profile import GraphProfile
+from planner.simulator import simulate
+from planner.strategies.keep_all import keep_all_schedule
+
+
+class EstimatedWorkloadProfiles:
+    """`profile(batch)` for a user's workload on a GPU of the table, estimated exactly at every batch (cached)."""
+
+    def __init__(self, spec: str, gpu: str, *, math: str = "fp32", optimizer: str = "sgd-momentum",
+                 memory_bytes: int | None = None, progress: Callable[[str], None] | None = None):
+        self.spec, self.gpu = spec, gpu_of(gpu)
+        self.options = dict(math=math, optimizer=optimizer, memory_bytes=memory_bytes)
+        self.say = progress or (lambda message: None)
+        self._cache: dict[int, GraphProfile] = {}
+        self.capture_seconds: list[float] = []
+        try:
+            self(1)  # a spec that does not load, a build without batch_size, a bad option: an error now
+        except MososError as error:
+            try:
+                self(2)  # some models cannot train at batch 1 (batch norm over a single value); the search starts at 2
+            except MososError:
+                raise error from None
+
+    def __call__(self, batch_size: int) -> GraphProfile:
+        if batch_size not in self._cache:
+            self.say(f"estimating {self.spec} at batch {batch_size} on {self.gpu.key}")
+            started = time.monotonic()
+            self._cache[batch_size] = estimate_workload(self.spec, self.gpu, batch_size=batch_size, **self.options)
+            self.capture_seconds.append(time.monotonic() - started)
+        return self._cache[batch_size]
+
+    def describe(self) -> str:
+        estimator = next(iter(self._cache.values())).provenance.estimator if self._cache else "executor.estimate"
+        seconds = sum(self.capture_seconds)
+        return (f"estimated for {self.gpu.name} at every batch from the captured step ({estimator}; "
+                f"{len(self.capture_seconds)} captures, {seconds:.1f} s)")
+
+
+def _to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+class MeasuredProfiles:
+    """`profile(batch)` for a user's workload: measured at a few batches on this machine, scaled in between."""
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        device: str = "cpu",
+        measure_batches: tuple[int, ...] = (4, 8),
+        validate_batch: int | None = 16,
+        threads: int | None = None,
+        optimizer: str = "sgd",
+        repeats: int = 3,
+        warmup: int = 1,
+        d2h_gb_per_s: float | None = None,
+        h2d_gb_per_s: float | None = None,
+        progress: Callable[[str], None] | None = None,
+    ):
+        batches = sorted(set(measure_batches))
+        if len(batches) < 2 or batches[0] < 1:
+            raise BatchProfileError(f"measure at least two different batch sizes of 1 or more, not {measure_batches}")
+        if validate_batch is not None and (validate_batch < 1 or validate_batch in batches):
+            raise BatchProfileError(f"the validation batch {validate_batch} must be 1 or more and not one of the "
+                                    f"measured batches {batches}")
+        if device not in ("cpu", "cuda"):
+            raise BatchProfileError(f"the device is cpu or cuda, not {device!r}")
+        if threads is not None:
+            if threads < 1:
+                raise BatchProfileError(f"threads must be at least 1, not {threads}")
+            torch.set_num_threads(threads)  # 1 avoids thread-barrier stalls that make CPU timings noisy under load
+        self.spec, self.device = spec, device
+        self.options = dict(optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
+                            h2d_gb_per_s=h2d_gb_per_s)
+        self.say = progress or (lambda message: None)
+        self.measured: dict[int, GraphProfile] = {}
+        self._scaled: dict[int, GraphProfile] = {}
+        self.label = spec
+        started = time.monotonic()
+        for batch in batches:
+            self.measured[batch] = self.measure(batch)
+        first = self.measured[batches[0]]
+        for batch in batches[1:]:
+            check_same_graph(first, self.measured[batch], (batches[0], batch))
+        self.report = ScalingReport(measured_batches=list(batches), validate_batch=validate_batch)
+        if validate_batch is not None:
+            predicted = self(validate_batch)
+            actual = self.measure(validate_batch)
+            check_same_graph(first, actual, (batches[0], validate_batch))
+            self._compare(predicted, actual)
+            self.measured[validate_batch] = actual
+            self._scaled.clear()
+            self.report.measured_batches = sorted(self.measured)
+        self.report.measure_seconds = time.monotonic() - started
+
+    def measure(self, batch: int) -> GraphProfile:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise BatchProfileError("device cuda: no CUDA device is available here")
+        workload = load_workload(self.spec, batch_size=batch)
+        self.label = workload.name
+        model = workload.model.to(self.device)
+        inputs, targets = _to(workload.inputs, self.device), _to(workload.targets, self.device)
+        kwargs = {key: _to(value, self.device) for key, value in workload.kwargs.items()}
+        self.say(f"measuring {self.spec} at batch {batch} on {self.device}")
+        return profile_model(model, inputs, workload.loss_fn, targets, kwargs=kwargs,
+                             name=f"{workload.name} batch {batch} on {self.device} (measured)",
+                             progress=lambda message: self.say(f"batch {batch}: {message}"), **self.options)
+
+    def __call__(self, batch_size: int) -> GraphProfile:
+        if batch_size in self.measured:
+            return self.measured[batch_size]
+        if batch_size not in self._scaled:
+            known = sorted(self.measured)
+            above = [b for b in known if b > batch_size]
+            below = [b for b in known if b < batch_size]
+            if below and above:
+                a, b = below[-1], above[0]
+            elif above:
+                a, b = above[0], above[1]
+            else:
+                a, b = below[-2], below[-1]
+            name = f"{self.label} batch {batch_size} on {self.device} (scaled from batches {a} and {b})"
+            self._scaled[batch_size] = scale_profile(self.measured[a], self.measured[b], a, b, batch_size, name)
+        return self._scaled[batch_size]
+
+    def _compare(self, predicted: GraphProfile, actual: GraphProfile) -> None:
+        differences = [p.size_bytes - q.size_bytes for p, q in zip(predicted.nodes, actual.nodes)]
+        differences += [
+            i.workspace_bytes - actual.node_by_id[p.id].implementation(i.name).workspace_bytes
+            for p in predicted.nodes for i in p.implementations
+        ]
+        differences.append(predicted.fixed_bytes - actual.fixed_bytes)
+        self.report.size_error_bytes = max(abs(d) for d in differences)
+        self.report.size_underestimate_bytes = max(0, -min(differences))
+        measured_peak = memory_peak_bytes(actual)
+        self.report.peak_error = (memory_peak_bytes(predicted) - measured_peak) / measured_peak
+        step = simulate(actual, keep_all_schedule(actual), keep_timeline=False).step_time_ms
+        scaled_step = simulate(predicted, keep_all_schedule(predicted), keep_timeline=False).step_time_ms
+        self.report.step_time_error = (scaled_step - step) / step if step > 0 else 0.0
+        relative = [
+            abs(p.fastest.time_ms - q.fastest.time_ms) / q.fastest.time_ms
+            for p, q in zip(predicted.nodes, actual.nodes) if q.fastest.time_ms >= 0.01 * step and q.fastest.time_ms > 0
+        ]
+        self.report.node_time_error_median = statistics.median(relative) if relative else 0.0
+
+    def describe(self) -> str:
+        return self.report.describe()
