@@ -4,6 +4,7 @@
   on float32 activations of 32 MiB each: the product x * s is a transient the old ledger did not count.
 - `bert_small`: BertForSequenceClassification from a config (never downloaded): 4 layers, hidden 256,
   4 heads, batch 8, sequence 128.
+- `gpt2_small`: GPT2LMHeadModel from a config: 4 layers, hidden 256, batch 8, sequence 128, its own loss.
 - `resnet18_small`: the reference ResNet-18 (models/), small variant, batch 8.
 """
 
@@ -48,6 +49,18 @@ def bert_small(batch_size: int | None = None, layers: int = 4, hidden: int = 256
     labels = torch.randint(0, 4, (batch,), generator=generator)
     return {"model": model, "inputs": (), "kwargs": {"input_ids": ids}, "targets": labels,
             "loss_fn": lambda out, t: F.cross_entropy(out.logits, t)}
+
+
+def gpt2_small(batch_size: int | None = None, layers: int = 4, hidden: int = 256, sequence: int = 128):
+    """GPT-2 from a config (tied embeddings, its own causal LM loss): 4 layers, hidden 256, batch 8, sequence 128."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=1024, n_positions=max(512, sequence), n_embd=hidden, n_layer=layers,
+                        n_head=hidden // 64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 1024, (batch_size or 8, sequence), generator=torch.Generator().manual_seed(0))
+    return {"model": model, "inputs": (), "kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda out: out.loss}
 
 
 def bert_base(batch_size: int | None = None):

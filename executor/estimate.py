@@ -39,7 +39,8 @@ from torch import nn
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
-from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph
+from executor.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, node_sizes,
+                                     transient_peak_bytes)
 from executor.profiler import ProfiledStep, _Preserved, _first_device, as_tuple, fixed_memory, optimizer_state_bytes, \
     plan_step
 from models import cudnn
@@ -222,45 +223,6 @@ def convolution_algorithms(node: fx.Node, graph_module: fx.GraphModule, gpu: GPU
 
 
 # --- a planning node -------------------------------------------------------------------------------------
-
-
-def _roots_of_op(planning: PlanningGraph, op: fx.Node) -> list[fx.Node]:
-    if op in planning.facts.root_bytes:
-        return [op]
-    return [user for user in op.users if user in planning.facts.root_bytes]
-
-
-def transient_peak_bytes(planning: PlanningGraph, group: Group) -> int:
-    """The most bytes a node's intermediates (storages it makes and only it reads, outputs and fixed memory
-    excepted) hold at once while its operations run in order, each freed after its last reader in the node."""
-    facts = planning.facts
-    kept = {facts.storage_of.get(r, r) for r in group.outputs} | set(planning.fixed_roots)
-    members = set(group.ops)
-    live: dict[fx.Node, int] = {}
-    last: dict[fx.Node, fx.Node] = {}
-    peak = 0
-    for op in group.ops:
-        for root in _roots_of_op(planning, op):
-            storage = facts.storage_of.get(root, root)
-            if storage in kept or root in kept:
-                continue
-            live.setdefault(storage, facts.root_bytes.get(storage, 0))
-            readers = [r for r in planning.readers.get(root, []) if r in members]
-            last[storage] = max([last.get(storage, op), *readers], key=lambda n: group.ops.index(n))
-        peak = max(peak, sum(live.values()))
-        for storage in [s for s, end in last.items() if end is op]:
-            live.pop(storage, None)
-            last.pop(storage)
-    return peak
-
-
-def node_sizes(planning: PlanningGraph, group: Group) -> tuple[int, int]:
-    """(output_bytes, extra_saved_bytes) as a measured profile splits them: the first output's storage, then the
-    node's other distinct output storages."""
-    outputs = planning.size_bytes(group)
-    main = planning.facts.storage_of.get(group.outputs[0], group.outputs[0]) if group.outputs else None
-    main_bytes = planning.facts.root_bytes.get(main, 0) if main is not None else 0
-    return min(main_bytes, outputs), outputs - min(main_bytes, outputs)
 
 
 def node_implementations(planning: PlanningGraph, group: Group, gpu: GPU, math: str) -> list[dict]:

@@ -40,43 +40,6 @@ FRUGAL_STRATEGIES = ("checkpoint-all", "chen-sqrt", "recompute-only")
 SCRATCH_SLACK_BYTES = 4096
 
 
-def _readers_through_views(root, facts) -> list:
-    found, stack = [], [root]
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user in facts.alias_of or (user.target is operator.getitem and user not in facts.root_bytes):
-                stack.append(user)
-            else:
-                found.append(user)
-    return found
-
-
-def transient_peak_bytes(planning, group) -> int:
-    """The most a node holds beyond its outputs while it runs, as the fake run sees it: each intermediate storage
-    from the operation that makes it to its last reader inside the node."""
-    facts = planning.facts
-    position = {op: i for i, op in enumerate(group.ops)}
-    keep = set(group.outputs)
-    events = []
-    for op in group.ops:
-        for value in [op] + [u for u in op.users if u.target is operator.getitem]:
-            if value not in facts.root_bytes or value in facts.storage_of:
-                continue
-            size = facts.root_bytes[value]
-            events.append((position[op], 0, size))
-            if value not in keep:
-                last = max([position[r] for r in _readers_through_views(value, facts) if r in position]
-                           + [position[op]])
-                events.append((last, 1, -size))
-    running = peak = 0
-    for _, _, delta in sorted(events, key=lambda e: (e[0], e[1])):
-        running += delta
-        peak = max(peak, running)
-    kept = sum(facts.root_bytes.get(v, 0) for v in keep if v not in facts.storage_of)
-    return max(0, peak - kept)
-
-
 def scratch_allowance_bytes(planning, group) -> int:
     """A kernel's own scratch, which no fake tensor shows (dropout's mask, a reduction's buffer): up to one more
     buffer as large as the largest storage an operation of the node makes."""
@@ -221,5 +184,4 @@ def with_implementations(provisional: GraphProfile, schedule: Schedule, choose, 
     return substituted(allowed)
 
 
-__all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "with_implementations", "transient_peak_bytes",
-           "scratch_allowance_bytes"]
+__all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "with_implementations", "scratch_allowance_bytes"]

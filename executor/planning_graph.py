@@ -413,3 +413,45 @@ def _forward_nodes(step: CapturedStep, groups: list[Group], group_of: dict) -> N
         seq = group.ops[0].meta.get("seq_nr")
         match = by_sequence.get(seq)
         group.forward_node = match if match in forward_inputs else forward_inputs[0]
+
+
+# --- what a planning node holds, from the fake run -----------------------------------------------------
+
+
+def roots_of_op(planning: PlanningGraph, op: fx.Node) -> list[fx.Node]:
+    if op in planning.facts.root_bytes:
+        return [op]
+    return [user for user in op.users if user in planning.facts.root_bytes]
+
+
+def transient_peak_bytes(planning: PlanningGraph, group: Group) -> int:
+    """The most bytes a node's intermediates (storages it makes and only it reads, outputs and fixed memory
+    excepted) hold at once while its operations run in order, each freed after its last reader in the node."""
+    facts = planning.facts
+    kept = {facts.storage_of.get(r, r) for r in group.outputs} | set(planning.fixed_roots)
+    members = set(group.ops)
+    live: dict[fx.Node, int] = {}
+    last: dict[fx.Node, fx.Node] = {}
+    peak = 0
+    for op in group.ops:
+        for root in roots_of_op(planning, op):
+            storage = facts.storage_of.get(root, root)
+            if storage in kept or root in kept:
+                continue
+            live.setdefault(storage, facts.root_bytes.get(storage, 0))
+            readers = [r for r in planning.readers.get(root, []) if r in members]
+            last[storage] = max([last.get(storage, op), *readers], key=lambda n: group.ops.index(n))
+        peak = max(peak, sum(live.values()))
+        for storage in [s for s, end in last.items() if end is op]:
+            live.pop(storage, None)
+            last.pop(storage)
+    return peak
+
+
+def node_sizes(planning: PlanningGraph, group: Group) -> tuple[int, int]:
+    """(output_bytes, extra_saved_bytes) as a measured profile splits them: the first output's storage, then the
+    node's other distinct output storages."""
+    outputs = planning.size_bytes(group)
+    main = planning.facts.storage_of.get(group.outputs[0], group.outputs[0]) if group.outputs else None
+    main_bytes = planning.facts.root_bytes.get(main, 0) if main is not None else 0
+    return min(main_bytes, outputs), outputs - min(main_bytes, outputs)

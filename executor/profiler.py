@@ -42,10 +42,9 @@ from executor.allocations import memory_events
 from executor.codegen import CodeGenerator, Modes, schedule_operations
 from executor.errors import CaptureError
 from executor.feeds import Feeder
-from executor.planning_graph import CONVOLUTION, PlanningGraph, build, reference_run
+from executor.planning_graph import CONVOLUTION, PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
 from executor.runtime import StepRuntime, distinct_storage_bytes, obeys_layout
-from executor.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes,
-                                transient_peak_bytes, with_implementations)
+from executor.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
 from planner.simulator import simulate
@@ -379,17 +378,18 @@ def _hardware(device, d2h_gb_per_s, h2d_gb_per_s) -> dict:
 
 
 def _node_document(planning: PlanningGraph, group, implementations: list[dict], kept_bytes: int) -> dict:
-    """One node of the profile; `kept_bytes`: the distinct storages of what it hands on."""
+    """One node of the profile; `kept_bytes`: the distinct storages of what it hands on, as measured (a kernel may
+    keep more than its shape says: a view of a larger buffer), split as the fake run splits them."""
     groups = planning.groups
-    main = planning.facts.storage_of.get(group.outputs[0], group.outputs[0]) if group.outputs else None
-    main_bytes = planning.facts.root_bytes.get(main, 0) if main is not None else 0
+    output_bytes, _ = node_sizes(planning, group)
+    output_bytes = min(output_bytes, kept_bytes)
     document = {
         "id": group.id,
         "name": group.id,
         "kind": group.kind,
         "op_type": group.op_type,
-        "output_bytes": min(main_bytes, kept_bytes),
-        "extra_saved_bytes": kept_bytes - min(main_bytes, kept_bytes),
+        "output_bytes": output_bytes,
+        "extra_saved_bytes": kept_bytes - output_bytes,
         "module": group.module,
         "inputs": [groups[i].id for i in group.inputs],
         "implementations": implementations,
@@ -643,6 +643,7 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                          operations))
     samples: dict[tuple[int, str], list[float]] = {}
     harness: list[float] = []
+    glue: list[float] = []  # per computation, ms
     with torch.no_grad():
         for algorithm, program, ran, _ in programs:
             for index in range(warmup + repeats):
@@ -650,7 +651,9 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                 runtime.elapsed_ns = {}
                 runtime.counts = {}
                 runtime.rng.clear()
+                started = clock()
                 loss, _ = program.parts[0](list(values), runtime)
+                pass_ns = clock() - started
                 runtime.sink.clear()
                 loss_bytes = loss.untyped_storage().nbytes()
                 del loss
@@ -659,6 +662,12 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                 if index < warmup:
                     continue
                 harness.append(overhead)
+                if not runtime.cuda and runtime.counts:
+                    # what the step spends between nodes (frees, calls, the loop): the pass less its nodes' clocks,
+                    # less the half of each clock pair that falls outside its node
+                    computations = sum(runtime.counts.values())
+                    outside_ms = (pass_ns - sum(runtime.elapsed_ns.values())) / 1e6 / computations
+                    glue.append(max(0.0, outside_ms - overhead / 2))
                 for g, elapsed in times.items():
                     implementation = ran[g]
                     if _owner_pass(implementation, pass_names) == algorithm:
@@ -668,6 +677,7 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
         workspace = _workspaces(profiled, programs, values, device, pass_names, runtime, say)
     spread = []
     nodes_doc = []
+    glue_ms = statistics.median(glue) if glue else 0.0
     for group in groups:
         implementations = []
         for implementation in names[group.index]:
@@ -677,7 +687,7 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
             median = statistics.median(measured)
             if median > 0 and len(measured) > 1:
                 spread.append(100.0 * (max(measured) - min(measured)) / median)
-            implementations.append({"name": implementation, "time_ms": median,
+            implementations.append({"name": implementation, "time_ms": median + glue_ms,
                                     "workspace_bytes": workspace.get((group.index, implementation), 0)})
         # measured: a kernel may keep more than its shape says (a view of a larger buffer)
         nodes_doc.append(_node_document(planning, group, implementations, sizes[group.index]))
@@ -692,6 +702,8 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
         + (" (a recomputed node: the mean of its computations)" if frugal else "")
         + f", less the clock's own cost ({statistics.median(harness) * 1000 if harness else 0:.2f} us, an empty node "
         "timed the same way in every pass), median over the passes after warm-up",
+        f"each node's time includes {glue_ms * 1000:.2f} us of the step's glue between nodes (the pass's time less "
+        "its nodes' clocks, per computation, median over the passes)",
         "convolution algorithms other than native: passes of their own with every convolution set to them where "
         "its workspace fits",
         "workspace=" + ("caching allocator requested bytes, peak less held at the node's end" if device.type == "cuda"

@@ -276,7 +276,13 @@ class PlannedModule(nn.Module):
         self._steps_timed += 1
         peak = self.last_ledger.peak_bytes() if self.last_ledger is not None else (
             torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None)
-        self._timings.append((runtime.step_ns / 1e6, runtime.node_times_ms(), peak))
+        node_ms = runtime.node_times_ms()
+        computations = sum(runtime.counts.values())
+        if not runtime.cuda and computations:
+            # the step's glue between nodes (frees, calls, the ledger), shared per computation as the profiler does
+            glue_ms = max(0.0, runtime.step_ns / 1e6 - sum(ms * runtime.counts.get(g, 1) for g, ms in node_ms.items()))
+            node_ms = {g: ms + glue_ms / computations for g, ms in node_ms.items()}
+        self._timings.append((runtime.step_ns / 1e6, node_ms, peak))
         if self._steps_timed < self.timed_steps:
             return
         self._timed = None
