@@ -36,8 +36,8 @@ from planner.units import format_bytes
 
 MODES = ("auto", "keep-all", "frugal")
 FRUGAL_STRATEGIES = ("checkpoint-all", "chen-sqrt", "recompute-only")
-# small allocations kernels make beside their outputs (a scalar, a shape buffer)
-SCRATCH_SLACK_BYTES = 4096
+# small allocations kernels make beside their outputs (a scalar, a shape buffer; an embedding's backward: 8 KiB)
+SCRATCH_SLACK_BYTES = 16 << 10
 
 
 def scratch_allowance_bytes(planning, group) -> int:
