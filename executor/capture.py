@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor import export
-from executor.errors import CaptureError
+from executor.errors import CaptureError, autocast_regions
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _EXECUTOR_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -306,6 +306,10 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     kwargs = dict(kwargs or {})
     if not any(p.requires_grad for p in model.parameters()):
         raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
+    if autocast_regions():
+        raise CaptureError("capturing a step under torch.autocast: mixed precision is not reproduced by the planned "
+                           "step yet, so it is not planned; capture and train outside autocast, or cast the model "
+                           "(model.to(torch.bfloat16))")
     export.require_supported_torch()
     started = time.perf_counter()
     try:

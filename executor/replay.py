@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 from executor.accountant import Accountant
 from executor.capture import tensor_signature
 from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
-from executor.errors import ProfileMismatch, ReplayError
+from executor.errors import ProfileMismatch, ReplayError, refuse_autocast
 from executor.feeds import Feeder
 from executor.measured import StepReport, measured_profile, node_differences
 from executor.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
@@ -234,6 +234,7 @@ class PlannedModule(nn.Module):
         if not torch.is_grad_enabled():  # evaluation: no backward, so no schedule to follow
             output = self.model(*inputs, **kwargs)
             return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
+        refuse_autocast("a planned training step")
         check_inputs(self.profile, inputs, kwargs, targets)
         leaves, spec = tree_flatten(((inputs, kwargs, targets), {}))
         wanting = [i for i, value in enumerate(leaves) if isinstance(value, torch.Tensor) and value.requires_grad]

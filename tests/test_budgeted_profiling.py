@@ -188,3 +188,43 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
     assert report.steps_timed == 2 and not report.replanned
     assert report.measured_peak_bytes <= budget
     assert "re-planned" in report.describe() and "nodes that differ most" in report.describe()
+
+
+# --- as a user runs it: the CLI and the example script, fresh processes ------------------------------------
+
+def _fresh(*arguments: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, *arguments], cwd=root, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_mosos_profile_within_a_budget_measures_frugally_and_refuses_a_budget_too_small(tmp_path):
+    from planner.profile import load_profile
+
+    out = tmp_path / "tanh.json"
+    done = _fresh("-m", "cli", "profile", "benchmarks/workloads.py:elementwise", "--budget", "256MiB",
+                  "--repeats", "1", "--warmup", "0", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "measured under greedy recompute" in done.stdout.replace("\n", " ")
+    assert "no plain step was timed" in done.stdout.replace("\n", " ")
+    profile = load_profile(out)
+    assert "measured under greedy recompute" in profile.provenance.notes
+    refused = _fresh("-m", "cli", "profile", "benchmarks/workloads.py:elementwise", "--budget", "60MiB",
+                     "-o", str(tmp_path / "no.json"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "below what any plan needs" in refused.stderr and "smallest" not in refused.stdout
+    assert not (tmp_path / "no.json").exists()
+
+
+@pytest.mark.slow
+def test_the_training_example_keeps_the_whole_run_within_its_budget():
+    done = _fresh("examples/train.py", "--model", "benchmarks/workloads.py:elementwise", "--budget", "250MiB",
+                  "--steps", "2", "--time-limit", "5")
+    assert done.returncode == 0, done.stderr
+    assert "plain PyTorch not run" in done.stdout  # its step does not fit in what the budget leaves
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("peak of the whole run") and "of the budget 250.00 MiB" in last and "OVER" not in last
