@@ -87,28 +87,11 @@ def _status_kib(field: str) -> int:
 
 
 def _storage_rise_bytes(step) -> int:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from executor.allocations import AllocationTrace
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorder:
+    with AllocationTrace() as trace:
         step()
-    allocations = []
-
-    def collect(event):
-        fields = event.extra_fields
-        if hasattr(fields, "alloc_size") and str(getattr(fields, "device", "cpu")).startswith("cpu"):
-            allocations.append((event.start_time_ns, fields.alloc_size))
-        for child in event.children:
-            collect(child)
-
-    for root in recorder.profiler.kineto_results.experimental_event_tree():
-        collect(root)
-    running = peak = 0
-    for _, size in sorted(allocations, key=lambda item: item[0]):
-        running += size
-        peak = max(peak, running)
-    del torch
-    return peak
+    return trace.peak_bytes
 
 
 def child(spec: str, profile_path: str, schedule_path: str) -> dict:

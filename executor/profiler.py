@@ -43,7 +43,7 @@ from executor.codegen import CodeGenerator, Modes, schedule_operations
 from executor.errors import CaptureError
 from executor.feeds import Feeder
 from executor.planning_graph import CONVOLUTION, PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
-from executor.runtime import StepRuntime, distinct_storage_bytes, obeys_layout
+from executor.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
 from executor.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
@@ -229,18 +229,15 @@ def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
                                        transposed, groups)
 
 
-class _ProfilingRuntime(StepRuntime):
-    """The runtime of the profiler's passes: a clock and an allocator watch around every node; gradients go to a
-    sink (a parameter's .grad is left alone) the way they would go to an empty .grad."""
+class _ProfilingRuntime(TimedStepRuntime):
+    """The runtime of the profiler's passes: the timed steps' clock (a recomputed node: the mean of its runs) and an
+    allocator watch around every node; gradients go to a sink (a parameter's .grad is left alone) the way they
+    would go to an empty .grad."""
 
     def __init__(self, device, staging, node_ids, parameters, clock):
-        super().__init__(device, staging, node_ids)
+        super().__init__(device, staging, node_ids, clock)
         self.parameters = parameters
-        self.clock = clock
         self.sink: dict[int, torch.Tensor] = {}
-        self.elapsed_ns: dict[int, int] = {}
-        self.counts: dict[int, int] = {}  # computations of each node in the pass (a recomputed node runs again)
-        self.started = 0
         self.scopes: dict[int, object] = {}
         self.memory: dict[int, tuple[int, int]] = {}  # CUDA: node -> (peak rise, held at the end)
         self.memory_start = 0
@@ -256,23 +253,6 @@ class _ProfilingRuntime(StepRuntime):
             value = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype,
                                         device=parameter.device).copy_(value)
         self.sink[index] = value
-
-    def tick(self, group: int) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.started = event
-        else:
-            self.started = self.clock()
-
-    def tock(self, group: int) -> None:
-        self.counts[group] = self.counts.get(group, 0) + 1
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.elapsed_ns.setdefault(group, []).append((self.started, event))
-        else:
-            self.elapsed_ns[group] = self.elapsed_ns.get(group, 0) + self.clock() - self.started
 
     def memory_begin(self, group: int) -> None:
         if self.cuda:
@@ -290,12 +270,6 @@ class _ProfilingRuntime(StepRuntime):
             self.memory[group] = (peak, held)
         else:
             self.scopes.pop(group).__exit__(None, None, None)
-
-    def node_times_ms(self) -> dict[int, float]:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return {g: sum(start.elapsed_time(end) for start, end in spans) for g, spans in self.elapsed_ns.items()}
-        return {g: ns / 1e6 for g, ns in self.elapsed_ns.items()}
 
 
 def _requested_bytes(device, which: str) -> int:
@@ -650,8 +624,7 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
         for algorithm, program, ran, _ in programs:
             for index in range(warmup + repeats):
                 say(f"timing pass {index + 1}/{warmup + repeats}" + ("" if algorithm == "native" else f" ({algorithm})"))
-                runtime.elapsed_ns = {}
-                runtime.counts = {}
+                runtime.reset_timing()
                 runtime.rng.clear()
                 started = clock()
                 loss, _ = program.parts[0](list(values), runtime)
@@ -673,8 +646,7 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                 for g, elapsed in times.items():
                     implementation = ran[g]
                     if _owner_pass(implementation, pass_names) == algorithm:
-                        count = runtime.counts.get(g, 1)
-                        samples.setdefault((g, implementation), []).append(max(0.0, elapsed / count - overhead))
+                        samples.setdefault((g, implementation), []).append(max(0.0, elapsed - overhead))
         sizes = dict(runtime.sizes)
         workspace = _workspaces(profiled, programs, values, device, pass_names, runtime, say)
     spread = []

@@ -162,10 +162,13 @@ class TimedStepRuntime(StepRuntime):
         self.elapsed_ns: dict[int, float] = {}
         self.counts: dict[int, int] = {}
         self.started = None
-        self.step_ns = 0.0
+        self.reset_timing()
 
     def begin_step(self, parameters, ledger) -> None:
         super().begin_step(parameters, ledger)
+        self.reset_timing()
+
+    def reset_timing(self) -> None:
         self.elapsed_ns, self.counts, self.step_ns = {}, {}, 0.0
         self._spans: list = []
 

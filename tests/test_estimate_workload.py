@@ -162,32 +162,13 @@ def test_tf32_and_the_gpu_table_change_the_times_not_the_sizes():
 # --- no step, no activation ------------------------------------------------------------------------------------
 
 
-def _allocations(run) -> list[int]:
-    """Sizes of every c10 CPU allocation while `run()` runs (torch.profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
+def _allocations(run):
+    """Every c10 CPU allocation and free while `run()` runs (the allocator's events, executor.allocations)."""
+    from executor.allocations import AllocationTrace
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorder:
+    with AllocationTrace() as trace:
         run()
-    sizes = []
-
-    def collect(event):
-        fields = event.extra_fields
-        if hasattr(fields, "alloc_size") and str(getattr(fields, "device", "cpu")).startswith("cpu"):
-            sizes.append((event.start_time_ns, fields.alloc_size))
-        for child in event.children:
-            collect(child)
-
-    for root in recorder.profiler.kineto_results.experimental_event_tree():
-        collect(root)
-    return [size for _, size in sorted(sizes)]
-
-
-def _peak(sizes: list[int]) -> int:
-    running = peak = 0
-    for size in sizes:
-        running += size
-        peak = max(peak, running)
-    return peak
+    return trace
 
 
 @pytest.mark.parametrize("spec", ["benchmarks/workloads.py:elementwise", BERT_SMALL])
@@ -204,10 +185,10 @@ def test_nothing_activation_sized_is_allocated_during_the_estimate(spec):
     during = _allocations(run)
     largest_activation = max(n.output_bytes for n in found["profile"].nodes)
     assert largest_activation >= 4 * 2**20
-    assert _peak(during) < largest_activation / 16, (max(during), _peak(during))
+    assert during.peak_bytes < largest_activation / 16, (max(size for _, size in during.events), during.peak_bytes)
     with torch.no_grad():
         forward = _allocations(lambda: workload.model(*workload.inputs, **workload.kwargs))
-    assert max(forward) >= largest_activation
+    assert max(size for _, size in forward.events) >= largest_activation
 
 
 # --- the command line ----------------------------------------------------------------------------------------------
