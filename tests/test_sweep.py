@@ -302,14 +302,17 @@ def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(local_ray, tmp_path):
     _wait_for_free_cpus(local_ray)
 
 
-def test_the_readme_spec_is_valid(tmp_path):
-    """The README's sweep.yaml (paths relative to the repository) checks and expands as it says."""
+def test_the_shipped_spec_is_the_readme_s_and_runs_as_it_stands(tmp_path):
+    """examples/sweep.yaml is the README's example, checks and expands as it says, and the CLI takes it as it is."""
     from cluster.sweep_spec import load_spec
 
     pytest.importorskip("torch")  # its estimated models are checked by name
-    text = (REPO / "README.md").read_text().split("# sweep.yaml (paths relative to this file)\n")[1].split("```")[0]
-    (tmp_path / "models").symlink_to(REPO / "models")
-    loaded = load_spec(write(tmp_path / "sweep.yaml", text))
+    shipped = (REPO / "examples" / "sweep.yaml").read_text()
+    readme = (REPO / "README.md").read_text()
+    assert "```yaml\n" + shipped + "```" in readme
+    loaded = load_spec(REPO / "examples" / "sweep.yaml")
     # 2 files + vgg19 at 2 batches, x 3 strategies x (2 budgets + 2 ratios)
     assert len(loaded.solves) == 4 * 3 * 4
     assert {solve.budget_text for solve in loaded.solves} == {"device memory", "8.00 GiB", "ratio 0.6", "ratio 0.8"}
+    done = run_cli(["sweep", str(REPO / "examples" / "sweep.yaml"), "--dry-run"], tmp_path)
+    assert done.returncode == 0, done.stderr
