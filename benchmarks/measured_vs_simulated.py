@@ -95,7 +95,7 @@ def step_time_rows(workload: str, ratios, steps: int, time_limit_s: float) -> li
         # as optimize() builds it: two timed steps, one re-plan when more than 10% off
         replanned = PlannedModule(
             work.model, profile, schedule, work.loss_fn, profiled=profiled, ledger=False, timed_steps=2,
-            replan=lambda measured, b=budget: plan(measured, b, strategy="mosos", time_limit_s=time_limit_s,
+            replan=lambda measured, _schedule, _token, b=budget: plan(measured, b, strategy="mosos", time_limit_s=time_limit_s,
                                                    workers=1))
         for _ in range(2):
             for p in work.model.parameters():

@@ -6,5 +6,6 @@ from cli import sweep_cmd  # noqa: F401  (registration; Ray is imported only whe
 from cli import estimate_cmd  # noqa: F401  (registration; torch is imported only when it runs)
 from cli import profile_cmd  # noqa: F401  (registration; torch is imported only when it runs)
 from cli import max_batch_cmd  # noqa: F401  (registration; torch is imported only when it runs)
+from cli import cache_cmd  # noqa: F401  (registration; torch is imported only when it runs)
 
 __all__ = ["app", "main"]

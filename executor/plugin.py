@@ -8,6 +8,7 @@ Keyword inputs of the model go in `kwargs=` here and as keywords of the call: `p
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable
@@ -15,7 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from executor.profiler import as_tuple, plan_step, preserved, profile_step, provisional_profile
+from executor.cache import PlanKey, open_cache, plan_key
+from executor.profiler import ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step, provisional_profile
 from executor.replay import PlannedModule
 from planner.errors import MososError
 from planner.planning import plan
@@ -124,6 +126,9 @@ def optimize(
     measuring: str = "auto",
     timed_steps: int = 2,
     replan_when_off: bool = True,
+    cache: bool | str | os.PathLike | None = None,
+    new_signatures: bool = True,
+    max_signatures: int = 4,
     progress: bool | Callable[[str], None] = True,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
@@ -147,56 +152,95 @@ def optimize(
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
     say = _reporter(progress)
     budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
-    inputs = as_tuple(example_inputs)
-    say("capturing the step with torch.export")
-    with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
-        profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
-    say(f"captured {len(profiled.planning.groups)} planning nodes in "
-        f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
-    if memory_ratio is not None:
-        budget_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio)
-        say(f"budget {format_bytes(budget_bytes)} ({memory_ratio:g} of the estimated keep-all peak)")
-    profile, profiled = profile_step(
-        model, inputs, loss_fn, targets, kwargs=kwargs,
-        optimizer=optimizer, repeats=repeats, warmup=warmup,
-        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
-        profiled=profiled, progress=say,
-    )
-    memory_ratio = None  # resolved above into budget_bytes, which the plan keeps
-    say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
-    if planner_url:
-        schedule = plan_remotely(planner_url, profile, budget_bytes, memory_ratio, strategy, time_limit_s,
-                                 planner_token, say)
-    else:
-        best = [float("inf")]
+    store = open_cache(cache)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
-        def on_progress(event: dict) -> None:
-            # Candidate plans from inner phases report their own objectives; say only what improves the best.
-            objective = event.get("objective")
-            if objective is not None and objective < best[0]:
-                best[0] = objective
-                phase = f" ({event['phase']})" if event.get("phase") else ""
-                gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
-                say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
-
-        schedule = plan(
-            profile, budget_bytes, memory_ratio=memory_ratio, strategy=strategy,
-            time_limit_s=time_limit_s, workers=workers, progress=on_progress,
+    def key_of(inputs, kwargs, targets) -> PlanKey:
+        return plan_key(
+            model, loss_fn, inputs, kwargs, targets, device=device,
+            budget={"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes},
+            strategy=strategy, optimizer=optimizer,
+            settings={"measuring": measuring, "d2h_gb_per_s": d2h_gb_per_s, "h2d_gb_per_s": h2d_gb_per_s,
+                      "planner": "service" if planner_url else "local"},
         )
-    def replan(measured: GraphProfile) -> Schedule:
+
+    def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
+        """Capture, profile within the budget and plan one input signature (or take it from the cache); the key
+        it is kept under comes back for a re-plan to replace it."""
+        key = key_of(inputs, kwargs, targets) if store is not None else None
+        cached = store.load(key, model, loss_fn, inputs, kwargs, targets, say) if key is not None else None
+        if cached is not None:
+            profiled = planning_of(cached.step, inputs, kwargs, targets)
+            summary = cached.schedule.summary
+            say(f"using the plan kept in {store.plans / key.digest[:12]}... (made "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(cached.created))}"
+                + (f", budget {format_bytes(cached.schedule.budget_bytes)}" if cached.schedule.budget_bytes else "")
+                + "): no capture, profile or solve")
+            if summary is not None:
+                say(f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
+                    f"{format_bytes(summary.peak_memory_bytes)}")
+            return cached.profile, cached.schedule, profiled, key
+        say("capturing the step with torch.export")
+        with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
+            profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+        say(f"captured {len(profiled.planning.groups)} planning nodes in "
+            f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
+        signature_budget = budget_bytes
+        if memory_ratio is not None:
+            signature_budget = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio)
+            say(f"budget {format_bytes(signature_budget)} ({memory_ratio:g} of the estimated keep-all peak)")
+        profile, profiled = profile_step(
+            model, inputs, loss_fn, targets, kwargs=kwargs,
+            optimizer=optimizer, repeats=repeats, warmup=warmup,
+            d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=signature_budget, measuring=measuring,
+            profiled=profiled, progress=say,
+        )
+        say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
+        if planner_url:
+            schedule = plan_remotely(planner_url, profile, signature_budget, None, strategy, time_limit_s,
+                                     planner_token, say)
+        else:
+            best = [float("inf")]
+
+            def on_progress(event: dict) -> None:
+                # Candidate plans from inner phases report their own objectives; say only what improves the best.
+                objective = event.get("objective")
+                if objective is not None and objective < best[0]:
+                    best[0] = objective
+                    phase = f" ({event['phase']})" if event.get("phase") else ""
+                    gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
+                    say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
+
+            schedule = plan(profile, signature_budget, strategy=strategy, time_limit_s=time_limit_s,
+                            workers=workers, progress=on_progress)
+        summary = schedule.summary
+        if summary is not None:
+            say(
+                f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
+                f"{format_bytes(summary.peak_memory_bytes)}, offloaded {format_bytes(summary.offloaded_bytes)}, "
+                f"recompute {summary.recompute_time_ms:.2f} ms"
+            )
+        if key is not None and store.store(key, profiled.step, profile, schedule, say) is not None:
+            say(f"plan kept for later runs in {store.plans / key.digest[:12]}...")
+        return profile, schedule, profiled, key
+
+    def replan(measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule:
         say("the planned step is more than 10% off the simulated one: re-planning on the measured node times")
         if planner_url:
-            return plan_remotely(planner_url, measured, schedule.budget_bytes, None, strategy, time_limit_s,
-                                 planner_token, say)
-        return plan(measured, schedule.budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=workers)
+            replanned = plan_remotely(planner_url, measured, schedule.budget_bytes, None, strategy, time_limit_s,
+                                      planner_token, say)
+        else:
+            replanned = plan(measured, schedule.budget_bytes, strategy=strategy, time_limit_s=time_limit_s,
+                             workers=workers)
+        if store is not None and key is not None:
+            store.update(key, measured, replanned, say)
+        return replanned
 
+    inputs = as_tuple(example_inputs)
+    profile, schedule, profiled, key = plan_signature(inputs, kwargs, targets)
     planned = PlannedModule(model, profile, schedule, loss_fn, profiled=profiled, timed_steps=timed_steps,
-                            replan=replan if replan_when_off else None)
-    summary = schedule.summary
-    if summary is not None:
-        say(
-            f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
-            f"{format_bytes(summary.peak_memory_bytes)}, offloaded {format_bytes(summary.offloaded_bytes)}, "
-            f"recompute {summary.recompute_time_ms:.2f} ms"
-        )
+                            plan_token=key,
+                            replan=replan if replan_when_off else None,
+                            plan_signature=plan_signature if new_signatures else None,
+                            max_signatures=max_signatures, progress=say)
     return planned

@@ -185,7 +185,11 @@ class ProfiledStep:
 
 def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable) -> ProfiledStep:
     """Capture the step and group it into planning nodes (no arithmetic: shapes come from fake tensors)."""
-    step = capture(model, inputs, kwargs, targets, loss_fn)
+    return planning_of(capture(model, inputs, kwargs, targets, loss_fn), inputs, kwargs, targets)
+
+
+def planning_of(step: CapturedStep, inputs: tuple, kwargs: dict | None, targets) -> ProfiledStep:
+    """Group a captured (or a cached) step into planning nodes."""
     feeder = Feeder(step)
     leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
     values = feeder.feed(leaves)

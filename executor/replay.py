@@ -25,6 +25,7 @@ optimizer works unchanged.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -176,7 +177,11 @@ class PlannedModule(nn.Module):
         ledger: bool | None = None,
         profiled: ProfiledStep | None = None,
         timed_steps: int = 0,
-        replan: Callable[[GraphProfile], Schedule] | None = None,
+        replan: Callable[[GraphProfile, Schedule, object], Schedule] | None = None,
+        plan_signature: Callable[[tuple, dict, object], tuple] | None = None,
+        max_signatures: int = 4,
+        progress: Callable[[str], None] | None = None,
+        plan_token: object = None,
     ):
         super().__init__()
         self.model = model
@@ -205,17 +210,69 @@ class PlannedModule(nn.Module):
         self._reports: list[StepReport] = []
         self._timed: _Prepared | None = None
         self._prepared: _Prepared | None = None
+        # another input signature (sequence length, last partial batch): `plan_signature(inputs, kwargs, targets)`
+        # plans it once, as optimize() planned the first; the plans of the `max_signatures` last used are kept
+        if max_signatures < 1:
+            raise ReplayError(f"max_signatures must be at least 1, not {max_signatures}")
+        self._plan_signature = plan_signature
+        self.max_signatures = max_signatures
+        self._say = progress or (lambda message: None)
+        self._signature: tuple | None = None
+        self._plans: OrderedDict[tuple, dict] = OrderedDict()
+        self.signatures_planned = 0  # input signatures planned after the first (each once, unless evicted)
+        self._plan_token = plan_token
+        self._set_measuring(profiled)
+        if profiled is not None:
+            self._prepared = _Prepared(self, profiled)
+            self._signature = _step_signature(profiled.step)
+        elif example_inputs is not None:
+            inputs = as_tuple(example_inputs)
+            check_inputs(profile, inputs, dict(kwargs or {}), targets)
+            self._prepared = _Prepared(self, plan_step(model, inputs, kwargs, targets, self.loss_fn))
+            self._signature = _step_signature(self._prepared.profiled.step)
+
+    def _set_measuring(self, profiled: ProfiledStep | None) -> None:
         measuring = getattr(profiled, "measuring", None)
         # how the profile was measured (keep-all, or a frugal schedule within the budget), when optimize() made it
         self.profiled_under: str | None = measuring.describe() if measuring is not None else None
         # the most the measuring passes held, by the measured figures (None: not profiled by optimize())
         self.profiled_peak_bytes: int | None = measuring.measured_peak_bytes if measuring is not None else None
-        if profiled is not None:
-            self._prepared = _Prepared(self, profiled)
-        elif example_inputs is not None:
-            inputs = as_tuple(example_inputs)
-            check_inputs(profile, inputs, dict(kwargs or {}), targets)
-            self._prepared = _Prepared(self, plan_step(model, inputs, kwargs, targets, self.loss_fn))
+
+    # -- one plan per input signature -------------------------------------------------------------------
+
+    @property
+    def signatures(self) -> list[str]:
+        """The input signatures this module holds plans for, the one in use last."""
+        held = list(self._plans) + ([self._signature] if self._signature is not None else [])
+        return [signature[0] + (f" targets {signature[1]}" if signature[1] else "") for signature in held]
+
+    def _switch_to(self, signature: tuple, inputs: tuple, kwargs: dict, targets) -> None:
+        """Make `signature`'s plan the one in use: kept from before, or planned now (once)."""
+        self._plans[self._signature] = {name: getattr(self, name) for name in _PLAN_STATE}
+        kept = self._plans.pop(signature, None)
+        if kept is not None:
+            for name, value in kept.items():
+                setattr(self, name, value)
+            self._signature = signature
+            return
+        self._say(f"new input signature {signature[0]}: planning it once (plans kept for the last "
+                  f"{self.max_signatures} signatures)")
+        while len(self._plans) >= self.max_signatures:  # the current one is about to join them
+            evicted, _ = self._plans.popitem(last=False)
+            self._say(f"dropping the plan for input signature {evicted[0]} (least recently used)")
+        # until the new plan exists, no plan is in use: a failure below leaves the kept ones as they were
+        self._signature, self._prepared, self._timed = None, None, None
+        profile, schedule, profiled, token = self._plan_signature(inputs, kwargs, targets)
+        self._plans.pop(signature, None)
+        self.profile, self.schedule, self._plan_token = profile, schedule, token
+        simulated = simulate(profile, schedule, keep_timeline=False)
+        self.simulated_peak_bytes = simulated.peak_memory_bytes
+        self.simulated_step_time_ms = simulated.step_time_ms
+        self._steps_timed, self._timings, self._reports = 0, [], []
+        self._set_measuring(profiled)
+        self._prepared = _Prepared(self, profiled)
+        self._signature = signature
+        self.signatures_planned += 1
 
     @property
     def code(self) -> str | None:
@@ -231,12 +288,22 @@ class PlannedModule(nn.Module):
         if targets is None and self.profile.provenance.target_signature is not None and len(args) >= 2:
             *args, targets = args
         inputs = tuple(args)
-        if not torch.is_grad_enabled():  # evaluation: no backward, so no schedule to follow
+        if not torch.is_grad_enabled() or not self.model.training:
+            # evaluation (torch.no_grad(), or model.eval(): dropout off, BatchNorm's running statistics): the model's
+            # own forward, as the plan was made for the training step; model.train() returns to the plan
             output = self.model(*inputs, **kwargs)
             return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
         refuse_autocast("a planned training step")
-        check_inputs(self.profile, inputs, kwargs, targets)
         leaves, spec = tree_flatten(((inputs, kwargs, targets), {}))
+        signature = _call_signature(inputs, kwargs, targets, leaves, spec)
+        if self._plan_signature is not None and signature != self._signature:
+            if self._signature is None and self._plans:  # a failed planning of a new signature: say it again
+                self._signature = next(reversed(self._plans))
+                for name, value in self._plans.pop(self._signature).items():
+                    setattr(self, name, value)
+            if signature != self._signature:
+                self._switch_to(signature, inputs, kwargs, targets)
+        check_inputs(self.profile, inputs, kwargs, targets)
         wanting = [i for i, value in enumerate(leaves) if isinstance(value, torch.Tensor) and value.requires_grad]
         if wanting:
             raise ReplayError(
@@ -291,7 +358,7 @@ class PlannedModule(nn.Module):
         self._reports.append(report)
         if report.off and self._replan is not None and not any(r.replanned for r in self._reports[:-1]):
             profile = measured_profile(self.profile, self.schedule, self._measured_node_ms())
-            schedule = self._replan(profile)
+            schedule = self._replan(profile, self.schedule, self._plan_token)
             report.replanned = True
             report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
             self._adopt(profile, schedule)
@@ -336,6 +403,25 @@ class PlannedModule(nn.Module):
         latest = self._reports[-1]
         latest.history = self._reports[:-1]
         return latest
+
+
+_PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_time_ms", "_steps_timed", "_timings",
+               "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token")
+
+
+def _signature_parts(input_signature: str, target_signature: str | None, spec, constants: dict) -> tuple:
+    return (input_signature, target_signature, str(spec), repr(sorted(constants.items())))
+
+
+def _step_signature(step) -> tuple:
+    """What a captured step was made for: a call with another signature needs another capture and plan."""
+    return _signature_parts(step.input_signature, step.target_signature, step.input_spec, step.constant_leaves)
+
+
+def _call_signature(inputs: tuple, kwargs: dict, targets, leaves: list, spec) -> tuple:
+    constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+    return _signature_parts(tensor_signature(inputs, kwargs),
+                            tensor_signature(targets) if targets is not None else None, spec, constants)
 
 
 class _StepState:

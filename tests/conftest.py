@@ -13,6 +13,13 @@ SHARED = REPO.parent / "shared"
 CHECKMATE_GRAPHS = SHARED / "data" / "checkmate-graphs"
 
 
+@pytest.fixture(autouse=True)
+def _own_plan_cache(tmp_path_factory, monkeypatch):
+    """Each test (and every process it starts) keeps plans in a cache of its own: a plan kept by one test never
+    stands in for the capture, profile and solve another test is about."""
+    monkeypatch.setenv("MOSOS_CACHE_DIR", str(tmp_path_factory.mktemp("mosos-cache")))
+
+
 def requires_shared(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is not here (../shared/ exists only beside the project's own checkout)")

@@ -157,7 +157,7 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
     schedule = plan(slow, budget, strategy="recompute-only", time_limit_s=5, workers=1)
     asked: list = []
 
-    def replan(measured):
+    def replan(measured, current, token):
         asked.append(measured)
         return plan(measured, budget, strategy="recompute-only", time_limit_s=5, workers=1)
 

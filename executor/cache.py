@@ -1,0 +1,363 @@
+"""Plans kept across runs: a restarted script, or eight ranks launched at once, start at their first step.
+
+An entry holds the captured step (executor.capture_store), the profile and
+the schedule `optimize()` made, under a key that is known before anything is
+captured: the model's structure (every module's class, plain attributes and
+mode, every parameter's and buffer's name, shape and dtype), the source files
+of the model's classes and the loss function, the input signature, the
+device, the budget, the strategy and the optimizer, and the versions of
+mosos, torch and Python. The key is a promise only as far as it goes, so a
+hit is checked again before it is used: the files the capture traced through
+must be unchanged, the rebuilt graph must give every node the shape it had
+and hash as it did with this model's parameters, and the profile must be
+this graph's. A stale or corrupt entry is said, removed and made again; it
+never fails the run.
+
+`MOSOS_CACHE_DIR` moves the cache (default: the user's cache directory,
+`platformdirs.user_cache_dir("mosos")`); `mosos cache list` and
+`mosos cache clear` show and empty it; `optimize(cache=False)` skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from executor.capture import tensor_signature
+from executor.capture_store import StoreError, changed_files, dump_step, load_step
+from planner import __version__ as MOSOS_VERSION
+from planner.profile import GraphProfile
+from planner.schedule import Schedule
+
+ENTRY_VERSION = 1
+_PLANS = f"plans-v{ENTRY_VERSION}"
+
+
+def cache_directory(cache: str | os.PathLike | None = None) -> Path:
+    """Where plans are kept: `cache` if given, else $MOSOS_CACHE_DIR, else the user's cache directory."""
+    if cache is not None:
+        return Path(cache).expanduser()
+    configured = os.environ.get("MOSOS_CACHE_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("mosos"))
+
+
+# --- the key ---------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A module attribute as data, when it is data (flags, sizes, names, configs); None otherwise."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (tuple, list)) and depth < 3:
+        items = [_plain(v, depth + 1) for v in value]
+        return items if all(i is not None or v is None for i, v in zip(items, value)) else None
+    if depth == 0 and hasattr(value, "to_dict") and callable(value.to_dict):  # a transformers config
+        try:
+            return json.loads(json.dumps(value.to_dict(), sort_keys=True, default=str))
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _digest_file(path: str) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
+
+
+def _callable_identity(function) -> dict:
+    """A loss function: its code when it has some (a lambda's bytecode and constants too), its file's digest."""
+    target = function.forward if isinstance(function, nn.Module) else function
+    code = getattr(target, "__code__", None) or getattr(getattr(target, "__func__", None), "__code__", None)
+    identity: dict[str, Any] = {"name": getattr(function, "__qualname__", type(function).__qualname__)}
+    if code is not None:
+        identity["code"] = hashlib.sha256(code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode()).hexdigest()
+    identity["files"] = code_files([target])
+    if isinstance(function, nn.Module):
+        identity["module"] = module_structure(function)
+    return identity
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_SITE_DIRS = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+
+
+def _is_library_file(path: str) -> bool:
+    """torch and the standard library: covered by the versions in the key, and too many to read each run."""
+    if path.startswith(_TORCH_DIR):
+        return True
+    return path.startswith(_STDLIB_DIR) and not path.startswith(_SITE_DIRS)
+
+
+def code_files(objects: list, depth: int = 2) -> dict[str, str]:
+    """The source files the model's code can run: the modules defining `objects` and, `depth` imports deep, the
+    modules whose functions, classes or submodules they name (a helper function in another file of the user's
+    project changes what the model computes as surely as its own forward does)."""
+    seen_modules: set[str] = set()
+    files: set[str] = set()
+    frontier = {getattr(obj, "__module__", None) for obj in objects} - {None}
+    for _ in range(depth + 1):
+        next_frontier: set[str] = set()
+        for name in frontier - seen_modules:
+            seen_modules.add(name)
+            module = sys.modules.get(name)
+            path = getattr(module, "__file__", None)
+            if module is None or not path or _is_library_file(path):
+                continue
+            files.add(os.path.abspath(path))
+            for value in list(vars(module).values()):
+                if isinstance(value, types.ModuleType):
+                    next_frontier.add(value.__name__)
+                elif isinstance(value, (types.FunctionType, type)):
+                    owner = getattr(value, "__module__", None)
+                    if isinstance(owner, str):
+                        next_frontier.add(owner)
+        frontier = next_frontier
+    return {path: _digest_file(path) for path in sorted(files) if os.path.exists(path)}
+
+
+def module_structure(model: nn.Module) -> dict:
+    """What the model is, as far as it can be told without running it."""
+    modules = []
+    classes: set[type] = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        attributes = {}
+        for name, value in sorted(vars(module).items()):
+            if name.startswith("_") and name != "_attn_implementation":
+                continue
+            plain = _plain(value)
+            if plain is not None or value is None:
+                attributes[name] = plain
+        modules.append([path, f"{type(module).__module__}.{type(module).__qualname__}", module.training, attributes])
+        classes.update(type(module).__mro__)
+    tensors = [[name, list(p.shape), str(p.dtype), str(p.device), p.requires_grad]
+               for name, p in model.named_parameters(remove_duplicate=False)]
+    tensors += [[name, list(b.shape), str(b.dtype), str(b.device), None]
+                for name, b in model.named_buffers(remove_duplicate=False)]
+    return {"modules": modules, "tensors": tensors, "files": code_files(sorted(classes, key=str))}
+
+
+def _optimizer_identity(optimizer) -> Any:
+    if optimizer is None or isinstance(optimizer, str):
+        return optimizer
+    groups = [{k: _plain(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"class": type(optimizer).__qualname__, "groups": groups}
+
+
+@dataclass
+class PlanKey:
+    """What a kept plan was made for (`fields`, shown by `mosos cache list`) and its digest (the entry's name)."""
+
+    fields: dict
+    digest: str
+
+    @property
+    def summary(self) -> dict:
+        return self.fields["summary"]
+
+
+def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targets, *, device: torch.device,
+             budget: dict, strategy: str, optimizer, settings: dict) -> PlanKey:
+    """The key of the plan `optimize()` would make for these arguments, before anything is captured."""
+    kwargs = dict(kwargs or {})
+    leaves, spec = tree_flatten(((tuple(inputs), kwargs, targets), {}))
+    constants = [[i, repr(leaf)] for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)]
+    device_name = str(device)
+    if device.type == "cuda":
+        device_name += f" ({torch.cuda.get_device_name(device)})"
+    input_signature = tensor_signature(tuple(inputs), kwargs)
+    fields = {
+        "versions": {"mosos": MOSOS_VERSION, "torch": torch.__version__, "python": platform.python_version(),
+                     "entry": ENTRY_VERSION},
+        "model": module_structure(model),
+        "loss_fn": _callable_identity(loss_fn),
+        "inputs": {"signature": input_signature, "spec": str(spec), "constants": constants,
+                   "targets": tensor_signature(targets) if targets is not None else None},
+        "device": device_name,
+        "budget": budget,
+        "strategy": strategy,
+        "optimizer": _optimizer_identity(optimizer),
+        "settings": settings,
+    }
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+    fields["summary"] = {
+        "model": type(model).__qualname__, "inputs": input_signature, "device": device_name,
+        "budget": budget, "strategy": strategy,
+    }
+    return PlanKey(fields, digest)
+
+
+# --- entries ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CachedPlan:
+    step: Any  # executor.capture.CapturedStep, rebuilt for this model
+    profile: GraphProfile
+    schedule: Schedule
+    created: float
+
+
+@dataclass
+class EntryInfo:
+    digest: str
+    path: Path
+    summary: dict
+    created: float
+    last_used: float
+    size_bytes: int
+    predicted_step_time_ms: float | None
+    peak_memory_bytes: int | None
+
+
+class PlanCache:
+    """The plans under one directory. Every method that reads says what went wrong through `say` and carries on."""
+
+    def __init__(self, directory: str | os.PathLike | None = None):
+        self.root = cache_directory(directory)
+        self.plans = self.root / _PLANS
+
+    def _entry(self, key: PlanKey) -> Path:
+        return self.plans / key.digest
+
+    def load(self, key: PlanKey, model, loss_fn, inputs: tuple, kwargs: dict | None, targets,
+             say: Callable[[str], None]) -> CachedPlan | None:
+        entry = self._entry(key)
+        if not entry.is_dir():
+            return None
+        try:
+            meta = json.loads((entry / "entry.json").read_text())
+            capture = json.loads((entry / "capture.json").read_text())
+            stale = changed_files(capture)
+            if stale:
+                raise StoreError(f"{stale[0]} changed since the capture" + (f" (and {len(stale) - 1} more files)"
+                                                                           if len(stale) > 1 else ""))
+            tensors_file = entry / "tensors.pt"
+            tensors = torch.load(tensors_file, weights_only=True) if tensors_file.exists() else {}
+            leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
+            step = load_step(capture, tensors, model, loss_fn, leaves)
+            profile = GraphProfile.model_validate_json((entry / "profile.json").read_text())
+            schedule = Schedule.model_validate_json((entry / "schedule.json").read_text())
+            if profile.provenance.model_structure_sha256 != step.structure_sha256():
+                raise StoreError("its profile was made for another graph")
+            if schedule.profile_digest != profile.digest():
+                raise StoreError("its schedule was made for another profile")
+        except Exception as error:  # noqa: BLE001 - a bad entry is never fatal: say so, drop it, plan again
+            reason = error if isinstance(error, StoreError) else f"{type(error).__name__}: {error}"
+            say(f"cached plan {key.digest[:12]} is not usable ({reason}): removed, planning again")
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        meta["last_used"] = time.time()
+        _write_text(entry / "entry.json", json.dumps(meta, indent=1))
+        return CachedPlan(step, profile, schedule, meta.get("created", 0.0))
+
+    def store(self, key: PlanKey, step, profile: GraphProfile, schedule: Schedule,
+              say: Callable[[str], None]) -> Path | None:
+        """Keep a plan (replacing an older one under the same key); None, and a message, when it cannot be kept."""
+        try:
+            capture, tensors = dump_step(step)
+        except StoreError as error:
+            say(f"this plan is not kept across runs: {error}")
+            return None
+        now = time.time()
+        meta = {"key": key.fields, "digest": key.digest, "created": now, "last_used": now,
+                "mosos": MOSOS_VERSION, "torch": torch.__version__}
+        try:
+            self.plans.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{key.digest[:12]}-", dir=self.plans))
+            (staging / "capture.json").write_text(json.dumps(capture))
+            if tensors:
+                torch.save(tensors, staging / "tensors.pt")
+            (staging / "profile.json").write_text(profile.model_dump_json())
+            (staging / "schedule.json").write_text(schedule.model_dump_json())
+            (staging / "entry.json").write_text(json.dumps(meta, indent=1))  # last: an entry without it is torn
+            entry = self._entry(key)
+            if entry.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            try:
+                os.rename(staging, entry)
+            except OSError:  # another process kept the same plan first: theirs is as good
+                shutil.rmtree(staging, ignore_errors=True)
+            return entry
+        except OSError as error:
+            say(f"this plan is not kept across runs: cannot write {self.plans} ({error})")
+            return None
+
+    def update(self, key: PlanKey, profile: GraphProfile, schedule: Schedule, say: Callable[[str], None]) -> None:
+        """A re-plan on measured times replaces the kept profile and schedule."""
+        entry = self._entry(key)
+        if not (entry / "entry.json").exists():
+            return
+        try:
+            _write_text(entry / "profile.json", profile.model_dump_json())
+            _write_text(entry / "schedule.json", schedule.model_dump_json())
+        except OSError as error:
+            say(f"the re-plan is not kept across runs: {error}")
+
+    def entries(self) -> list[EntryInfo]:
+        found = []
+        if not self.plans.is_dir():
+            return found
+        for entry in sorted(self.plans.iterdir()):
+            if entry.name.startswith(".") or not entry.is_dir():
+                continue
+            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+            try:
+                meta = json.loads((entry / "entry.json").read_text())
+                schedule = json.loads((entry / "schedule.json").read_text())
+                summary = schedule.get("summary") or {}
+                found.append(EntryInfo(entry.name, entry, meta["key"]["summary"], meta["created"],
+                                       meta.get("last_used", meta["created"]), size,
+                                       summary.get("predicted_step_time_ms"), summary.get("peak_memory_bytes")))
+            except (OSError, ValueError, KeyError, TypeError):
+                found.append(EntryInfo(entry.name, entry, {"model": "(unreadable entry)"}, 0.0, 0.0, size, None, None))
+        return found
+
+    def clear(self) -> int:
+        """Remove every kept plan; the number removed."""
+        count = len(self.entries())
+        if self.plans.exists():
+            shutil.rmtree(self.plans, ignore_errors=True)
+        return count
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Replace a file whole (a reader sees the old one or the new one, never half of one)."""
+    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(handle, "w") as out:
+        out.write(text)
+    os.replace(staging, path)
+
+
+def open_cache(cache: bool | str | os.PathLike | None) -> PlanCache | None:
+    """`optimize(cache=...)`: True or None the default directory, a path that directory, False no cache."""
+    if cache is False:
+        return None
+    if os.environ.get("MOSOS_CACHE", "").lower() in ("0", "off", "false", "no"):
+        return None
+    return PlanCache(None if cache in (None, True) else cache)
+
+
+__all__ = ["PlanCache", "PlanKey", "CachedPlan", "EntryInfo", "cache_directory", "open_cache", "plan_key",
+           "module_structure"]

@@ -1,0 +1,205 @@
+"""Plans kept across runs (executor.cache): a restarted process starts at its first step, and never from a plan made
+for another model. Every run here is a fresh process, as a restart is; each counts the captures and solves it ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parent.parent
+
+MODEL = '''
+import torch
+from torch import nn
+
+from cached_helpers import activation
+
+
+class Net(nn.Module):
+    def __init__(self, depth):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(96, 96) for _ in range(depth))
+        self.head = nn.Linear(96, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = activation(layer(x))
+        return self.head(x)
+
+
+def build(depth=8):
+    torch.manual_seed(0)
+    return Net(depth)
+'''
+
+HELPERS = '''
+import torch
+
+
+def activation(x):
+    return torch.tanh(x)
+'''
+
+RUN = '''
+import copy, json, sys, time
+import torch
+import torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+import executor.plugin
+import executor.profiler
+from cached_model import build
+
+calls = {"capture": 0, "solve": 0}
+real_capture, real_plan = executor.profiler.capture, executor.plugin.plan
+
+def counted_capture(*args, **kwargs):
+    calls["capture"] += 1
+    return real_capture(*args, **kwargs)
+
+def counted_plan(*args, **kwargs):
+    calls["solve"] += 1
+    return real_plan(*args, **kwargs)
+
+executor.profiler.capture, executor.plugin.plan = counted_capture, counted_plan
+model = build(int(sys.argv[2]))
+plain = copy.deepcopy(model)
+x = torch.randn(1024, 96, generator=torch.Generator().manual_seed(1))
+y = torch.randint(0, 10, (1024,), generator=torch.Generator().manual_seed(2))
+messages = []
+started = time.perf_counter()
+planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.6, time_limit_s=3, workers=1,
+                            progress=messages.append)
+loss = planned(x, targets=y)
+loss.backward()
+first_step_s = time.perf_counter() - started
+F.cross_entropy(plain(x), y).backward()
+same = torch.equal(loss, F.cross_entropy(plain(x), y)) and all(
+    torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+print(json.dumps({"calls": calls, "messages": messages, "bitwise": same, "first_step_s": first_step_s,
+                  "budget": planned.schedule.budget_bytes}))
+'''
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A user's model in files of their own, and a script that trains it once with optimize()."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "cached_model.py").write_text(MODEL)
+    (code / "cached_helpers.py").write_text(HELPERS)
+    (tmp_path / "run.py").write_text(RUN)
+    return tmp_path
+
+
+def run(project: Path, depth: int = 8) -> dict:
+    result = subprocess.run([sys.executable, str(project / "run.py"), str(project / "code"), str(depth)],
+                            capture_output=True, text=True, cwd=REPO, timeout=300, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def kept_entries() -> list[Path]:
+    plans = Path(os.environ["MOSOS_CACHE_DIR"]) / "plans-v1"
+    return sorted(p for p in plans.iterdir() if not p.name.startswith(".")) if plans.exists() else []
+
+
+def test_a_second_process_starts_from_the_kept_plan_without_capture_or_solve(project):
+    first = run(project)
+    assert first["calls"] == {"capture": 1, "solve": 1}
+    assert first["bitwise"]
+    assert any("plan kept for later runs" in m for m in first["messages"])
+    assert len(kept_entries()) == 1
+
+    second = run(project)
+    assert second["calls"] == {"capture": 0, "solve": 0}, second["messages"]
+    assert any("no capture, profile or solve" in m for m in second["messages"])
+    assert second["bitwise"]  # the rebuilt graph computes exactly what plain PyTorch does
+    assert second["budget"] == first["budget"]
+
+
+def test_a_model_changed_by_one_layer_is_not_served_the_old_plan(project):
+    run(project, depth=8)
+    deeper = run(project, depth=9)
+    assert deeper["calls"] == {"capture": 1, "solve": 1}
+    assert deeper["bitwise"]
+    assert len(kept_entries()) == 2
+
+
+def test_a_changed_source_file_makes_the_kept_plan_stale(project):
+    run(project)
+    # the model's modules look the same; the code it runs through does not
+    (project / "code" / "cached_helpers.py").write_text(HELPERS.replace("torch.tanh(x)", "torch.sigmoid(x)"))
+    changed = run(project)
+    assert changed["calls"] == {"capture": 1, "solve": 1}, changed["messages"]
+    assert changed["bitwise"]  # against plain PyTorch running the new code
+    again = run(project)
+    assert again["calls"] == {"capture": 0, "solve": 0}
+
+
+@pytest.mark.parametrize("damage", ["truncated capture", "schedule of another profile", "torn entry",
+                                    "traced file changed"])
+def test_a_corrupt_entry_is_said_removed_and_planned_again(project, damage):
+    run(project)
+    (entry,) = kept_entries()
+    if damage == "truncated capture":
+        text = (entry / "capture.json").read_text()
+        (entry / "capture.json").write_text(text[: len(text) // 2])
+    elif damage == "schedule of another profile":
+        schedule = json.loads((entry / "schedule.json").read_text())
+        schedule["profile_digest"] = "0" * 64
+        (entry / "schedule.json").write_text(json.dumps(schedule))
+    elif damage == "torn entry":
+        (entry / "profile.json").unlink()
+    else:  # a file the capture traced through, changed without changing the key
+        capture = json.loads((entry / "capture.json").read_text())
+        traced = next(path for path in capture["source_files"] if path.endswith("cached_model.py"))
+        capture["source_files"][traced] = "0" * 64
+        (entry / "capture.json").write_text(json.dumps(capture))
+    result = run(project)
+    assert result["calls"] == {"capture": 1, "solve": 1}
+    assert any("is not usable" in m and "planning again" in m for m in result["messages"]), result["messages"]
+    if damage == "traced file changed":
+        assert any("cached_model.py changed since the capture" in m for m in result["messages"])
+    assert result["bitwise"]
+    assert run(project)["calls"] == {"capture": 0, "solve": 0}  # the entry was made again, whole
+
+
+def test_cache_off_keeps_nothing_and_the_cli_lists_and_clears(project, tmp_path):
+    import torch
+    import torch.nn.functional as F
+
+    import executor
+
+    sys.path.insert(0, str(project / "code"))
+    try:
+        from cached_model import build
+    finally:
+        sys.path.remove(str(project / "code"))
+    x, y = torch.randn(16, 96), torch.randint(0, 10, (16,))
+    executor.optimize(build(2), (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all", cache=False,
+                      progress=False)
+    assert kept_entries() == []
+    elsewhere = tmp_path / "elsewhere"
+    executor.optimize(build(2), (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                      cache=elsewhere, progress=False)
+    assert kept_entries() == [] and len(list((elsewhere / "plans-v1").iterdir())) == 1
+
+    def mosos(*args):
+        return subprocess.run([sys.executable, "-m", "cli", "cache", *args], capture_output=True, text=True,
+                              cwd=REPO, timeout=120)
+
+    listed = mosos("list", "--dir", str(elsewhere))
+    assert listed.returncode == 0, listed.stderr
+    assert "Net" in listed.stdout and "float32[16,96]" in listed.stdout and "keep-all" in listed.stdout
+    cleared = mosos("clear", "--dir", str(elsewhere))
+    assert cleared.returncode == 0 and "removed 1 kept plan" in cleared.stdout
+    assert "no plans kept" in mosos("list", "--dir", str(elsewhere)).stdout
+    assert "no plans kept" in mosos("list").stdout  # $MOSOS_CACHE_DIR: this test's own, still empty

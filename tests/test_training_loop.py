@@ -1,0 +1,153 @@
+"""The rest of a training loop around a planned module: batches of several shapes, gradient accumulation, evaluation.
+Every step is compared bit for bit with plain PyTorch running the same loop on a copy of the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import torch.nn.functional as F  # noqa: E402
+
+import executor  # noqa: E402
+
+LENGTHS = (16, 24, 32, 48)  # four buckets of sequence length
+
+
+def tiny_bert():
+    config = transformers.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config).train()
+
+
+def loss_fn(output, labels):
+    return F.cross_entropy(output.logits, labels)
+
+
+def batch(length: int, seed: int, size: int = 8):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size, length), generator=generator), torch.randint(0, 3, (size,), generator=generator)
+
+
+def plan_messages(messages: list[str]) -> list[str]:
+    return [m for m in messages if m.startswith("new input signature")]
+
+
+def same_gradients(model, plain) -> bool:
+    return all((p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+               for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_bucketed_lengths_are_each_planned_once_and_every_step_is_plain_pytorchs():
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids, labels = batch(LENGTHS[0], seed=0)
+    messages: list[str] = []
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.6,
+                                time_limit_s=2, workers=1, progress=messages.append)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    step = 0
+    for epoch in range(3):
+        order = [LENGTHS[(i + epoch) % len(LENGTHS)] for i in range(len(LENGTHS))]  # buckets in another order
+        for length in order:
+            ids, labels = batch(length, seed=100 * epoch + length)
+            optimizer.zero_grad(set_to_none=True)
+            plain_optimizer.zero_grad(set_to_none=True)
+            torch.manual_seed(step)  # dropout: the same masks in both
+            loss = planned(input_ids=ids, targets=labels)
+            loss.backward()
+            torch.manual_seed(step)
+            plain_loss = loss_fn(plain(input_ids=ids), labels)
+            plain_loss.backward()
+            assert torch.equal(loss, plain_loss), (epoch, length)
+            assert same_gradients(model, plain), (epoch, length)
+            optimizer.step()
+            plain_optimizer.step()
+            step += 1
+    assert planned.signatures_planned == len(LENGTHS) - 1  # the first was planned by optimize()
+    assert len(plan_messages(messages)) == len(LENGTHS) - 1
+    assert len(planned.signatures) == len(LENGTHS)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_the_least_recently_used_plan_is_dropped_and_made_again_from_the_kept_one():
+    model = tiny_bert()
+    ids, labels = batch(LENGTHS[0], seed=0)
+    messages: list[str] = []
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.6,
+                                time_limit_s=2, workers=1, max_signatures=2, progress=messages.append)
+    for length in (LENGTHS[1], LENGTHS[2], LENGTHS[0]):
+        ids, labels = batch(length, seed=length)
+        planned(input_ids=ids, targets=labels).backward()
+    assert len(planned.signatures) == 2
+    assert planned.signatures_planned == 3
+    assert any(m.startswith("dropping the plan for input signature input_ids=int64[8,16]") for m in messages)
+    # the first length came back after it was dropped: planned from the plan kept on disk, not solved again
+    assert any("no capture, profile or solve" in m for m in messages[-4:]), messages[-6:]
+
+
+def test_a_module_told_not_to_plan_new_signatures_refuses_them():
+    model = tiny_bert()
+    ids, labels = batch(LENGTHS[0], seed=0)
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, budget=None,
+                                strategy="keep-all", new_signatures=False, progress=False)
+    ids, labels = batch(LENGTHS[1], seed=1)
+    with pytest.raises(executor.ProfileMismatch, match=r"int64\[8,16\].*int64\[8,24\]"):
+        planned(input_ids=ids, targets=labels)
+
+
+def test_gradient_accumulation_over_four_micro_batches_is_plain_pytorchs():
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids, labels = batch(32, seed=0)
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.5,
+                                time_limit_s=2, workers=1, progress=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    for update in range(2):
+        for micro in range(4):
+            ids, labels = batch(32, seed=10 * update + micro)
+            torch.manual_seed(micro)
+            (planned(input_ids=ids, targets=labels) / 4).backward()
+            torch.manual_seed(micro)
+            (loss_fn(plain(input_ids=ids), labels) / 4).backward()
+            assert same_gradients(model, plain), (update, micro)
+        optimizer.step()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        plain_optimizer.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_eval_and_no_grad_run_the_plain_forward_and_train_returns_to_the_plan():
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids, labels = batch(16, seed=0)
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.6,
+                                time_limit_s=2, workers=1, progress=False)
+    other_ids, other_labels = batch(40, seed=1)  # evaluation at another size plans nothing
+    with torch.no_grad():  # still in training mode: dropout draws, the same masks in both
+        torch.manual_seed(1)
+        evaluated = planned(input_ids=other_ids, targets=other_labels)
+        torch.manual_seed(1)
+        assert torch.equal(evaluated, loss_fn(plain(input_ids=other_ids), other_labels))
+    planned.eval()
+    plain.eval()
+    assert not model.training
+    evaluated = planned(input_ids=other_ids, targets=other_labels)  # dropout off, with gradients still on
+    assert torch.equal(evaluated, loss_fn(plain(input_ids=other_ids), other_labels))
+    assert planned.signatures_planned == 0
+    planned.train()
+    plain.train()
+    torch.manual_seed(3)
+    loss = planned(input_ids=ids, targets=labels)
+    loss.backward()
+    torch.manual_seed(3)
+    loss_fn(plain(input_ids=ids), labels).backward()
+    assert same_gradients(model, plain)
+    assert planned.last_ledger is not None and planned.last_ledger.peak_bytes() <= planned.schedule.budget_bytes
