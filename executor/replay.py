@@ -446,6 +446,7 @@ class _StepFunction(torch.autograd.Function):
             raise ReplayError("the schedule's forward part never computed the loss")
         prepared.runtime.loss_storage = loss.untyped_storage().data_ptr()
         ctx.state = state
+        ctx.parameters = parameters
         return loss
 
     @staticmethod
@@ -476,4 +477,25 @@ class _StepFunction(torch.autograd.Function):
             state.live = ()
         if prepared.timed:
             state.planned._step_timed(runtime)
-        return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+        return (None, None) + _accumulation_signals(ctx.parameters)
+
+
+def _hooks_wait_for_accumulation(parameters) -> bool:
+    """DistributedDataParallel's reducer (and any post-accumulate-grad hook) acts when a parameter's AccumulateGrad
+    runs; the replay has written `.grad` already, so the autograd engine must still run those nodes."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return True
+    return any(getattr(p, "_post_accumulate_grad_hooks", None) for p in parameters)
+
+
+def _accumulation_signals(parameters) -> tuple:
+    """Per parameter: None, or (when hooks wait for it) a gradient of negative zeros, broadcast from one element.
+    Adding -0.0 leaves every float as it is, bit for bit (-0.0 and NaN included), and allocates nothing: the engine
+    runs AccumulateGrad, which adds it in place to the `.grad` the replay wrote, and the hooks fire as in eager."""
+    if not _hooks_wait_for_accumulation(parameters):
+        return (None,) * len(parameters)
+    return tuple(
+        torch.full((), -0.0, dtype=p.dtype, device=p.device).expand(p.shape)
+        if p.requires_grad and p.grad is not None and p.dtype.is_floating_point else None
+        for p in parameters
+    )

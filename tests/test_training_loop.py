@@ -151,3 +151,22 @@ def test_eval_and_no_grad_run_the_plain_forward_and_train_returns_to_the_plan():
     loss_fn(plain(input_ids=ids), labels).backward()
     assert same_gradients(model, plain)
     assert planned.last_ledger is not None and planned.last_ledger.peak_bytes() <= planned.schedule.budget_bytes
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_parameter_and_see_the_gradient():
+    model = tiny_bert()
+    plain = copy.deepcopy(model)
+    ids, labels = batch(16, seed=0)
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.6,
+                                time_limit_s=2, workers=1, progress=False)
+    seen: list[tuple[int, torch.Tensor]] = []
+    for index, parameter in enumerate(model.parameters()):
+        parameter.register_post_accumulate_grad_hook(lambda p, i=index: seen.append((i, p.grad.clone())))
+    torch.manual_seed(0)
+    planned(input_ids=ids, targets=labels).backward()
+    torch.manual_seed(0)
+    loss_fn(plain(input_ids=ids), labels).backward()
+    assert sorted(i for i, _ in seen) == list(range(len(list(model.parameters()))))
+    plain_grads = [p.grad for p in plain.parameters()]
+    assert all(torch.equal(grad, plain_grads[i]) for i, grad in seen)  # each hook saw the finished gradient
+    assert same_gradients(model, plain)
