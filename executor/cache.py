@@ -178,7 +178,7 @@ class PlanKey:
 
 
 def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targets, *, device: torch.device,
-             budget: dict, strategy: str, optimizer, settings: dict) -> PlanKey:
+             budget: dict, strategy: str, optimizer, settings: dict, autocast_state: tuple = ()) -> PlanKey:
     """The key of the plan `optimize()` would make for these arguments, before anything is captured."""
     kwargs = dict(kwargs or {})
     leaves, spec = tree_flatten(((tuple(inputs), kwargs, targets), {}))
@@ -193,7 +193,8 @@ def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targ
         "model": module_structure(model),
         "loss_fn": _callable_identity(loss_fn),
         "inputs": {"signature": input_signature, "spec": str(spec), "constants": constants,
-                   "targets": tensor_signature(targets) if targets is not None else None},
+                   "targets": tensor_signature(targets) if targets is not None else None,
+                   "autocast": [list(region) for region in autocast_state]},
         "device": device_name,
         "budget": budget,
         "strategy": strategy,
@@ -202,7 +203,9 @@ def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targ
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
     fields["summary"] = {
-        "model": type(model).__qualname__, "inputs": input_signature, "device": device_name,
+        "model": type(model).__qualname__,
+        "inputs": input_signature + "".join(f" {device} {dtype}" for device, dtype, _ in autocast_state),
+        "device": device_name,
         "budget": budget, "strategy": strategy,
     }
     return PlanKey(fields, digest)

@@ -38,7 +38,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor import export
-from executor.errors import CaptureError, autocast_regions
+from executor import autocast
+from executor.errors import CaptureError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _EXECUTOR_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -84,6 +85,7 @@ class CapturedStep:
     backward: set = field(default_factory=set)  # nodes of the backward pass
     export_seconds: float = 0.0
     joint_seconds: float = 0.0
+    autocast: tuple = ()  # the autocast regions it was captured under (executor.autocast.autocast_state())
 
     @property
     def graph(self) -> fx.Graph:
@@ -299,22 +301,22 @@ def _quiet_torch():
         logger.setLevel(level)
 
 
-def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable) -> CapturedStep:
-    """Capture `loss_fn(model(*inputs, **kwargs), targets)` and its backward as one ATen graph."""
+def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
+            autocast_state: tuple | None = None) -> CapturedStep:
+    """Capture `loss_fn(model(*inputs, **kwargs), targets)` and its backward as one ATen graph, under the autocast
+    regions of `autocast_state` (default: those in force here)."""
     import time
 
+    if autocast_state is None:
+        autocast_state = autocast.autocast_state()
     kwargs = dict(kwargs or {})
     if not any(p.requires_grad for p in model.parameters()):
         raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
-    if autocast_regions():
-        raise CaptureError("capturing a step under torch.autocast: mixed precision is not reproduced by the planned "
-                           "step yet, so it is not planned; capture and train outside autocast, or cast the model "
-                           "(model.to(torch.bfloat16))")
     export.require_supported_torch()
     started = time.perf_counter()
     try:
-        with _quiet_torch():
-            program = export.export_program(model, inputs, kwargs, targets, loss_fn)
+        with _quiet_torch(), autocast.disabled():
+            program = export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001 - every export failure becomes a message
@@ -322,20 +324,20 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     _check_static(program, model)
     exported_at = time.perf_counter()
     try:
-        with _quiet_torch():
+        with _quiet_torch(), autocast.disabled():
             exported = export.joint_graph(program, inputs, kwargs, targets)
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001
         raise capture_error(error, model, loss_fn, "tracing its backward") from None
     joint_at = time.perf_counter()
-    step = _describe(exported, model, loss_fn, inputs, kwargs, targets)
+    step = _describe(exported, model, loss_fn, inputs, kwargs, targets, autocast_state)
     step.export_seconds = exported_at - started
     step.joint_seconds = joint_at - exported_at
     return step
 
 
-def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets) -> CapturedStep:
+def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets, autocast_state: tuple = ()) -> CapturedStep:
     d = exported.descriptors
     gm = exported.joint
     graph = gm.graph
@@ -399,6 +401,14 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
                                "does not handle (outputs that alias each other or tensor subclasses)")
     if loss is None:
         raise CaptureError(f"cannot capture {type(model).__name__}: the loss is not part of the graph")
+    if autocast_state:
+        parameters = {node: source.name for node, source in sources.items()
+                      if source.kind == "parameter" and source.owner == "model"}
+        by_name = {name: value for value, name, owner in gradients if owner == "model"}
+        backward = {node for node in graph.nodes if node.meta.get("partitioner_tag") == "is_backward"}
+        rewritten = autocast.share_parameter_casts(gm, parameters, by_name, backward, type(model).__name__)
+        gradients = [(rewritten.get(name, value) if owner == "model" else value, name, owner)
+                     for value, name, owner in gradients]
     _check_operations(graph, model)
     _split_convolution_backward(gm)
     graph.lint()
@@ -410,6 +420,7 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
         constant_leaves={i: leaf for i, leaf in enumerate(flat) if not isinstance(leaf, torch.Tensor)},
         input_signature=tensor_signature(tuple(inputs), kwargs),
         target_signature=tensor_signature(targets) if targets is not None else None,
+        autocast=autocast_state,
     )
     for node in graph.nodes:
         if node.op != "call_function":

@@ -175,6 +175,7 @@ def dump_step(step: CapturedStep) -> tuple[dict, dict[str, torch.Tensor]]:
         "module_path": {node.name: path for node, path in step.module_path.items()},
         "source_line": {node.name: line for node, line in step.source_line.items()},
         "backward": sorted(node.name for node in step.backward),
+        "autocast": [list(region) for region in step.autocast],
         "export_seconds": step.export_seconds,
         "joint_seconds": step.joint_seconds,
         "structure_sha256": step.structure_sha256(),
@@ -245,6 +246,7 @@ def _rebuild(data, tensors, model, loss_fn, leaves) -> CapturedStep:
         source_line={nodes[name]: line for name, line in data["source_line"].items()},
         backward={nodes[name] for name in data["backward"]},
         export_seconds=data["export_seconds"], joint_seconds=data["joint_seconds"],
+        autocast=tuple(tuple(region) for region in data["autocast"]),
     )
     _restore_values(step, leaves, data)
     actual = step.structure_sha256()

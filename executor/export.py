@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from executor import autocast
 from executor.errors import CaptureError
 
 VERIFIED_TORCH = "2.13"
@@ -58,14 +59,16 @@ def require_supported_torch():
 class WithLoss(nn.Module):
     """The model and its loss as one module, so that export captures the loss too (the joint graph needs it)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable):
+    def __init__(self, model: nn.Module, loss_fn: Callable, autocast_state: tuple = ()):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.autocast_state = autocast_state
 
     def forward(self, args: tuple, kwargs: dict, targets):
-        output = self.model(*args, **kwargs)
-        return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
+        with autocast.entered(self.autocast_state):  # recorded as a region: its backward is traced outside it
+            output = self.model(*args, **kwargs)
+            return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
 
 
 class _Interpreted(nn.Module):
@@ -103,9 +106,10 @@ def owner_and_name(target: str) -> tuple[str | None, str]:
     return None, target
 
 
-def export_program(model: nn.Module, args: tuple, kwargs: dict, targets, loss_fn: Callable):
-    """torch.export of the model with its loss (non-strict). Errors propagate for capture.py to explain."""
-    wrapper = WithLoss(model, loss_fn)
+def export_program(model: nn.Module, args: tuple, kwargs: dict, targets, loss_fn: Callable, autocast_state: tuple = ()):
+    """torch.export of the model with its loss (non-strict), inside the autocast regions of `autocast_state`.
+    Errors propagate for capture.py to explain."""
+    wrapper = WithLoss(model, loss_fn, autocast_state)
     return torch.export.export(wrapper, (tuple(args), dict(kwargs), targets), strict=False)
 
 

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from executor import autocast
 from executor.cache import PlanKey, open_cache, plan_key
 from executor.profiler import ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step, provisional_profile
 from executor.replay import PlannedModule
@@ -155,9 +156,9 @@ def optimize(
     store = open_cache(cache)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
-    def key_of(inputs, kwargs, targets) -> PlanKey:
+    def key_of(inputs, kwargs, targets, autocast_state: tuple) -> PlanKey:
         return plan_key(
-            model, loss_fn, inputs, kwargs, targets, device=device,
+            model, loss_fn, inputs, kwargs, targets, device=device, autocast_state=autocast_state,
             budget={"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes},
             strategy=strategy, optimizer=optimizer,
             settings={"measuring": measuring, "d2h_gb_per_s": d2h_gb_per_s, "h2d_gb_per_s": h2d_gb_per_s,
@@ -166,8 +167,14 @@ def optimize(
 
     def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
         """Capture, profile within the budget and plan one input signature (or take it from the cache); the key
-        it is kept under comes back for a re-plan to replace it."""
-        key = key_of(inputs, kwargs, targets) if store is not None else None
+        it is kept under comes back for a re-plan to replace it. Planned for the autocast regions in force at the
+        call; everything it runs itself runs outside them."""
+        autocast_state = autocast.autocast_state()
+        with autocast.disabled():
+            return _plan_signature(inputs, kwargs, targets, autocast_state)
+
+    def _plan_signature(inputs, kwargs, targets, autocast_state):
+        key = key_of(inputs, kwargs, targets, autocast_state) if store is not None else None
         cached = store.load(key, model, loss_fn, inputs, kwargs, targets, say) if key is not None else None
         if cached is not None:
             profiled = planning_of(cached.step, inputs, kwargs, targets)
@@ -182,7 +189,7 @@ def optimize(
             return cached.profile, cached.schedule, profiled, key
         say("capturing the step with torch.export")
         with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
-            profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+            profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
         say(f"captured {len(profiled.planning.groups)} planning nodes in "
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         signature_budget = budget_bytes

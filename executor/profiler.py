@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor import conv_algorithms
+from executor import autocast
 from executor.capture import CapturedStep, capture, tensor_signature
 from executor.allocations import memory_events
 from executor.codegen import CodeGenerator, Modes, schedule_operations
@@ -183,9 +184,11 @@ class ProfiledStep:
     measuring: MeasuringPlan | None = None  # the schedule the profile was measured under
 
 
-def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable) -> ProfiledStep:
-    """Capture the step and group it into planning nodes (no arithmetic: shapes come from fake tensors)."""
-    return planning_of(capture(model, inputs, kwargs, targets, loss_fn), inputs, kwargs, targets)
+def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
+              autocast_state: tuple | None = None) -> ProfiledStep:
+    """Capture the step (under `autocast_state`, default the autocast in force) and group it into planning nodes
+    (no arithmetic: shapes come from fake tensors)."""
+    return planning_of(capture(model, inputs, kwargs, targets, loss_fn, autocast_state), inputs, kwargs, targets)
 
 
 def planning_of(step: CapturedStep, inputs: tuple, kwargs: dict | None, targets) -> ProfiledStep:
@@ -487,10 +490,11 @@ def profile_step(
         measured_d2h, measured_h2d = measure_bandwidth_gb_per_s(device)
         d2h_gb_per_s = d2h_gb_per_s or measured_d2h
         h2d_gb_per_s = h2d_gb_per_s or measured_h2d
-    with _Preserved(model, device):
+    autocast_state = autocast.autocast_state()  # the precision the step is captured for; the passes run outside it
+    with _Preserved(model, device), autocast.disabled():
         if profiled is None:
             say("capturing the step with torch.export")
-            profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+            profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
             say(f"captured {len(profiled.planning.groups)} planning nodes in "
                 f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,

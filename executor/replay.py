@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten
 from executor.accountant import Accountant
 from executor.capture import tensor_signature
 from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
-from executor.errors import ProfileMismatch, ReplayError, refuse_autocast
+from executor import autocast
+from executor.errors import ProfileMismatch, ReplayError
 from executor.feeds import Feeder
 from executor.measured import StepReport, measured_profile, node_differences
 from executor.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
@@ -244,7 +245,8 @@ class PlannedModule(nn.Module):
     def signatures(self) -> list[str]:
         """The input signatures this module holds plans for, the one in use last."""
         held = list(self._plans) + ([self._signature] if self._signature is not None else [])
-        return [signature[0] + (f" targets {signature[1]}" if signature[1] else "") for signature in held]
+        return [signature[0] + (f" targets {signature[1]}" if signature[1] else "")
+                + (f" ({autocast.describe(signature[-1])})" if signature[-1] else "") for signature in held]
 
     def _switch_to(self, signature: tuple, inputs: tuple, kwargs: dict, targets) -> None:
         """Make `signature`'s plan the one in use: kept from before, or planned now (once)."""
@@ -255,7 +257,8 @@ class PlannedModule(nn.Module):
                 setattr(self, name, value)
             self._signature = signature
             return
-        self._say(f"new input signature {signature[0]}: planning it once (plans kept for the last "
+        self._say(f"new input signature {signature[0]}"
+                  + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "") + ": planning it once (plans kept for the last "
                   f"{self.max_signatures} signatures)")
         while len(self._plans) >= self.max_signatures:  # the current one is about to join them
             evicted, _ = self._plans.popitem(last=False)
@@ -293,9 +296,8 @@ class PlannedModule(nn.Module):
             # own forward, as the plan was made for the training step; model.train() returns to the plan
             output = self.model(*inputs, **kwargs)
             return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
-        refuse_autocast("a planned training step")
         leaves, spec = tree_flatten(((inputs, kwargs, targets), {}))
-        signature = _call_signature(inputs, kwargs, targets, leaves, spec)
+        signature = _call_signature(inputs, kwargs, targets, leaves, spec, autocast.autocast_state())
         if self._plan_signature is not None and signature != self._signature:
             if self._signature is None and self._plans:  # a failed planning of a new signature: say it again
                 self._signature = next(reversed(self._plans))
@@ -304,6 +306,11 @@ class PlannedModule(nn.Module):
             if signature != self._signature:
                 self._switch_to(signature, inputs, kwargs, targets)
         check_inputs(self.profile, inputs, kwargs, targets)
+        if self._signature is not None and signature[-1] != self._signature[-1]:
+            raise ProfileMismatch(
+                f"this step was captured with {autocast.describe(self._signature[-1])} but is called under "
+                f"{autocast.describe(signature[-1])}: its casts would differ from eager's; plan it for this precision "
+                "(a module from optimize() does so by itself)")
         wanting = [i for i, value in enumerate(leaves) if isinstance(value, torch.Tensor) and value.requires_grad]
         if wanting:
             raise ReplayError(
@@ -409,19 +416,23 @@ _PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_ti
                "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token")
 
 
-def _signature_parts(input_signature: str, target_signature: str | None, spec, constants: dict) -> tuple:
-    return (input_signature, target_signature, str(spec), repr(sorted(constants.items())))
+def _signature_parts(input_signature: str, target_signature: str | None, spec, constants: dict,
+                     autocast_state: tuple) -> tuple:
+    return (input_signature, target_signature, str(spec), repr(sorted(constants.items())), tuple(autocast_state))
 
 
 def _step_signature(step) -> tuple:
-    """What a captured step was made for: a call with another signature needs another capture and plan."""
-    return _signature_parts(step.input_signature, step.target_signature, step.input_spec, step.constant_leaves)
+    """What a captured step was made for (shapes, structure, autocast): a call with another signature needs another
+    capture and plan."""
+    return _signature_parts(step.input_signature, step.target_signature, step.input_spec, step.constant_leaves,
+                            step.autocast)
 
 
-def _call_signature(inputs: tuple, kwargs: dict, targets, leaves: list, spec) -> tuple:
+def _call_signature(inputs: tuple, kwargs: dict, targets, leaves: list, spec, autocast_state: tuple) -> tuple:
     constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
     return _signature_parts(tensor_signature(inputs, kwargs),
-                            tensor_signature(targets) if targets is not None else None, spec, constants)
+                            tensor_signature(targets) if targets is not None else None, spec, constants,
+                            autocast_state)
 
 
 class _StepState:
@@ -439,7 +450,8 @@ class _StepFunction(torch.autograd.Function):
     def forward(ctx, planned: PlannedModule, state: _StepState, *parameters):
         prepared = state.prepared
         started = prepared.clock() if prepared.timed else 0
-        loss, state.live = prepared.program.parts[0](state.feed, prepared.runtime)
+        with autocast.disabled():  # the graph carries autocast's casts; the ambient autocast would cast again
+            loss, state.live = prepared.program.parts[0](state.feed, prepared.runtime)
         if prepared.timed:
             prepared.runtime.part(started)
         if loss is None:
@@ -461,7 +473,7 @@ class _StepFunction(torch.autograd.Function):
         prepared = state.prepared
         runtime = prepared.runtime
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast.disabled():
                 started = prepared.clock() if prepared.timed else 0
                 if prepared.tangent_index is not None:
                     state.feed[prepared.tangent_index] = grad_loss

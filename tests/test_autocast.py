@@ -1,0 +1,189 @@
+"""Mixed precision: under torch.autocast the planned step is eager autocast's, bit for bit (executor.autocast).
+
+The zoo (BERT, GPT-2 with tied embeddings, ViT, a LLaMA-style decoder, ResNet, MobileNetV2, the in-place CNN) in
+float32 under bf16 CPU autocast, with keep-all, mosos at 0.6, recompute-heavy and offload-heavy plans: the loss,
+every gradient and every buffer equal eager autocast's. Then fp16 autocast with GradScaler (loss, gradients, the
+scaler's state and the weights after its step), a parameter used many times (eager casts it once per region), and
+a module from optimize() that meets autocast after it was planned without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import executor  # noqa: E402
+from executor.errors import ProfileMismatch  # noqa: E402
+from executor.profiler import profile_step  # noqa: E402
+from executor.replay import PlannedModule  # noqa: E402
+from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from planner.planning import plan  # noqa: E402
+from tests.zoo import ZOO  # noqa: E402
+
+BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}
+
+
+def _plain(model, args, kwargs, targets, loss_fn):
+    output = model(*args, **kwargs)
+    return loss_fn(output, targets) if targets is not None else loss_fn(output)
+
+
+_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor):
+    """The tensor's bits (NaN compares equal to itself here, and only to the same NaN)."""
+    tensor = tensor.detach().contiguous()
+    return tensor.view(_INTEGER[tensor.element_size()]) if tensor.is_floating_point() else tensor
+
+
+def _equal(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _assert_same(kind, loss, plain, planned_model, plain_model):
+    assert _equal(loss, plain), f"{kind}: loss {loss.item()} vs {plain.item()}"
+    for (key, a), (_, b) in zip(planned_model.named_parameters(), plain_model.named_parameters()):
+        if b.grad is None:
+            assert a.grad is None, f"{kind}: {key} got a gradient eager autocast does not give"
+            continue
+        assert a.grad.dtype == b.grad.dtype
+        assert _equal(a.grad, b.grad), f"{kind}: {key} differs by {(a.grad - b.grad).abs().max().item():.3e}"
+    for (key, a), (_, b) in zip(planned_model.named_buffers(), plain_model.named_buffers()):
+        assert _equal(a, b), f"{kind}: buffer {key} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZOO))
+def test_the_zoo_under_bf16_autocast_is_eager_autocast_bit_for_bit(name):
+    model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
+    with torch.autocast(**BF16):  # captured for the precision it is called under; the passes run outside it
+        profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
+                                         algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10)
+    assert captured.step.autocast == (("cpu", "bfloat16", True),)
+    schedules = {
+        "keep-all": plan(profile, strategy="keep-all"),
+        "mosos at 0.6": plan(profile, memory_ratio=0.6, strategy="mosos", time_limit_s=2, workers=1, seed=0),
+        "recompute-heavy": recompute_everything_schedule(profile),
+        "offload-heavy": offload_everything_schedule(profile),
+    }
+    for kind, schedule in schedules.items():
+        planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
+        planned = PlannedModule(planned_model, profile, schedule, loss_fn, profiled=captured, strict=True)
+        torch.manual_seed(3)
+        with torch.autocast(**BF16):
+            loss = planned(*args, targets=targets, **kwargs)
+        loss.backward()
+        torch.manual_seed(3)
+        with torch.autocast(**BF16):
+            plain = _plain(plain_model, args, kwargs, targets, loss_fn)
+        plain.backward()
+        _assert_same(kind, loss, plain, planned_model, plain_model)
+        assert planned.peak_memory_bytes == planned.simulated_peak_bytes, kind
+
+
+class SharedWeights(nn.Module):
+    """One weight used four times in a region (eager casts it once, and sums its four gradients in bf16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.b = nn.Linear(128, 128)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x):
+        h = F.gelu(self.norm(self.a(x)))
+        h = torch.softmax(self.b(h), -1) @ self.b.weight
+        h = h @ self.b.weight.t() + self.b(h)
+        return self.head(h)
+
+
+def test_a_parameter_cast_many_times_sums_its_gradients_as_eager_autocast_does():
+    torch.manual_seed(0)
+    model = SharedWeights()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(2048, 64), torch.randint(0, 10, (2048,))
+    with torch.autocast(**BF16):
+        planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, time_limit_s=2,
+                                    workers=1, cache=False, progress=False)
+    graph = planned._prepared.profiled.step.graph
+    weight = next(n for n, s in planned._prepared.profiled.step.sources.items() if s.name == "b.weight")
+    casts = [u for u in weight.users if u.target is torch.ops.aten._to_copy.default]
+    assert len(casts) == 1, f"b.weight is cast {len(casts)} times in {graph}"
+    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    for step in range(3):
+        with torch.autocast(**BF16):
+            loss = planned(x, targets=y)
+        loss.backward()
+        with torch.autocast(**BF16):
+            plain_loss = F.cross_entropy(plain(x), y)
+        plain_loss.backward()
+        _assert_same(f"step {step}", loss, plain_loss, model, plain)
+        optimizer.step()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        plain_optimizer.zero_grad()
+
+
+def test_fp16_autocast_with_grad_scaler_matches_eager_including_the_scaler_state():
+    torch.manual_seed(0)
+    model = SharedWeights()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(2048, 64), torch.randint(0, 10, (2048,))
+    fp16 = {"device_type": "cpu", "dtype": torch.float16}
+    with torch.autocast(**fp16):
+        planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, time_limit_s=2,
+                                    workers=1, cache=False, progress=False)
+    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    # a huge initial scale overflows fp16 on the first step: the scaler must skip it and back off, in both
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    plain_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    for step in range(3):
+        with torch.autocast(**fp16):
+            loss = planned(x, targets=y)
+        scaler.scale(loss).backward()
+        with torch.autocast(**fp16):
+            plain_loss = F.cross_entropy(plain(x), y)
+        plain_scaler.scale(plain_loss).backward()
+        _assert_same(f"step {step}", loss, plain_loss, model, plain)
+        for s, o in ((scaler, optimizer), (plain_scaler, plain_optimizer)):
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        assert scaler.get_scale() == plain_scaler.get_scale()
+        assert all(_equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    assert scaler.get_scale() < 2.0 ** 40  # it did overflow and back off
+
+
+def test_a_planned_module_meets_autocast_and_plans_it_once_a_hand_built_one_refuses_it():
+    torch.manual_seed(0)
+    model = SharedWeights()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(2048, 64), torch.randint(0, 10, (2048,))
+    messages: list[str] = []
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, time_limit_s=2,
+                                workers=1, cache=False, progress=messages.append)
+    for precision in ("float32", "bf16", "float32", "bf16"):
+        context = torch.autocast(**BF16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
+        with context:
+            loss = planned(x, targets=y)
+            plain_loss = F.cross_entropy(plain(x), y)
+        loss.backward()
+        plain_loss.backward()
+        _assert_same(precision, loss, plain_loss, model, plain)
+        for m in (model, plain):
+            m.zero_grad()
+    assert planned.signatures_planned == 1
+    assert sum("under autocast cpu bfloat16" in m for m in messages) == 1
+    # the plan in use now is the bf16 one: built by hand, it refuses a float32 call rather than plan it
+    by_hand = PlannedModule(model, planned.profile, planned.schedule, F.cross_entropy,
+                            profiled=planned._prepared.profiled)
+    with pytest.raises(ProfileMismatch, match="captured with autocast cpu bfloat16 but is called under no autocast"):
+        by_hand(x, targets=y)
