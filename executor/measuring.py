@@ -46,7 +46,23 @@ def scratch_allowance_bytes(planning, group) -> int:
     facts = planning.facts
     sizes = [facts.root_bytes.get(v, 0) for op in group.ops
              for v in [op] + [u for u in op.users if u.target is operator.getitem]]
-    return max(sizes, default=0) + SCRATCH_SLACK_BYTES
+    return max(sizes, default=0) + max((_half_precision_scratch(op) for op in group.ops), default=0) \
+        + SCRATCH_SLACK_BYTES
+
+
+_HALF = ("torch.bfloat16", "torch.float16")
+
+
+def _half_precision_scratch(op) -> int:
+    """Mixed precision: a CPU kernel on bf16/fp16 tensors may widen them to float32 while it works (oneDNN's matrix
+    products, reductions): twice the bytes of every half-precision tensor it reads or writes."""
+    total = 0
+    for node in [op] + list(op.all_input_nodes):
+        value = node.meta.get("val")
+        for tensor in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(tensor, "dtype") and str(tensor.dtype) in _HALF:
+                total += tensor.numel() * tensor.element_size()
+    return 2 * total
 
 
 @dataclass
