@@ -92,7 +92,8 @@ def plan_remotely(
         raise PlannerServiceError(f"cannot reach the planner service at {base}: {error}") from None
 
 
-def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio: float) -> int:
+def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio: float,
+                       algorithms: tuple[str, ...] | None = None) -> int:
     """`memory_ratio` of the keep-all peak as the capture estimates it, before anything is allocated."""
     from torch.utils._pytree import tree_flatten
 
@@ -101,8 +102,23 @@ def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memo
 
     leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    provisional = provisional_profile(profiled, leaves, device, optimizer, conv_algorithms.ALGORITHMS, None, None)
+    provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms or conv_algorithms.ALGORITHMS,
+                                      None, None)
     return budget_from_ratio(provisional, memory_ratio)
+
+
+def _algorithms(algorithms) -> tuple[str, ...]:
+    from executor import conv_algorithms
+
+    if algorithms == "all":
+        return tuple(conv_algorithms.ALGORITHMS)
+    if isinstance(algorithms, str):
+        algorithms = (algorithms,)
+    unknown = [a for a in algorithms if a not in conv_algorithms.ALGORITHMS]
+    if unknown or not algorithms or "native" not in algorithms:
+        raise MososError(f"algorithms are some of {', '.join(conv_algorithms.ALGORITHMS)} (native among them), or "
+                         f"'all'; not {algorithms!r}")
+    return tuple(algorithms)
 
 
 def optimize(
@@ -122,6 +138,7 @@ def optimize(
     optimizer: str | torch.optim.Optimizer | None = "sgd",
     d2h_gb_per_s: float | None = None,
     h2d_gb_per_s: float | None = None,
+    algorithms: tuple[str, ...] | str = ("native",),
     repeats: int = 5,
     warmup: int = 2,
     measuring: str = "auto",
@@ -146,11 +163,18 @@ def optimize(
     peak beside the simulated ones and the nodes that differ most, and where the measured step is more than 10% off
     the simulated one (`replan_when_off`), the module re-plans once on the measured node times, within the same
     budget, for the steps after.
+
+    `algorithms` are the convolution algorithms the plan may pick per layer. The default, `("native",)`, is
+    ATen's own: every step is bitwise plain PyTorch's, and the same from run to run. `algorithms="all"` (every
+    one of executor.conv_algorithms.ALGORITHMS) lets the plan pick per layer by measured time and workspace (a
+    smaller budget may fit); the others agree with plain PyTorch to rounding only, and which one a run picks can
+    change with the timings (and again at the re-plan) while the plan's memory figures stay the same.
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
     if not callable(loss_fn):
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
+    algorithms = _algorithms(algorithms)
     say = _reporter(progress)
     budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
     store = open_cache(cache)
@@ -162,7 +186,7 @@ def optimize(
             budget={"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes},
             strategy=strategy, optimizer=optimizer,
             settings={"measuring": measuring, "d2h_gb_per_s": d2h_gb_per_s, "h2d_gb_per_s": h2d_gb_per_s,
-                      "planner": "service" if planner_url else "local"},
+                      "planner": "service" if planner_url else "local", "algorithms": list(algorithms)},
         )
 
     def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
@@ -194,13 +218,14 @@ def optimize(
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         signature_budget = budget_bytes
         if memory_ratio is not None:
-            signature_budget = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio)
+            signature_budget = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
+                                                  algorithms)
             say(f"budget {format_bytes(signature_budget)} ({memory_ratio:g} of the estimated keep-all peak)")
         profile, profiled = profile_step(
             model, inputs, loss_fn, targets, kwargs=kwargs,
             optimizer=optimizer, repeats=repeats, warmup=warmup,
             d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=signature_budget, measuring=measuring,
-            profiled=profiled, progress=say,
+            algorithms=algorithms, profiled=profiled, progress=say,
         )
         say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
         if planner_url:

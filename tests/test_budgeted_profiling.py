@@ -228,3 +228,37 @@ def test_the_training_example_keeps_the_whole_run_within_its_budget():
     assert "plain PyTorch not run" in done.stdout  # its step does not fit in what the budget leaves
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("peak of the whole run") and "of the budget 250.00 MiB" in last and "OVER" not in last
+
+
+def test_a_bfloat16_model_is_measured_within_its_budget():
+    """CPU kernels on bf16 tensors widen them to float32 while they work (oneDNN's matrix products): the measuring
+    pass allows for it, so no pass holds more than the budget (the profiler warns when one does)."""
+    import copy
+    import warnings
+
+    import torch.nn.functional as F
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm = torch.nn.Linear(64, 128), torch.nn.LayerNorm(128)
+            self.b, self.head = torch.nn.Linear(128, 128), torch.nn.Linear(128, 10)
+
+        def forward(self, x):
+            h = F.gelu(self.norm(self.a(x)))
+            h = torch.softmax(self.b(h), -1) @ self.b.weight
+            return self.head(h @ self.b.weight.t() + self.b(h))
+
+    torch.manual_seed(0)
+    model = Shared().to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(2048, 64, dtype=torch.bfloat16), torch.randint(0, 10, (2048,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, time_limit_s=2,
+                                    workers=1, cache=False, progress=False)
+    assert planned.profiled_peak_bytes <= planned.schedule.budget_bytes
+    _step(planned, (x,), {}, y)
+    F.cross_entropy(plain(x), y).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+    assert planned.peak_memory_bytes <= planned.schedule.budget_bytes

@@ -97,3 +97,23 @@ def _three_steps(model, args, kwargs, targets, loss_fn, profile, captured, sched
         assert torch.equal(loss.detach(), plain.detach()), f"step {step}"
     for (key, a), (_, b) in zip(planned_model.state_dict().items(), plain_model.state_dict().items()):
         assert torch.equal(a, b), f"after three steps, {key} differs"
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_three_steps_are_bitwise_every_time_under_offload_heavy_and_mosos_plans(name):
+    """Five repetitions in one process: nothing in the replay (host buffers reused across steps, the order of frees
+    and copies, the weight update between steps) may change a bit from one run of the same plan to the next."""
+    model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
+    profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
+                                     algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10)
+    schedules = {
+        "mosos at 0.6": plan(profile, memory_ratio=0.6, strategy="mosos", time_limit_s=2, workers=1, seed=0),
+        "offload-heavy": offload_everything_schedule(profile),
+    }
+    assert schedules["offload-heavy"].summary.offloaded_bytes > 0
+    for kind, schedule in schedules.items():
+        for repetition in range(5):
+            try:
+                _three_steps(model, args, kwargs, targets, loss_fn, profile, captured, schedule)
+            except AssertionError as error:
+                raise AssertionError(f"{kind}, repetition {repetition + 1}: {error}") from None
