@@ -19,6 +19,7 @@ graph to eager's form, and refuses a shape of graph it cannot rewrite exactly.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx as fx
@@ -163,9 +164,102 @@ def _tag(node: fx.Node, like: fx.Node) -> None:
     for key in ("partitioner_tag", "seq_nr", "nn_module_stack", "fwd_nn_module_stack", "stack_trace"):
         if key in like.meta:
             node.meta[key] = like.meta[key]
+    from torch.utils._pytree import tree_flatten
+
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    with like.meta["val"].fake_mode:
+    mode = next(v.fake_mode for v in tree_flatten((args, kwargs, like.meta.get("val")))[0] if hasattr(v, "fake_mode"))
+    with mode:
         node.meta["val"] = node.target(*args, **kwargs)
 
 
-__all__ = ["autocast_state", "describe", "entered", "disabled", "share_parameter_casts"]
+
+
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
+_NATIVE_DROPOUT_BACKWARD = torch.ops.aten.native_dropout_backward.default
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def eager_half_dropout(gm: fx.GraphModule) -> int:
+    """Dropout on a bf16/fp16 tensor as eager PyTorch runs it on the CPU (`_dropout_impl`): the mask drawn in the
+    tensor's dtype, divided by 1 - p in that dtype, then multiplied in; its backward multiplies by the same scaled
+    mask. The traced `native_dropout` scales by 1 / (1 - p) in float32, which rounds differently in half precision
+    (in float32 and float64 the two agree bit for bit, and are left alone). Returns how many were rewritten."""
+    graph = gm.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target is not _NATIVE_DROPOUT:
+            continue
+        source, p, train = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        value = source.meta.get("val")
+        if not train or value is None or value.dtype not in _HALF or value.device.type != "cpu" or not 0 < p < 1:
+            continue
+        items = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+        if set(items) - {0, 1} or len(items) != len(node.users):
+            raise CaptureError(f"dropout node {node.name} is used in a way the executor cannot rewrite")
+        backward_users = list(items[1].users) if 1 in items else []
+        if any(u.target is not _NATIVE_DROPOUT_BACKWARD for u in backward_users):
+            raise CaptureError(f"the mask of dropout node {node.name} is read by something other than its backward")
+        with graph.inserting_before(node):
+            noise = graph.call_function(torch.ops.aten.bernoulli.p, (source, 1 - p))
+            _tag(noise, node)
+            scaled = graph.call_function(torch.ops.aten.div.Scalar, (noise, 1 - p))
+            _tag(scaled, node)
+            output = graph.call_function(torch.ops.aten.mul.Tensor, (source, scaled))
+            _tag(output, node)
+        for backward in backward_users:
+            with graph.inserting_before(backward):
+                gradient = graph.call_function(torch.ops.aten.mul.Tensor, (backward.args[0], scaled))
+                _tag(gradient, backward)
+            backward.replace_all_uses_with(gradient)
+            graph.erase_node(backward)
+        if 0 in items:
+            items[0].replace_all_uses_with(output)
+            graph.erase_node(items[0])
+        if 1 in items:
+            graph.erase_node(items[1])
+        graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+@contextlib.contextmanager
+def eager_mask_branch():
+    """transformers builds an explicit causal mask when it sees torch.export (so that an exported graph serves every
+    sequence length) and leaves it to attention's `is_causal` in eager runs. A capture here serves one input
+    signature, so it takes eager's branch: without an attention mask that branch reads shapes only. (With a mask,
+    transformers still keeps the capture free of value-dependent branches.) Under autocast the two branches round
+    differently, so the capture must follow eager's."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "is_torchdynamo_exporting", None)
+    if original is None:
+        yield
+        return
+    masking.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = original
+
+
+def refuse_value_dependent_masks(kwargs: dict, state: tuple) -> None:
+    """Under autocast, an attention mask of all ones is one the capture applies and eager transformers drops (it reads
+    the mask's values); the two round differently in half precision. Refused rather than run differently."""
+    import sys
+
+    if not state or "transformers.masking_utils" not in sys.modules:
+        return
+    mask = (kwargs or {}).get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.numel() and bool(mask.all()):
+        raise CaptureError(
+            "attention_mask is all ones: under autocast, eager transformers drops such a mask (and masks inside "
+            "attention), which rounds differently from applying it as the captured step does; pass "
+            "attention_mask=None for a batch without padding")
+
+
+__all__ = ["autocast_state", "describe", "entered", "disabled", "share_parameter_casts", "eager_half_dropout",
+           "eager_mask_branch", "refuse_value_dependent_masks"]

@@ -309,13 +309,14 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
 
     if autocast_state is None:
         autocast_state = autocast.autocast_state()
+    autocast.refuse_value_dependent_masks(kwargs, autocast_state)
     kwargs = dict(kwargs or {})
     if not any(p.requires_grad for p in model.parameters()):
         raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
     export.require_supported_torch()
     started = time.perf_counter()
     try:
-        with _quiet_torch(), autocast.disabled():
+        with _quiet_torch(), autocast.disabled(), autocast.eager_mask_branch():
             program = export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
     except CaptureError:
         raise
@@ -409,6 +410,7 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
         rewritten = autocast.share_parameter_casts(gm, parameters, by_name, backward, type(model).__name__)
         gradients = [(rewritten.get(name, value) if owner == "model" else value, name, owner)
                      for value, name, owner in gradients]
+    autocast.eager_half_dropout(gm)
     _check_operations(graph, model)
     _split_convolution_backward(gm)
     graph.lint()

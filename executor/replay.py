@@ -36,7 +36,7 @@ from executor.accountant import Accountant
 from executor.capture import tensor_signature
 from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
 from executor import autocast
-from executor.errors import ProfileMismatch, ReplayError
+from executor.errors import CaptureError, ProfileMismatch, ReplayError
 from executor.feeds import Feeder
 from executor.measured import StepReport, measured_profile, node_differences
 from executor.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
@@ -306,6 +306,10 @@ class PlannedModule(nn.Module):
             if signature != self._signature:
                 self._switch_to(signature, inputs, kwargs, targets)
         check_inputs(self.profile, inputs, kwargs, targets)
+        try:
+            autocast.refuse_value_dependent_masks(kwargs, signature[-1])
+        except CaptureError as error:
+            raise ReplayError(str(error)) from None
         if self._signature is not None and signature[-1] != self._signature[-1]:
             raise ProfileMismatch(
                 f"this step was captured with {autocast.describe(self._signature[-1])} but is called under "

@@ -187,3 +187,59 @@ def test_a_planned_module_meets_autocast_and_plans_it_once_a_hand_built_one_refu
                             profiled=planned._prepared.profiled)
     with pytest.raises(ProfileMismatch, match="captured with autocast cpu bfloat16 but is called under no autocast"):
         by_hand(x, targets=y)
+
+
+def _tiny_bert():
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config).train()
+
+
+def _bert_loss(output, labels):
+    return F.cross_entropy(output.logits, labels)
+
+
+def test_a_padded_attention_mask_is_eager_autocast_and_an_all_ones_one_is_refused():
+    model = _tiny_bert()
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 256, (8, 32), generator=generator), torch.randint(0, 3, (8,), generator=generator)
+    padded = torch.ones(8, 32, dtype=torch.long)
+    padded[:, 24:] = 0
+    with torch.autocast(**BF16):
+        planned = executor.optimize(model, (), _bert_loss, kwargs={"input_ids": ids, "attention_mask": padded},
+                                    targets=labels, memory_ratio=0.6, time_limit_s=2, workers=1, cache=False,
+                                    progress=False)
+        torch.manual_seed(1)
+        loss = planned(input_ids=ids, attention_mask=padded, targets=labels)
+        torch.manual_seed(1)
+        plain_loss = _bert_loss(plain(input_ids=ids, attention_mask=padded), labels)
+    loss.backward()
+    plain_loss.backward()
+    _assert_same("padded", loss, plain_loss, model, plain)
+    with torch.autocast(**BF16), pytest.raises(executor.ReplayError, match="attention_mask is all ones"):
+        planned(input_ids=ids, attention_mask=torch.ones_like(padded), targets=labels)
+
+
+def test_dropout_on_a_bfloat16_model_is_eager_pytorchs():
+    """Eager CPU dropout draws and scales its mask in the tensor's dtype: a bf16 model trains as eager does."""
+    model = _tiny_bert().to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 256, (8, 32), generator=generator), torch.randint(0, 3, (8,), generator=generator)
+    planned = executor.optimize(model, (), _bert_loss, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.6,
+                                time_limit_s=2, workers=1, cache=False, progress=False)
+    assert "bernoulli" in planned.code
+    for step in range(2):
+        torch.manual_seed(step)
+        loss = planned(input_ids=ids, targets=labels)
+        loss.backward()
+        torch.manual_seed(step)
+        plain_loss = _bert_loss(plain(input_ids=ids), labels)
+        plain_loss.backward()
+        _assert_same(f"step {step}", loss, plain_loss, model, plain)
+        for m in (model, plain):
+            m.zero_grad()
