@@ -34,7 +34,8 @@ MOSOS = Features(recompute=True, transfers=True, implementations="all", max_reco
 # The swap/recompute heuristic comes second although it costs most: it is the one that finds plans at the lower
 # bound where transfers hide (VGG-416), and on a loaded machine the phase may end before the last ones start.
 BASELINE_STRATEGIES = (
-    "keep-all", "swap-recompute-heuristic", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt", "checkpoint-all", "auto",
+    "keep-all", "swap-recompute-heuristic", "per-block", "vdnn-all", "vdnn-conv", "vdnn-dyn", "chen-sqrt",
+    "checkpoint-all", "auto",
 )
 
 # The CP-SAT strategies solved inside mosos, with their share of its time limit.
@@ -67,13 +68,14 @@ def _baseline_functions() -> dict:
     from planner.strategies.checkpoint_all import plan_checkpoint_all
     from planner.strategies.chen_sqrt import plan_chen_sqrt
     from planner.strategies.keep_all import plan_keep_all
+    from planner.strategies.per_block import plan_per_block
     from planner.strategies.swap_recompute import plan_swap_recompute
     from planner.strategies.vdnn import plan_vdnn_all, plan_vdnn_conv, plan_vdnn_dyn
 
     functions = {
         "keep-all": plan_keep_all, "vdnn-all": plan_vdnn_all, "vdnn-conv": plan_vdnn_conv, "vdnn-dyn": plan_vdnn_dyn,
         "chen-sqrt": plan_chen_sqrt, "checkpoint-all": plan_checkpoint_all,
-        "swap-recompute-heuristic": plan_swap_recompute, "auto": plan_auto,
+        "swap-recompute-heuristic": plan_swap_recompute, "auto": plan_auto, "per-block": plan_per_block,
     }
     return {name: functions[name] for name in BASELINE_STRATEGIES}
 
