@@ -144,6 +144,25 @@ def test_a_changed_source_file_makes_the_kept_plan_stale(project):
     assert again["calls"] == {"capture": 0, "solve": 0}
 
 
+def test_two_processes_planning_the_same_model_at_once_both_train_and_leave_one_valid_entry(project):
+    def start():
+        return subprocess.Popen([sys.executable, str(project / "run.py"), str(project / "code"), "8"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env=dict(os.environ))
+
+    racing = [start(), start()]  # both find the cache empty, both plan, both write the same entry
+    for process in racing:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["bitwise"]
+    assert len(kept_entries()) == 1
+    plans = Path(os.environ["MOSOS_CACHE_DIR"]) / "plans-v1"
+    assert [p.name for p in plans.iterdir() if p.name.startswith(".")] == []  # no staging directory left behind
+    after = run(project)
+    assert after["calls"] == {"capture": 0, "solve": 0}, after["messages"]  # the entry left is whole
+    assert after["bitwise"]
+
+
 @pytest.mark.parametrize("damage", ["truncated capture", "schedule of another profile", "torn entry",
                                     "traced file changed"])
 def test_a_corrupt_entry_is_said_removed_and_planned_again(project, damage):
