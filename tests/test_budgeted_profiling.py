@@ -70,10 +70,9 @@ def _total_ms(profile) -> float:
                for node in profile.nodes)
 
 
-@pytest.mark.slow
-def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
-    """BERT-small at 0.5 of its keep-all peak, measured under a frugal schedule although keep-all would fit, beside
-    two keep-all profiles taken before and after it (the machine drifts between passes)."""
+def _profiles_measured_in_turn(rounds: int = 3) -> dict:
+    """BERT-small: keep-all and frugal (at 0.5 of keep-all's peak) measuring passes in turn, K F K F ... K, on one
+    capture; the totals, and the first pair's plans compared on the keep-all profile."""
     from models.workload import load_workload
 
     torch.set_num_threads(1)
@@ -85,23 +84,49 @@ def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
 
     keep_all, profiled = measure()
     budget = int(keep_all_peak_bytes(keep_all) * 0.5)
-    frugal, _ = measure(budget_bytes=budget, measuring="frugal", profiled=profiled)
-    measured_under = profiled.measuring  # the capture is shared: the next measurement replaces it
-    keep_all_again, _ = measure(profiled=profiled)
-    assert measured_under.strategy != "keep-all"
-    assert measured_under.measured_peak_bytes <= budget
-    assert [n.size_bytes for n in frugal.nodes] == [n.size_bytes for n in keep_all.nodes]
-    reference_ms = statistics.mean([_total_ms(keep_all), _total_ms(keep_all_again)])
-    assert abs(_total_ms(frugal) / reference_ms - 1) <= 0.10, (_total_ms(frugal), reference_ms)
-    # the plan made from the frugal profile, replayed on the keep-all one, is as fast as the keep-all profile's plan
+    keep_all_ms, frugal_ms, frugal = [_total_ms(keep_all)], [], None
+    for _ in range(rounds):
+        measured, _ = measure(budget_bytes=budget, measuring="frugal", profiled=profiled)
+        measured_under = profiled.measuring  # the capture is shared: the next measurement replaces it
+        assert measured_under.strategy != "keep-all"
+        assert measured_under.measured_peak_bytes <= budget
+        assert [n.size_bytes for n in measured.nodes] == [n.size_bytes for n in keep_all.nodes]
+        frugal = frugal or measured
+        frugal_ms.append(_total_ms(measured))
+        keep_all_ms.append(_total_ms(measure(profiled=profiled)[0]))
+    # the plan made from the frugal profile, replayed on the keep-all one, against the keep-all profile's own plan
     plan_budget = int(keep_all_peak_bytes(keep_all) * 0.6)
     from_keep_all = plan(keep_all, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
     from_frugal = plan(frugal, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
     transplanted = Schedule.model_validate(from_frugal.model_dump() | {"profile_digest": keep_all.digest(),
                                                                         "profile_name": keep_all.name})
     replayed = simulate(keep_all, transplanted, plan_budget, keep_timeline=False)
-    assert replayed.step_time_ms <= from_keep_all.summary.predicted_step_time_ms * 1.02, (
-        replayed.step_time_ms, from_keep_all.summary.predicted_step_time_ms)
+    return {"keep_all_ms": keep_all_ms, "frugal_ms": frugal_ms, "transplanted_ms": replayed.step_time_ms,
+            "keep_all_plan_ms": from_keep_all.summary.predicted_step_time_ms}
+
+
+@pytest.mark.slow
+def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
+    """Measured under a frugal schedule although keep-all would fit, each frugal pass against the keep-all passes
+    on either side of it (the machine drifts between passes), median over three.
+
+    In a fresh process whose C allocator keeps what is freed, as a GPU's caching allocator does: glibc hands large
+    freed blocks back to the kernel, and the keep-all pass, whose memory only grows, then pays a page fault per
+    fresh page on every pass (about 1 ms per 4 MiB activation, 5-8% of BERT-small's total), which a smaller
+    frugal pass mostly does not; that is the CPU allocator's cost, not a node's."""
+    import json
+    import os
+
+    code = ("import json; from tests.test_budgeted_profiling import _profiles_measured_in_turn as f; "
+            "print('RESULT ' + json.dumps(f()))")
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}
+    completed = _fresh("-c", code, env=env)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(completed.stdout.split("RESULT ", 1)[1])
+    keep_all_ms, frugal_ms = result["keep_all_ms"], result["frugal_ms"]
+    ratios = [frugal / statistics.mean(keep_all_ms[i:i + 2]) for i, frugal in enumerate(frugal_ms)]
+    assert abs(statistics.median(ratios) - 1) <= 0.10, result
+    assert result["transplanted_ms"] <= result["keep_all_plan_ms"] * 1.02, result
 
 
 def test_a_budget_below_the_parameters_is_refused_before_anything_is_allocated():
@@ -192,13 +217,14 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
 
 # --- as a user runs it: the CLI and the example script, fresh processes ------------------------------------
 
-def _fresh(*arguments: str):
+def _fresh(*arguments: str, env=None):
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, *arguments], cwd=root, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, *arguments], cwd=root, capture_output=True, text=True, timeout=600,
+                          env=env)
 
 
 @pytest.mark.slow
