@@ -47,7 +47,8 @@ TORCH_FAMILIES = ("per-block", "torch.compile", "torch.compile budget")
 
 def all_configs() -> list[str]:
     return (["eager", "per-block", "compile"] + [f"compile-budget-{b}" for b in COMPILE_BUDGETS]
-            + ["mosos-per-block"] + [f"mosos-{r}" for r in MOSOS_RATIOS])
+            + ["mosos-per-block"] + [f"mosos-{r}" for r in MOSOS_RATIOS]
+            + [f"mosos-compiled-{r}" for r in MOSOS_RATIOS])
 
 
 def family(config: str) -> str:
@@ -61,6 +62,8 @@ def family(config: str) -> str:
         return "torch.compile budget"
     if config == "mosos-per-block":
         return "mosos per-block plan"
+    if config.startswith("mosos-compiled-"):
+        return "mosos compiled"
     return "mosos"
 
 
@@ -155,14 +158,18 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
             functorch_config.activation_memory_budget = float(config.rsplit("-", 1)[1])
         model = torch.compile(model)
         step = plain_step(model)
+        began = time.perf_counter()
         step()  # compiles forward and backward
+        row["compile_s"] = time.perf_counter() - began
         step()
     elif config.startswith("mosos"):
         import executor
 
-        strategy, ratio = ("per-block", 1.0) if config == "mosos-per-block" else ("mosos", float(config.split("-")[1]))
+        strategy, ratio = ("per-block", 1.0) if config == "mosos-per-block" else ("mosos", float(config.split("-")[-1]))
+        compiled = config.startswith("mosos-compiled-")
         planned = executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, memory_ratio=ratio,
-                                    strategy=strategy, time_limit_s=time_limit_s, progress=False, cache=False)
+                                    strategy=strategy, time_limit_s=time_limit_s, progress=False, cache=False,
+                                    compile=compiled)
 
         def step():
             for p in planned.parameters():
@@ -176,6 +183,10 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         row["simulated_peak_mib"] = summary.peak_memory_bytes / MIB
         row["budget_mib"] = planned.schedule.budget_bytes / MIB if planned.schedule.budget_bytes else None
         row["note"] = f"{summary.strategy}, recompute {summary.recompute_time_ms:.0f} ms simulated"
+        if compiled:
+            record = planned._prepared.profiled.compiled
+            row["compile_s"] = record.compile_seconds
+            row["note"] += f"; {record.describe()}"
         from planner.planning import plan
 
         row["keep_all_simulated_ms"] = plan(planned.profile, None, strategy="keep-all").summary.predicted_step_time_ms
@@ -212,22 +223,24 @@ def run_one(model: str, config: str, rounds: int, time_limit_s: float, threads: 
 
 
 def best_mosos_at_or_below(rows: list[dict], peak_mib: float) -> dict | None:
-    candidates = [r for r in rows if r["family"] == "mosos" and "error" not in r and r["peak_mib"] <= peak_mib]
+    candidates = [r for r in rows if r["family"] in ("mosos", "mosos compiled") and "error" not in r
+                  and r["peak_mib"] <= peak_mib]
     return min(candidates, key=lambda r: r["time_ratio"], default=None)
 
 
 def table(model: str, rows: list[dict]) -> list[str]:
     lines = [f"### {model}", "",
              "| configuration | time / eager | peak MiB | eager step ms | simulated / keep-all simulated | "
-             "prepare s | note |", "|---|---:|---:|---:|---:|---:|---|"]
+             "prepare s | compile s | note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | failed | | | | | {r['error'].splitlines()[-1][:160]} |")
+            lines.append(f"| {r['config']} | failed | | | | | | {r['error'].splitlines()[-1][:160]} |")
             continue
         simulated = (f"{r['simulated_ms'] / r['keep_all_simulated_ms']:.2f}"
                      if r.get("simulated_ms") and r.get("keep_all_simulated_ms") else "")
         lines.append(f"| {r['config']} | {r['time_ratio']:.2f} | {r['peak_mib']:.0f} | {r['eager_ms']:.0f} | "
-                     f"{simulated} | {r['prepare_s']:.1f} | {r['note']} |")
+                     f"{simulated} | {r['prepare_s']:.1f} | "
+                     + (f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "") + f" | {r['note']} |")
     lines += ["", "| torch configuration | its time / peak | fastest mosos at <= its peak | mosos time / peak | "
               "mosos / torch time |", "|---|---|---|---|---:|"]
     for r in rows:
@@ -259,7 +272,7 @@ def plot(model: str, rows: list[dict], path: Path) -> None:
         axes.plot([r["peak_mib"] for r in members], [r["time_ratio"] for r in members], marker="o",
                   linestyle="-" if len(members) > 1 else "none", label=name)
         for r in members:
-            axes.annotate(r["config"].replace("compile-budget-", "b").replace("mosos-", ""),
+            axes.annotate(r["config"].replace("compile-budget-", "b").replace("mosos-compiled-", "c").replace("mosos-", ""),
                           (r["peak_mib"], r["time_ratio"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     axes.set_xlabel("peak rise of live tensor storage in one step (MiB)")
     axes.set_ylabel("step time / eager (paired median)")

@@ -28,14 +28,17 @@ import linecache
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
 
 from executor import conv_algorithms
-from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph
+from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
+
+if TYPE_CHECKING:
+    from executor.compiled_nodes import NodeCompiler
 
 
 BATCH_NORM_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
@@ -124,8 +127,10 @@ class _Writer:
 class CodeGenerator:
     """Emits the code of planning nodes; one instance per generated program."""
 
-    def __init__(self, planning: PlanningGraph, modes: Modes, cuda: bool = False):
+    def __init__(self, planning: PlanningGraph, modes: Modes, cuda: bool = False,
+                 compiler: "NodeCompiler | None" = None):
         self.planning = planning
+        self.compiler = compiler  # planning nodes as Inductor kernels where it can (executor.compiled_nodes)
         self.step = planning.step
         self.modes = modes
         self.cuda = cuda
@@ -196,7 +201,12 @@ class CodeGenerator:
         members = set(group.ops)
         made: set = set()
         body: list[tuple[fx.Node, list[str]]] = []  # (node, code lines) in order, for last-use frees
-        for op in group.ops:
+        compiled = self._compiled_call(group, implementation, first) if self.compiler is not None else None
+        if compiled is not None:
+            line, bound = compiled
+            made.update(bound)
+            body.append((None, [line]))
+        for op in group.ops if compiled is None else ():
             lines: list[str] = []
             for argument in op.all_input_nodes:
                 self._derive(argument, lines, derived, made)
@@ -272,6 +282,63 @@ class CodeGenerator:
         if self.modes.timing:
             w(f"S.tock({group.index})")
         del members
+
+    def _compiled_call(self, group: Group, implementation: str, first: bool) -> tuple[str, list[fx.Node]] | None:
+        """The line calling the node's compiled kernel and the values it binds, or None to run it eagerly."""
+        reason = None
+        randoms = [op for op in group.ops if is_random(op)]
+        if randoms and (len(randoms) > 1 or randoms[0].target is not torch.ops.aten.native_dropout.default):
+            # one dropout is kept whole in the kernel (eager's own call: eager's mask, redrawn from the same RNG
+            # state where recomputed); other random operations, or several whose order a kernel may change, not
+            reason = "random (eager's random numbers, redrawn exactly where recomputed)"
+        elif first and any(self._batch_norm_in_place(op) for op in group.ops):
+            reason = "a batch norm updating the model's running statistics in place"
+        elif group.convolution is not None and implementation not in ("native", "default"):
+            reason = f"convolution algorithm {implementation}"
+        members = self._members(group)
+        member_set = set(members)
+        outputs: list[fx.Node] = []
+        for node in list(group.outputs) + self.outputs_of.get(group.index, []):
+            while node not in member_set and node in self.planning.facts.alias_of:
+                node = self.planning.facts.alias_of[node]  # a view of the node's value: derived after the call
+            if node in member_set and node not in outputs:
+                outputs.append(node)
+        inputs: list[fx.Node] = []
+        for node in members:
+            for argument in node.all_input_nodes:
+                if argument not in member_set and argument not in inputs:
+                    inputs.append(argument)
+        views = {n for n in members if n in self.planning.facts.alias_of}
+        kernel = self.compiler.kernel(group.id, members, inputs, outputs, views, reason)
+        if kernel is None:
+            return None
+        name = f"kernel_{group.index}"  # the node's own call of its (shared) kernel
+        self.constants[name] = kernel
+        arguments = ", ".join(self.value(node) for node in inputs)
+        return f"{_tuple([local(n) for n in outputs])} = {name}({arguments})", outputs
+
+    def _members(self, group: Group) -> list[fx.Node]:
+        """The node's operations, their multiple results, and the views they read, in graph order: what a
+        compiled kernel computes (the views of other nodes' values included)."""
+        facts = self.planning.facts
+        made: set[fx.Node] = set()
+
+        def derive(node: fx.Node) -> None:
+            if node.op in ("placeholder", "get_attr") or node in made or node not in facts.alias_of:
+                return
+            derive(facts.alias_of[node])
+            for argument in node.all_input_nodes:
+                derive(argument)
+            made.add(node)
+
+        for op in group.ops:
+            for argument in op.all_input_nodes:
+                derive(argument)
+            made.add(op)
+            for item in op.users:
+                if item.target is operator.getitem:
+                    made.add(item)
+        return sorted(made, key=self.position.__getitem__)
 
     def _graph_input_outputs(self, w: _Writer) -> None:
         """Gradients and written-back values that are views of a graph input (no planning node owns them)."""

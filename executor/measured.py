@@ -12,10 +12,14 @@ for the step that runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Schedule
 from planner.units import format_bytes
+
+if TYPE_CHECKING:
+    from executor.compiled_nodes import CompiledNodes
 
 REPLAN_OFF = 0.10
 SHOWN_NODES = 10
@@ -46,6 +50,7 @@ class StepReport:
     replanned: bool = False
     replan_step_time_ms: float | None = None  # the new plan's simulated step
     history: list["StepReport"] = field(default_factory=list)  # reports before a re-plan
+    compiled: "CompiledNodes | None" = None  # compile=True: the nodes run as kernels, the eager ones and why
 
     @property
     def ratio(self) -> float:
@@ -69,6 +74,11 @@ class StepReport:
         if self.replanned:
             lines.append(f"more than {REPLAN_OFF:.0%} off: re-planned on the measured node times (new plan's "
                          f"simulated step {self.replan_step_time_ms:.2f} ms)")
+        if self.compiled is not None:
+            lines.append(f"compiled: {self.compiled.describe()}")
+            for node_id, reason in self.compiled.eager.items():
+                if reason.startswith("Inductor refused"):
+                    lines.append(f"  eager {node_id}: {reason}")
         lines.append("nodes that differ most (measured / profiled ms):")
         for node in self.nodes[:SHOWN_NODES]:
             lines.append(f"  {node.node_id} [{node.implementation}]: {node.measured_ms:.3f} / {node.profiled_ms:.3f} "

@@ -148,6 +148,7 @@ def optimize(
     new_signatures: bool = True,
     max_signatures: int = 4,
     progress: bool | Callable[[str], None] = True,
+    compile: bool = False,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
@@ -169,6 +170,12 @@ def optimize(
     one of executor.conv_algorithms.ALGORITHMS) lets the plan pick per layer by measured time and workspace (a
     smaller budget may fit); the others agree with plain PyTorch to rounding only, and which one a run picks can
     change with the timings (and again at the re-plan) while the plan's memory figures stay the same.
+
+    `compile=True` runs each planning node as a kernel Inductor compiled from its ATen operations (nodes alike
+    share one), so cheap chains inside a node fuse, while every tensor the schedule acts on stays a real tensor
+    at a node boundary; the profile is measured on those kernels. Its step equals plain PyTorch's to the
+    rounding fusion changes (not bitwise) and itself from run to run; random nodes, in-place batch norms and
+    whatever Inductor refuses run eagerly, and `planned.compiled_nodes` says which and why.
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
@@ -186,7 +193,8 @@ def optimize(
             budget={"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes},
             strategy=strategy, optimizer=optimizer,
             settings={"measuring": measuring, "d2h_gb_per_s": d2h_gb_per_s, "h2d_gb_per_s": h2d_gb_per_s,
-                      "planner": "service" if planner_url else "local", "algorithms": list(algorithms)},
+                      "planner": "service" if planner_url else "local", "algorithms": list(algorithms),
+                      **({"compile": True} if compile else {})},
         )
 
     def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
@@ -225,7 +233,7 @@ def optimize(
             model, inputs, loss_fn, targets, kwargs=kwargs,
             optimizer=optimizer, repeats=repeats, warmup=warmup,
             d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=signature_budget, measuring=measuring,
-            algorithms=algorithms, profiled=profiled, progress=say,
+            algorithms=algorithms, profiled=profiled, progress=say, compile=compile,
         )
         say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
         if planner_url:
@@ -274,5 +282,5 @@ def optimize(
                             plan_token=key,
                             replan=replan if replan_when_off else None,
                             plan_signature=plan_signature if new_signatures else None,
-                            max_signatures=max_signatures, progress=say)
+                            max_signatures=max_signatures, progress=say, compile=compile)
     return planned

@@ -41,6 +41,7 @@ from executor import autocast
 from executor.capture import CapturedStep, capture, tensor_signature
 from executor.allocations import memory_events
 from executor.codegen import CodeGenerator, Modes, schedule_operations
+from executor.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
 from executor.feeds import Feeder
 from executor.planning_graph import CONVOLUTION, PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
@@ -182,6 +183,7 @@ class ProfiledStep:
     planning: PlanningGraph
     feeder: Feeder
     measuring: MeasuringPlan | None = None  # the schedule the profile was measured under
+    compiled: CompiledNodes | None = None  # the nodes the profile measured as Inductor kernels (compile=True)
 
 
 def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
@@ -461,6 +463,7 @@ def profile_step(
     measuring: str = "auto",
     profiled: ProfiledStep | None = None,
     progress: Callable[[str], None] | None = None,
+    compile: bool = False,
 ) -> tuple[GraphProfile, ProfiledStep]:
     """The profile and the captured step it was measured on.
 
@@ -470,6 +473,8 @@ def profile_step(
     smallest that works, raised before anything beyond the model is allocated.
     On a GPU, transfer bandwidth is measured with pinned buffers unless given;
     on the CPU it is taken from the arguments or left out (no offloading).
+    With `compile`, the planning nodes run as Inductor kernels (executor.compiled_nodes) and are measured so:
+    the profile is of the step that will run.
     """
     if repeats < 1 or warmup < 0:
         raise MososError(f"repeats must be at least 1 and warmup at least 0, not {repeats} and {warmup}")
@@ -502,8 +507,10 @@ def profile_step(
         chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
         profiled.measuring = chosen
         say(f"measuring under {chosen.describe()}")
+        compiler = NodeCompiler(say) if compile else None
         nodes_doc, spread, notes, loss_bytes = _measure(profiled, provisional, chosen, leaves, device, repeats,
-                                                        warmup, algorithms, say)
+                                                        warmup, algorithms, say, compiler)
+        profiled.compiled = compiler.record if compiler is not None else None
     step = profiled.step
     document = {
         "name": name or f"{type(model).__name__} {step.input_signature} on {device.type}",
@@ -607,7 +614,7 @@ def _passes(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measuring
 
 
 def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: MeasuringPlan, leaves, device, repeats,
-             warmup, algorithms, say):
+             warmup, algorithms, say, compiler: NodeCompiler | None = None):
     planning, step, feeder = profiled.planning, profiled.step, profiled.feeder
     groups = planning.groups
     names = implementations_of(planning, algorithms)
@@ -622,9 +629,11 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
     pass_names = [algorithm for algorithm, _, _ in passes]
     programs = []
     for algorithm, operations, ran in passes:
-        generator = CodeGenerator(planning, Modes(timing=True), cuda=device.type == "cuda")
+        generator = CodeGenerator(planning, Modes(timing=True), cuda=device.type == "cuda", compiler=compiler)
         programs.append((algorithm, generator.program(operations, None, name=f"profile {algorithm}"), ran,
                          operations))
+    if compiler is not None:
+        say(f"compiled: {compiler.record.describe()}")
     samples: dict[tuple[int, str], list[float]] = {}
     harness: list[float] = []
     glue: list[float] = []  # per computation, ms
@@ -656,7 +665,7 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                     if _owner_pass(implementation, pass_names) == algorithm:
                         samples.setdefault((g, implementation), []).append(max(0.0, elapsed - overhead))
         sizes = dict(runtime.sizes)
-        workspace = _workspaces(profiled, programs, values, device, pass_names, runtime, say)
+        workspace = _workspaces(profiled, programs, values, device, pass_names, runtime, say, compiler)
     spread = []
     nodes_doc = []
     glue_ms = statistics.median(glue) if glue else 0.0
@@ -693,6 +702,8 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                         "node less what it holds at its end"),
         "spread_percent is the median over nodes of (max-min)/median of the repeats",
     ]
+    if compiler is not None:
+        notes.append(f"compiled nodes (Inductor): {compiler.record.describe()}")
     return nodes_doc, spread, notes, loss_bytes
 
 
@@ -715,12 +726,13 @@ def _harness_ms(runtime: _ProfilingRuntime) -> float:
     return statistics.median(costs)
 
 
-def _workspaces(profiled: ProfiledStep, programs, values, device, pass_names, runtime, say) -> dict:
+def _workspaces(profiled: ProfiledStep, programs, values, device, pass_names, runtime, say,
+                compiler: NodeCompiler | None = None) -> dict:
     """(node, implementation) -> workspace bytes, one memory pass per algorithm, on the same schedules as timing."""
     planning = profiled.planning
     result: dict[tuple[int, str], int] = {}
     for algorithm, _, ran, operations in programs:
-        generator = CodeGenerator(planning, Modes(memory=True), cuda=device.type == "cuda")
+        generator = CodeGenerator(planning, Modes(memory=True), cuda=device.type == "cuda", compiler=compiler)
         program = generator.program(operations, None, name=f"memory {algorithm}")
         say("measuring workspace" + ("" if algorithm == "native" else f" ({algorithm})"))
         runtime.rng.clear()

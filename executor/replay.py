@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from executor.accountant import Accountant
 from executor.capture import tensor_signature
 from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
+from executor.compiled_nodes import CompiledNodes, NodeCompiler
 from executor import autocast
 from executor.errors import CaptureError, ProfileMismatch, ReplayError
 from executor.feeds import Feeder
@@ -115,7 +116,9 @@ class _Prepared:
         self.feeder = feeder = Feeder(step, planned.model, planned.loss_fn)
         modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict, timing=timed,
                       direct_writes=feeder.in_place_candidates())
-        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda")
+        compiler = NodeCompiler(planned._say) if planned.compile else None
+        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler)
+        self.compiled: CompiledNodes | None = compiler.record if compiler is not None else None
         self.program: Program = generator.program(self.operations, self.split,
                                                   name="planned step (timed)" if timed else "planned step")
         node_ids = [g.id for g in groups]
@@ -162,6 +165,8 @@ class PlannedModule(nn.Module):
     Give `example_inputs` (and `kwargs`, `targets`) to capture the model now and refuse a mismatch at once;
     without them it is captured at the first call. `ledger` (default: on the CPU) keeps the byte-exact
     ledger; `strict` also checks every node's real size against the profile and that freed memory is released.
+    `compile` runs the planning nodes as Inductor kernels (executor.compiled_nodes), for a profile measured so;
+    `compiled_nodes` then says which ran eagerly and why.
     """
 
     def __init__(
@@ -183,9 +188,11 @@ class PlannedModule(nn.Module):
         max_signatures: int = 4,
         progress: Callable[[str], None] | None = None,
         plan_token: object = None,
+        compile: bool = False,
     ):
         super().__init__()
         self.model = model
+        self.compile = compile  # planning nodes as Inductor kernels (the profile must have been measured so)
         self.profile = profile
         self.schedule = schedule
         self.loss_fn = loss_fn or (lambda output: output)
@@ -394,6 +401,7 @@ class PlannedModule(nn.Module):
             measured_peak_bytes=max(peaks) if peaks else None, simulated_peak_bytes=self.simulated_peak_bytes,
             budget_bytes=self.schedule.budget_bytes,
             nodes=node_differences(self.profile, self.schedule, self._measured_node_ms()),
+            compiled=self.compiled_nodes,
         )
 
     def _adopt(self, profile: GraphProfile, schedule: Schedule) -> None:
@@ -404,6 +412,12 @@ class PlannedModule(nn.Module):
         self.simulated_step_time_ms = simulated.step_time_ms
         self._timings = []
         self._prepared = _Prepared(self, profiled)
+
+    @property
+    def compiled_nodes(self) -> CompiledNodes | None:
+        """With `compile`: the nodes that run as Inductor kernels, and those that run eagerly with the reason."""
+        prepared = self._prepared
+        return prepared.compiled if prepared is not None else None
 
     def report(self) -> StepReport | None:
         """Measured against planned: the step time and peak of the first timed steps beside the simulator's, and

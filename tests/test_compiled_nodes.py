@@ -1,0 +1,175 @@
+"""The compiled replay (executor.compiled_nodes): planning nodes as Inductor kernels.
+
+The zoo trains under keep-all, mosos at 0.6 and recompute-heavy plans with compiled nodes: loss and every
+gradient within the rounding fusion changes of plain PyTorch's (float32: 1e-5 of the gradient's largest
+magnitude; float64: 1e-12), bitwise equal to itself from run to run, every node at its profiled size and the
+ledger within the budget; nodes alike share one kernel; and a node Inductor refuses runs eagerly, reported with
+the reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from torch import nn  # noqa: E402
+
+import executor  # noqa: E402
+from executor import compiled_nodes  # noqa: E402
+from executor.profiler import profile_step  # noqa: E402
+from executor.replay import PlannedModule  # noqa: E402
+from executor.schedules import recompute_everything_schedule  # noqa: E402
+from planner.planning import plan  # noqa: E402
+from tests.zoo import ZOO  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _plain_step(model, args, kwargs, targets, loss_fn):
+    output = model(*args, **kwargs)
+    loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
+    loss.backward()
+    return loss
+
+
+def _planned_step(planned, args, kwargs, targets):
+    loss = planned(*args, targets=targets, **kwargs)
+    loss.backward()
+    return loss
+
+
+def _gradients(model) -> dict:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(kind, loss, plain_loss, gradients, plain_gradients, dtype):
+    tolerance = TOLERANCE[dtype]
+    assert abs(loss.item() - plain_loss.item()) <= tolerance * max(abs(plain_loss.item()), 1e-30), (
+        f"{kind}: loss {loss.item()} vs {plain_loss.item()}")
+    assert gradients.keys() == plain_gradients.keys(), kind
+    # a gradient zero in exact arithmetic (a key projection's bias, which softmax cancels) is rounding alone: it is
+    # measured against the model's largest gradient, as is every gradient below 1000 ulps of that
+    largest = max(reference.abs().max().item() for reference in plain_gradients.values())
+    floor = 1000 * torch.finfo(dtype).eps * largest
+    for name, reference in plain_gradients.items():
+        scale = reference.abs().max().item()
+        difference = (gradients[name] - reference).abs().max().item()
+        assert difference <= tolerance * (scale if scale >= floor else largest), (
+            f"{kind}: {name} differs by {difference:.3e} of {scale:.3e} (relative {difference / scale:.2e})")
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,dtype", [(name, torch.float32) for name in ZOO] + [("bert", torch.float64)])
+def test_the_zoo_trains_under_the_compiled_replay_within_rounding(name, dtype):
+    model, args, kwargs, targets, loss_fn = ZOO[name](dtype)
+    profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
+                                     algorithms=("native",), compile=True)
+    record = captured.compiled
+    assert record is not None and record.compiled, f"{name}: no node was compiled ({record.describe()})"
+    assert len(set(record.compiled.values())) <= len(record.compiled)
+    budget = int(profile.fixed_bytes + 0.6 * (max(1, _keep_all_peak(profile) - profile.fixed_bytes)))
+    schedules = {
+        "keep-all": plan(profile, strategy="keep-all"),
+        "mosos at 0.6": plan(profile, budget, strategy="mosos", time_limit_s=2, workers=1, seed=0),
+        "recompute-heavy": recompute_everything_schedule(profile),
+    }
+    for kind, schedule in schedules.items():
+        runs = []
+        for _ in range(2):
+            planned_model = copy.deepcopy(model)
+            planned = PlannedModule(planned_model, profile, schedule, loss_fn, profiled=captured, strict=True,
+                                    compile=True)
+            torch.manual_seed(3)
+            loss = _planned_step(planned, args, kwargs, targets)
+            runs.append((loss.detach().clone(), _gradients(planned_model)))
+            assert planned.peak_memory_bytes == planned.simulated_peak_bytes, kind
+            if schedule.budget_bytes is not None:
+                assert planned.peak_memory_bytes <= schedule.budget_bytes, kind
+        plain_model = copy.deepcopy(model)
+        torch.manual_seed(3)
+        plain_loss = _plain_step(plain_model, args, kwargs, targets, loss_fn)
+        _assert_close(f"{name} {dtype} {kind}", runs[0][0], plain_loss, runs[0][1], _gradients(plain_model), dtype)
+        assert torch.equal(runs[0][0], runs[1][0]) and _bitwise(runs[0][1], runs[1][1]), (
+            f"{name} {kind}: two compiled runs differ")
+
+
+def _keep_all_peak(profile) -> int:
+    from planner.strategies.keep_all import keep_all_peak_bytes
+
+    return keep_all_peak_bytes(profile)
+
+
+class Chain(nn.Module):
+    """Elementwise chains between matrix products: what fusion is for."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x) * 0.5 + 1.0).sigmoid()
+        x = torch.tanh(self.b(x) * 0.5 + 1.0).sigmoid()
+        x = torch.relu(self.c(x) - 0.1) * 2.0
+        return self.head(x)
+
+
+def test_a_node_inductor_refuses_runs_eagerly_and_the_report_says_why(monkeypatch):
+    """Inductor made to refuse every graph holding tanh (as it refuses what it cannot lower): those nodes run
+    eagerly, the step still matches plain PyTorch, and the progress and the report name them with the reason."""
+    real_compile = compiled_nodes._compile
+
+    def refusing(module, examples):
+        if any(node.target is torch.ops.aten.tanh.default for node in module.graph.nodes):
+            raise NotImplementedError("no lowering for aten.tanh in this test")
+        return real_compile(module, examples)
+
+    monkeypatch.setattr(compiled_nodes, "_compile", refusing)
+    monkeypatch.setattr(compiled_nodes, "_KERNELS", {})
+    monkeypatch.setattr(compiled_nodes, "_FAILURES", {})
+    torch.manual_seed(0)
+    model = Chain()
+    x, y = torch.randn(512, 64), torch.randint(0, 8, (512,))
+    messages = []
+    planned = executor.optimize(copy.deepcopy(model), (x,), nn.functional.cross_entropy, targets=y, repeats=1, warmup=0, time_limit_s=5, workers=1, progress=messages.append,
+                                compile=True, cache=False, timed_steps=1)
+    record = planned.compiled_nodes
+    refused = {node: reason for node, reason in record.eager.items() if reason.startswith("Inductor refused")}
+    assert refused, record.describe()
+    assert all("no lowering for aten.tanh" in reason for reason in refused.values())
+    assert record.compiled, "the nodes without tanh still compile"
+    assert any(m.startswith("compiled:") and "Inductor refused" in m for m in messages), messages
+    plain_model = copy.deepcopy(model)
+    plain_loss = _plain_step(plain_model, (x,), {}, y, nn.functional.cross_entropy)
+    loss = _planned_step(planned, (x,), {}, y)
+    _assert_close("refused", loss, plain_loss, _gradients(planned.model), _gradients(plain_model), torch.float32)
+    report = planned.report().describe()
+    for node in refused:
+        assert f"eager {node}: Inductor refused it" in report, report
+
+
+def test_optimize_compiles_measures_and_reports_the_compiled_step():
+    torch.manual_seed(0)
+    model = Chain()
+    x, y = torch.randn(512, 64), torch.randint(0, 8, (512,))
+    messages = []
+    planned = executor.optimize(copy.deepcopy(model), (x,), nn.functional.cross_entropy, targets=y, memory_ratio=0.8,
+                                repeats=1, warmup=0, time_limit_s=5, workers=1, progress=messages.append,
+                                compile=True, cache=False, timed_steps=1)
+    assert any(m.startswith("compiled:") and "kernels" in m for m in messages), messages
+    assert "compiled nodes (Inductor)" in planned.profile.provenance.notes
+    plain_model = copy.deepcopy(model)
+    plain_loss = _plain_step(plain_model, (x,), {}, y, nn.functional.cross_entropy)
+    loss = _planned_step(planned, (x,), {}, y)
+    _assert_close("optimize", loss, plain_loss, _gradients(planned.model), _gradients(plain_model), torch.float32)
+    assert planned.peak_memory_bytes <= planned.schedule.budget_bytes
+    assert "compiled:" in planned.report().describe()
