@@ -52,6 +52,8 @@ def profile_command(
                                "e.g. 6GiB: measured under a schedule that fits it (keep-all only where it fits)"),
     measuring: str = typer.Option("auto", "--measuring", help="auto (keep-all where it fits the budget), frugal "
                                   "(a frugal schedule even then) or keep-all"),
+    compile: bool = typer.Option(False, "--compile", help="measure the planning nodes as Inductor kernels (what "
+                                 "optimize(compile=True) runs): fusion changes their times and workspaces"),
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
     """Profile one training step of your model (or a reference network), planning node by node, on this machine."""
@@ -76,7 +78,7 @@ def profile_command(
         measured = reference.profile_workload(
             loaded, optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
             h2d_gb_per_s=h2d_gb_per_s, threads=threads, budget_bytes=budget_bytes, measuring=measuring,
-            progress=status.update,
+            progress=status.update, compile=compile,
         )
     profile, label, nodes_ms, plain_ms, ratio = (
         measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio
@@ -96,6 +98,8 @@ def profile_command(
         f"measured under {measured.measured_under}; node times with native algorithms add up to {nodes_ms:.2f} ms; "
         f"{plain}; {len(profile.nodes) - backward_nodes} forward and {backward_nodes} backward planning nodes"
     )
+    if measured.compiled is not None:
+        console.print(f"compiled: {measured.compiled.describe()}")
     if profile.hardware.d2h_bandwidth_gb_per_s is None:
         error_console.print("note: no transfer bandwidth (give --d2h-gb-per-s/--h2d-gb-per-s): plans cannot offload")
     console.print(f"wrote {output}")

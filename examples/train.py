@@ -55,6 +55,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--d2h-gb-per-s", type=float, default=None, help="CPU: assumed copy bandwidth (default 10)")
     parser.add_argument("--h2d-gb-per-s", type=float, default=None)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--compile", action="store_true",
+                        help="run the planning nodes as Inductor kernels (equal to plain PyTorch to rounding)")
     parser.add_argument("--compare-plain", action="store_true",
                         help="with --budget: run plain PyTorch beside the plan even where it does not fit the budget")
     args = parser.parse_args()
@@ -93,7 +95,7 @@ def main() -> int:
             model, inputs, loss_fn, budget=args.budget, targets=targets, kwargs=kwargs,
             memory_ratio=args.memory_ratio, strategy=args.strategy, planner_url=args.planner_url,
             time_limit_s=args.time_limit, optimizer="momentum", d2h_gb_per_s=args.d2h_gb_per_s,
-            h2d_gb_per_s=args.h2d_gb_per_s,
+            h2d_gb_per_s=args.h2d_gb_per_s, compile=args.compile,
         )
     except MososError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -127,6 +129,8 @@ def main() -> int:
     print(f"\n{workload.name}, {device.type}; plan: "
           f"{summary.strategy}, budget {format_bytes(planned.schedule.budget_bytes)}, predicted step "
           f"{summary.predicted_step_time_ms:.2f} ms, predicted peak {format_bytes(summary.peak_memory_bytes)}")
+    if planned.compiled_nodes is not None:
+        print(f"compiled: {planned.compiled_nodes.describe()}")
     plain_peak_note = format_bytes(keep_all_peak_bytes(planned.profile)) + " (simulated keep-all)"
     print(f"{'step':>4}  {'plain loss':>12}  {'planned loss':>12}  {'plain ms':>9}  {'planned ms':>10}  "
           f"{'plain peak':>26}  {'planned peak':>14}")

@@ -27,6 +27,7 @@ class ReferenceProfile:
     plain_ms: float | None  # a plain PyTorch step, timed the same way (None: it would not fit the budget)
     repeats: int
     measured_under: str = "keep-all"  # the schedule the profile was measured under
+    compiled: object = None  # compile=True: executor.compiled_nodes.CompiledNodes
 
     @property
     def ratio(self) -> float | None:
@@ -106,6 +107,7 @@ def profile_workload(
     budget_bytes: int | None = None,
     measuring: str = "auto",
     progress: Callable[[str], None] | None = None,
+    compile: bool = False,
 ) -> ReferenceProfile:
     """Measure one training step of a workload and check the node times against a plain step; within
     `budget_bytes` the plain step is run only where keep-all fits (executor.measuring)."""
@@ -119,7 +121,7 @@ def profile_workload(
         workload.model, workload.inputs, workload.loss_fn, workload.targets, kwargs=workload.kwargs,
         name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
-        progress=lambda message: say(f"profiling {label}: {message}"),
+        progress=lambda message: say(f"profiling {label}: {message}"), compile=compile,
     )
     measured_under = profiled.measuring.describe() if profiled.measuring else "keep-all"
     nodes_ms = profiler.plain_equivalent_time_ms(profile)
@@ -128,7 +130,7 @@ def profile_workload(
             f"check: node times with native algorithms add up to {nodes_ms:.3f} ms; no plain step was timed (it "
             "does not fit the budget)")
         profile = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": notes})})
-        return ReferenceProfile(profile, label, nodes_ms, None, repeats, measured_under)
+        return ReferenceProfile(profile, label, nodes_ms, None, repeats, measured_under, profiled.compiled)
     say(f"timing plain PyTorch steps of {label}")
     # a whole step is short and noisy on a busy machine: at least 10 repeats for its median
     plain_repeats = max(repeats, 10)
@@ -139,4 +141,4 @@ def profile_workload(
         f"(median of {plain_repeats}) took {plain_ms:.3f} ms, ratio {nodes_ms / plain_ms:.2f}"
     )
     profile = profile.model_copy(update={"provenance": profile.provenance.model_copy(update={"notes": notes})})
-    return ReferenceProfile(profile, label, nodes_ms, plain_ms, repeats, measured_under)
+    return ReferenceProfile(profile, label, nodes_ms, plain_ms, repeats, measured_under, profiled.compiled)
