@@ -12,9 +12,11 @@ the allocator's records (`executor.allocations.AllocationTrace`), gradients set 
 
 Families: eager; per-block checkpointing (transformers' `gradient_checkpointing_enable()` where the model has it,
 `torch.utils.checkpoint` around each block otherwise); torch.compile, also with
-`torch._functorch.config.activation_memory_budget`; mosos (eager replay) at fractions of the keep-all peak; the
+`torch._functorch.config.activation_memory_budget`; mosos (eager replay) at fractions of the keep-all peak; mosos
+with compiled planning nodes (`mosos-compiled-<ratio>`, `optimize(compile=True)`; 1.0 is the keep-all budget); the
 planner's own per-block baseline replayed by mosos (`mosos-per-block`: the simulator's view of per-block
-checkpointing, measured). Writes benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch
+checkpointing, measured). Compile time: torch.compile's first step, and the planned step's kernels as the
+profiling compiled them. Writes benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch
 configuration, the fastest mosos plan at equal or less measured memory.
 """
 
@@ -48,7 +50,7 @@ TORCH_FAMILIES = ("per-block", "torch.compile", "torch.compile budget")
 def all_configs() -> list[str]:
     return (["eager", "per-block", "compile"] + [f"compile-budget-{b}" for b in COMPILE_BUDGETS]
             + ["mosos-per-block"] + [f"mosos-{r}" for r in MOSOS_RATIOS]
-            + [f"mosos-compiled-{r}" for r in MOSOS_RATIOS])
+            + [f"mosos-compiled-{r}" for r in (1.0, *MOSOS_RATIOS)])
 
 
 def family(config: str) -> str:

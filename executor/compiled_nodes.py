@@ -191,6 +191,8 @@ class _Kernel:
         self.layout = _layout(examples)
         output = next(n for n in module.graph.nodes if n.op == "output")
         self.output_layout = _layout([value.meta["val"] for value in output.args[0]])
+        self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                          and torch.Tag.nondeterministic_seeded in n.target.tags for n in module.graph.nodes)
         self.compiled = _compile(module, examples)
 
 
@@ -206,19 +208,34 @@ class _NodeCall:
         if _layout(args) == self.layout:
             if self.checked:
                 return self.kernel.compiled(*args)
+            rng = _rng_state(args) if self.kernel.random else None
             outputs = self.kernel.compiled(*args)
             if _layout(outputs) == self.kernel.output_layout:
                 self.checked = True
                 return outputs
             # the kernel hands on other strides than eager's (the next node's views may not hold): this node
-            # runs eagerly from now on
+            # runs eagerly from now on, drawing the random numbers the kernel drew
             del outputs
+            if rng is not None:
+                _set_rng_state(rng)
             self.layout = None
             self.record.eager[self.node_id] = "compiled, its outputs' strides were not eager's"
             self.record.compiled.pop(self.node_id, None)
-        else:
+        elif self.layout is not None:
             self.record.eager_calls[self.node_id] = self.record.eager_calls.get(self.node_id, 0) + 1
         return self.kernel.module(*args)
+
+
+def _rng_state(tensors) -> tuple:
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for device, value in cuda.items():
+        torch.cuda.set_rng_state(value, device)
 
 
 def _layout(tensors) -> tuple:

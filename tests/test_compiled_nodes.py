@@ -214,3 +214,36 @@ def test_the_cli_and_the_training_example_compile_as_a_user_runs_them(tmp_path):
                      "--compile", "--steps", "2", "--time-limit", "5")
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "compiled:" in trained.stdout and "OVER THE BUDGET" not in trained.stdout, trained.stdout
+
+
+def test_a_kernel_whose_strides_are_not_eagers_runs_eagerly_with_eagers_random_numbers():
+    """The first call finds the kernel's output strides are not the graph's: the node runs its graph eagerly from
+    then on, from the RNG state the kernel started from, so its dropout mask is eager's."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(8, 4)
+    dropped = graph.call_function(torch.ops.aten.native_dropout.default, (x, 0.5, True))
+    mask_applied = graph.call_function(__import__("operator").getitem, (dropped, 0))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (mask_applied, 2.0))
+    doubled.meta["val"] = torch.empty(8, 4)
+    graph.output((doubled,))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    def wrong_strides(value):
+        torch.rand(100)  # draws random numbers, as a compiled dropout would
+        return (torch.empty(4, 8).t(),)
+
+    kernel = object.__new__(compiled_nodes._Kernel)
+    kernel.module, kernel.layout, kernel.random, kernel.compiled = module, ((4, 1),), True, wrong_strides
+    kernel.output_layout = ((4, 1),)
+    record = compiled_nodes.CompiledNodes(compiled={"n": "key"})
+    call = compiled_nodes._NodeCall(kernel, "n", record)
+    value = torch.randn(8, 4)
+    torch.manual_seed(7)
+    (expected,) = module(value)
+    torch.manual_seed(7)
+    (got,) = call(value)
+    assert torch.equal(got, expected)
+    assert record.eager == {"n": "compiled, its outputs' strides were not eager's"} and not record.compiled
+    torch.manual_seed(7)
+    assert torch.equal(call(value)[0], expected)  # and eagerly from then on
