@@ -139,4 +139,36 @@ def memory_events() -> Iterator[list]:
             outer._resume()
 
 
-__all__ = ["AllocationTrace", "memory_events", "quiet_stderr"]
+def cpu_workspace_bytes(event_tree, groups: int) -> dict[int, int]:
+    """From torch.profiler's event tree: per node scope, the peak of the running allocation total inside it less
+    what is still allocated at its end (transient memory beyond what the node keeps)."""
+    result: dict[int, int] = {}
+
+    def allocations(event, found):
+        for child in event.children:
+            fields = child.extra_fields
+            if hasattr(fields, "alloc_size") and str(getattr(fields, "device", "cpu")).startswith("cpu"):
+                found.append((child.start_time_ns, fields.alloc_size))
+            allocations(child, found)
+        return found
+
+    def visit(event):
+        name = event.name
+        if name.startswith("mosos-node:"):
+            group = int(name.split(":", 1)[1])
+            events = sorted(allocations(event, []), key=lambda e: e[0])
+            running = peak = 0
+            for _, size in events:
+                running += size
+                peak = max(peak, running)
+            result[group] = max(0, peak - running)
+            return
+        for child in event.children:
+            visit(child)
+
+    for root in event_tree:
+        visit(root)
+    return result
+
+
+__all__ = ["AllocationTrace", "cpu_workspace_bytes", "memory_events", "quiet_stderr"]

@@ -94,7 +94,8 @@ def plan_remotely(
 
 def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio: float,
                        algorithms: tuple[str, ...] | None = None) -> int:
-    """`memory_ratio` of the keep-all peak as the capture estimates it, before anything is allocated."""
+    """`memory_ratio` of the keep-all peak as the capture estimates it, before the step runs (large-batch native
+    convolutions probed on a few samples of the batch)."""
     from torch.utils._pytree import tree_flatten
 
     from executor import conv_algorithms

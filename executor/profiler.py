@@ -39,7 +39,9 @@ from torch.utils._pytree import tree_flatten
 from executor import conv_algorithms
 from executor import autocast
 from executor.capture import CapturedStep, capture, tensor_signature
-from executor.allocations import memory_events
+from executor.allocations import cpu_workspace_bytes, memory_events
+from executor.convolution_scratch import (convolution_geometry, convolution_input, native_convolution_scratch_bytes,
+                                          probe_native_scratch)
 from executor.codegen import CodeGenerator, Modes, schedule_operations
 from executor.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
@@ -184,6 +186,7 @@ class ProfiledStep:
     feeder: Feeder
     measuring: MeasuringPlan | None = None  # the schedule the profile was measured under
     compiled: CompiledNodes | None = None  # the nodes the profile measured as Inductor kernels (compile=True)
+    convolution_scratch: dict[int, int] | None = None  # native convolutions' scratch bounds, probed (CPU)
 
 
 def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
@@ -217,25 +220,6 @@ def implementations_of(planning: PlanningGraph, algorithms: tuple[str, ...]) -> 
         else:
             names.append(["native"] + [a for a in algorithms if a != "native" and conv_algorithms.applicable(a, geometry)])
     return names
-
-
-def _convolution_input(group):
-    node = group.convolution
-    return node.args[0] if node.target is CONVOLUTION else node.args[1]
-
-
-def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
-    node = group.convolution
-    if node is None:
-        return None
-    if node.target is CONVOLUTION:
-        x, w = node.args[0], node.args[1]
-        stride, padding, dilation, transposed, groups = node.args[3], node.args[4], node.args[5], node.args[6], node.args[8]
-    else:
-        x, w = node.args[1], node.args[2]
-        stride, padding, dilation, transposed, groups = node.args[4], node.args[5], node.args[6], node.args[7], node.args[9]
-    return conv_algorithms.geometry_of(x.meta["val"].shape, w.meta["val"].shape, stride, padding, dilation,
-                                       transposed, groups)
 
 
 class _ProfilingRuntime(TimedStepRuntime):
@@ -289,38 +273,6 @@ def _requested_bytes(device, which: str) -> int:
     if key in stats:
         return int(stats[key])
     return torch.cuda.memory_allocated(device) if which == "current" else torch.cuda.max_memory_allocated(device)
-
-
-def cpu_workspace_bytes(event_tree, groups: int) -> dict[int, int]:
-    """From torch.profiler's event tree: per node scope, the peak of the running allocation total inside it less
-    what is still allocated at its end (transient memory beyond what the node keeps)."""
-    result: dict[int, int] = {}
-
-    def allocations(event, found):
-        for child in event.children:
-            fields = child.extra_fields
-            if hasattr(fields, "alloc_size") and str(getattr(fields, "device", "cpu")).startswith("cpu"):
-                found.append((child.start_time_ns, fields.alloc_size))
-            allocations(child, found)
-        return found
-
-    def visit(event):
-        name = event.name
-        if name.startswith("mosos-node:"):
-            group = int(name.split(":", 1)[1])
-            events = sorted(allocations(event, []), key=lambda e: e[0])
-            running = peak = 0
-            for _, size in events:
-                running += size
-                peak = max(peak, running)
-            result[group] = max(0, peak - running)
-            return
-        for child in event.children:
-            visit(child)
-
-    for root in event_tree:
-        visit(root)
-    return result
 
 
 # --- profile_model ---------------------------------------------------------------------------------------
@@ -387,22 +339,18 @@ _PROVISIONAL_BYTES_PER_MS = 1e7  # 10 GB/s
 _PROVISIONAL_NODE_MS = 0.005
 
 
-def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, element_size: int) -> int:
-    """ATen's own convolution (oneDNN, cuDNN) keeps its scratch to itself. On the CPU (ResNet-18 small at batch 8
-    and 256, the zoo's ResNet, MobileNetV2 and in-place CNN: every convolution and backward half) it stayed within
-    0.8 of the smaller of 3 x (im2col's columns + input + weights + output), what strided 1x1 convolutions approach,
-    and 4.5 x (input + weights + output), plus 256 KiB for the fixed buffers of tiny convolutions."""
-    output_elements = math.prod((geometry.input_shape[0], geometry.weight_shape[0]) + geometry.output_hw)
-    tensors = math.prod(geometry.input_shape) + math.prod(geometry.weight_shape) + output_elements
-    return int(element_size * min(3 * (geometry.columns_elements + tensors), 4.5 * tensors)) + (256 << 10)
-
-
 def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer, algorithms, d2h_gb_per_s,
-                        h2d_gb_per_s, name: str | None = None) -> GraphProfile:
-    """The profile as far as the capture knows it, before anything runs: exact sizes from the fake run, workspaces
-    from above (transient intermediates, a kernel's scratch, a convolution's columns), times from bytes moved."""
+                        h2d_gb_per_s, name: str | None = None, budget_bytes: int | None = None) -> GraphProfile:
+    """The profile as far as the capture knows it, before the step runs: exact sizes from the fake run, workspaces
+    from above (transient intermediates, a kernel's scratch, a convolution's columns; a native convolution's
+    scratch probed on slices of its batch where that fits `budget_bytes`), times from bytes moved."""
     planning, step = profiled.planning, profiled.step
     names = implementations_of(planning, algorithms)
+    loss = step.loss.meta["val"]
+    fixed = fixed_memory(profiled, leaves, optimizer, loss.untyped_storage().nbytes())
+    if profiled.convolution_scratch is None:
+        room = None if budget_bytes is None else budget_bytes - sum(fixed.values())
+        profiled.convolution_scratch = probe_native_scratch(planning, device, room)
     nodes = []
     for group in planning.groups:
         transient = transient_peak_bytes(planning, group) + scratch_allowance_bytes(planning, group)
@@ -410,13 +358,14 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
             planning.size_bytes(planning.groups[i]) for i in group.inputs)
         time_ms = _PROVISIONAL_NODE_MS + touched / _PROVISIONAL_BYTES_PER_MS
         geometry = convolution_geometry(group)
-        element_size = _convolution_input(group).meta["val"].element_size() if geometry is not None else 4
+        element_size = convolution_input(group).meta["val"].element_size() if geometry is not None else 4
         phase = "forward" if group.kind == "forward" else "backward"
         implementations = []
         for implementation in names[group.index]:
             workspace = transient
             if geometry is not None and implementation == "native":
-                workspace += native_convolution_scratch_bytes(geometry, element_size)
+                workspace += profiled.convolution_scratch.get(
+                    group.index, native_convolution_scratch_bytes(geometry, element_size))
             elif geometry is not None:
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
@@ -426,11 +375,11 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
             implementations.append({"name": implementation, "workspace_bytes": workspace,
                                     "time_ms": time_ms if implementation in ("native", "default") else 2 * time_ms})
         nodes.append(_node_document(planning, group, implementations, planning.size_bytes(group)))
-    loss = step.loss.meta["val"]
+    probed = len(profiled.convolution_scratch)
     document = {
         "name": (name or f"{type(step.model).__name__} {step.input_signature}") + " (provisional: not measured)",
         "hardware": _hardware(device, d2h_gb_per_s, h2d_gb_per_s),
-        "fixed_memory": fixed_memory(profiled, leaves, optimizer, loss.untyped_storage().nbytes()),
+        "fixed_memory": fixed,
         "nodes": nodes,
         "provenance": {
             "source": "estimated",
@@ -438,8 +387,9 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
             "model_structure_sha256": step.structure_sha256(),
             "input_signature": step.input_signature,
             "target_signature": step.target_signature,
-            "notes": "sizes from the fake run; workspaces from above; times from bytes moved (only to choose how to "
-                     "measure)",
+            "notes": "sizes from the fake run; workspaces from above"
+                     + (f" ({probed} native convolutions' scratch probed on slices of the batch)" if probed else "")
+                     + "; times from bytes moved (only to choose how to measure)",
         },
     }
     return parse_profile(document, "provisional profile")
@@ -503,7 +453,7 @@ def profile_step(
             say(f"captured {len(profiled.planning.groups)} planning nodes in "
                 f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,
-                                          h2d_gb_per_s, name)
+                                          h2d_gb_per_s, name, budget_bytes)
         chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
         profiled.measuring = chosen
         say(f"measuring under {chosen.describe()}")

@@ -1,0 +1,164 @@
+"""How much scratch ATen's own convolution takes, known before the full-size step runs.
+
+The measuring pass must fit the budget, so each native convolution's scratch has
+to be bounded before it runs once. oneDNN and ATen keep that scratch to
+themselves; a formula from shapes alone must cover the worst layout conversion
+(a 3-channel input padded to a blocked layout, im2col's columns), so it is
+several times what most convolutions take (ResNet-18-small's stem at batch 2048:
+144 MiB allowed, 32 MiB taken), and at a large batch it alone refuses budgets
+that every real step fits.
+
+On the CPU the scratch is layout conversions and per-thread buffers: it grows
+linearly with the batch (measured exactly linear from batch 4 to 2048 on
+ResNet-18-small's convolutions, forward and each backward half). So each
+distinct convolution call is run for real on a sixteenth and an eighth of its
+batch, under the allocator's own events, and carried to the full batch (the line
+through the two, or the larger scaled, whichever is more) with a margin. A probe
+holds an eighth of one convolution's tensors, one probe at a time, and only
+where the budget has room for it. The formula
+stays the ceiling, and on a GPU (where cuDNN picks its algorithm, and so its
+workspace, by the batch) it stays the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch.profiler import record_function
+
+from executor import conv_algorithms
+from executor.allocations import cpu_workspace_bytes, memory_events
+from executor.planning_graph import CONVOLUTION
+
+SMALLEST_BATCH_PROBED = 32  # below it the formula's allowance is small
+SCRATCH_MARGIN = 1.25
+SCRATCH_FLOOR_BYTES = 256 << 10  # fixed buffers of tiny convolutions
+
+
+def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, element_size: int) -> int:
+    """The formula: on the CPU (ResNet-18 small at batch 8 and 256, the zoo's ResNet, MobileNetV2 and in-place CNN:
+    every convolution and backward half) the scratch stayed within 0.8 of the smaller of 3 x (im2col's columns +
+    input + weights + output), what strided 1x1 convolutions approach, and 4.5 x (input + weights + output), plus
+    256 KiB for the fixed buffers of tiny convolutions."""
+    output_elements = math.prod((geometry.input_shape[0], geometry.weight_shape[0]) + geometry.output_hw)
+    tensors = math.prod(geometry.input_shape) + math.prod(geometry.weight_shape) + output_elements
+    return int(element_size * min(3 * (geometry.columns_elements + tensors), 4.5 * tensors)) + SCRATCH_FLOOR_BYTES
+
+
+def convolution_input(group):
+    node = group.convolution
+    return node.args[0] if node.target is CONVOLUTION else node.args[1]
+
+
+def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
+    node = group.convolution
+    if node is None:
+        return None
+    if node.target is CONVOLUTION:
+        x, w = node.args[0], node.args[1]
+        stride, padding, dilation, transposed, groups = node.args[3], node.args[4], node.args[5], node.args[6], node.args[8]
+    else:
+        x, w = node.args[1], node.args[2]
+        stride, padding, dilation, transposed, groups = node.args[4], node.args[5], node.args[6], node.args[7], node.args[9]
+    return conv_algorithms.geometry_of(x.meta["val"].shape, w.meta["val"].shape, stride, padding, dilation,
+                                       transposed, groups)
+
+
+def _batched_positions(node) -> tuple[int, ...]:
+    """The arguments that carry the batch: the input (and, backward, the output's gradient)."""
+    return (0,) if node.target is CONVOLUTION else (0, 1)
+
+
+def _signature(node) -> tuple:
+    parts = [str(node.target)]
+    for argument in node.args:
+        value = getattr(argument, "meta", {}).get("val") if hasattr(argument, "meta") else None
+        if isinstance(value, torch.Tensor):
+            parts.append((tuple(value.shape), tuple(value.stride()), str(value.dtype)))
+        else:
+            parts.append(repr(argument))
+    return tuple(parts)
+
+
+def _real_like(value: torch.Tensor, batch: int | None, device) -> torch.Tensor:
+    shape = (batch, *value.shape[1:]) if batch is not None else tuple(value.shape)
+    channels_last = value.dim() == 4 and not value.is_contiguous() and value.is_contiguous(
+        memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.zeros(shape, dtype=value.dtype, device=device).contiguous(memory_format=layout)
+
+
+def _arguments(node, batch: int, device) -> list:
+    batched = _batched_positions(node)
+    arguments = []
+    for position, argument in enumerate(node.args):
+        value = argument.meta.get("val") if hasattr(argument, "meta") else None
+        if isinstance(value, torch.Tensor):
+            arguments.append(_real_like(value, batch if position in batched else None, device))
+        else:
+            arguments.append(argument)
+    return arguments
+
+
+def _probe_need_bytes(group, batch: int, element_size: int) -> int:
+    """What a probe at `batch` may hold at most: its tensors, its results, the formula's scratch."""
+    geometry = convolution_geometry(group)
+    sliced = dataclasses.replace(geometry, input_shape=(batch, *geometry.input_shape[1:]))
+    output_elements = math.prod((batch, geometry.weight_shape[0]) + geometry.output_hw)
+    tensors = math.prod(sliced.input_shape) + math.prod(geometry.weight_shape) + output_elements
+    return 3 * tensors * element_size + native_convolution_scratch_bytes(sliced, element_size)
+
+
+def probe_batches(batch: int) -> tuple[int, int]:
+    """A sixteenth and an eighth of the batch: large enough that the per-sample part outweighs fixed buffers."""
+    return max(2, batch // 16), max(4, batch // 8)
+
+
+def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dict[int, int]:
+    """Planning node index -> scratch bound (bytes) for each native convolution probed; nodes absent keep the
+    formula. `room_bytes`: what the budget leaves beside what the caller holds (None: unknown; a probe holds an
+    eighth of its node's batch, one probe at a time)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return {}
+    by_signature: dict[tuple, list] = {}
+    for group in planning.groups:
+        if group.convolution is None:
+            continue
+        value = convolution_input(group).meta["val"]
+        batch = int(value.shape[0])
+        if batch < SMALLEST_BATCH_PROBED:
+            continue
+        if room_bytes is not None and _probe_need_bytes(group, probe_batches(batch)[1], value.element_size()) > room_bytes:
+            continue
+        by_signature.setdefault(_signature(group.convolution), []).append((group, batch))
+    if not by_signature:
+        return {}
+    calls = []  # (signature, probe batch, node)
+    for signature, members in by_signature.items():
+        group, batch = members[0]
+        calls += [(signature, probe_batch, group.convolution) for probe_batch in probe_batches(batch)]
+    with torch.no_grad(), memory_events() as trees:
+        for index, (_, probe_batch, node) in enumerate(calls):
+            arguments = _arguments(node, probe_batch, device)
+            node.target(*arguments)  # oneDNN's first call of a kind sets up its primitive
+            with record_function(f"mosos-node:{index}"):
+                result = node.target(*arguments)
+            del result, arguments
+    measured = cpu_workspace_bytes(trees[0], len(calls))
+    scratch: dict[tuple, list[tuple[int, int]]] = {}
+    for index, (signature, probe_batch, _) in enumerate(calls):
+        scratch.setdefault(signature, []).append((probe_batch, measured.get(index, 0)))
+    bounds = {}
+    for signature, members in by_signature.items():
+        (small, at_small), (large, at_large) = scratch[signature]
+        per_sample = max(0.0, (at_large - at_small) / (large - small))
+        for group, batch in members:
+            # the line through the two probes, or the larger probe scaled, whichever is more
+            carried = max(at_small + per_sample * (batch - small), at_large * batch / large)
+            formula = native_convolution_scratch_bytes(convolution_geometry(group),
+                                                       convolution_input(group).meta["val"].element_size())
+            bounds[group.index] = min(formula, int(SCRATCH_MARGIN * carried) + SCRATCH_FLOOR_BYTES)
+    return bounds

@@ -1,0 +1,118 @@
+"""Native convolutions' scratch, probed on slices of the batch before the step runs: at least what the full-size
+call takes, at most the shape formula, and what lets a large-batch CNN be planned at budgets the formula refused."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import executor  # noqa: E402
+from executor.allocations import AllocationTrace, cpu_workspace_bytes, memory_events  # noqa: E402
+from executor.convolution_scratch import (_probe_need_bytes, convolution_geometry, convolution_input,  # noqa: E402
+                                          native_convolution_scratch_bytes, probe_native_scratch)
+from executor.profiler import plan_step, provisional_profile  # noqa: E402
+from models.workload import reference_workload  # noqa: E402
+from planner.budget import minimum_budget_bytes  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+
+def _captured(name: str, batch: int, **options):
+    work = reference_workload(name, batch, **options)
+    return work, plan_step(work.model, work.inputs, work.kwargs, work.targets, work.loss_fn)
+
+
+def _real(value: torch.Tensor) -> torch.Tensor:
+    tensor = torch.randn(tuple(value.shape), dtype=value.dtype)
+    if value.dim() == 4 and not value.is_contiguous() and value.is_contiguous(memory_format=torch.channels_last):
+        tensor = tensor.contiguous(memory_format=torch.channels_last)
+    return tensor
+
+
+def _full_size_scratch(group) -> int:
+    """The scratch of the node's convolution call at its full batch, by the allocator's events."""
+    node = group.convolution
+    arguments = [_real(a.meta["val"]) if hasattr(a, "meta") and isinstance(a.meta.get("val"), torch.Tensor) else a
+                 for a in node.args]
+    node.target(*arguments)
+    with memory_events() as trees:
+        with record_function("mosos-node:0"):
+            result = node.target(*arguments)
+    del result
+    return cpu_workspace_bytes(trees[0], 1)[0]
+
+
+def _mobilenet(batch: int):
+    """The zoo's MobileNetV2 (depthwise and 1x1 convolutions, in-place ReLU6) at a batch the probe applies to."""
+    import torch.nn.functional as F
+
+    from tests.zoo import MobileNetV2
+
+    torch.manual_seed(0)
+    model, images, labels = MobileNetV2(), torch.randn(batch, 3, 32, 32), torch.randint(0, 4, (batch,))
+    return plan_step(model, (images,), {}, labels, F.cross_entropy)
+
+
+@pytest.mark.parametrize("network", ["resnet18-small", "mobilenet"])
+def test_probed_scratch_covers_the_full_size_call_and_stays_within_the_formula(network):
+    torch.manual_seed(0)
+    profiled = _captured("resnet18", 256, small=True)[1] if network == "resnet18-small" else _mobilenet(64)
+    bounds = probe_native_scratch(profiled.planning, "cpu")
+    convolutions = [g for g in profiled.planning.groups if g.convolution is not None]
+    assert convolutions and set(bounds) == {g.index for g in convolutions}
+    allowed = {}
+    for group in convolutions:
+        formula = native_convolution_scratch_bytes(convolution_geometry(group),
+                                                   convolution_input(group).meta["val"].element_size())
+        taken = _full_size_scratch(group)
+        assert taken <= bounds[group.index] <= formula, (group.id, taken, bounds[group.index], formula)
+        allowed[group.id] = formula
+    # the probe is worth having: the largest allowance (what sets a CNN's floor) at least halves, and the total
+    by_id = {g.id: g.index for g in convolutions}
+    largest = max(allowed, key=allowed.get)
+    assert bounds[by_id[largest]] <= allowed[largest] / 2, (largest, bounds[by_id[largest]], allowed[largest])
+    assert sum(bounds.values()) <= 0.7 * sum(allowed.values()), (sum(bounds.values()), sum(allowed.values()))
+
+
+def test_no_probe_without_room_or_on_a_small_batch():
+    _, profiled = _captured("resnet18", 256, small=True)
+    assert probe_native_scratch(profiled.planning, "cpu", room_bytes=4096) == {}
+    _, small_batch = _captured("resnet18", 8, small=True)
+    assert probe_native_scratch(small_batch.planning, "cpu") == {}
+
+
+def test_the_probe_holds_an_eighth_of_one_convolution_at_a_time():
+    _, profiled = _captured("resnet18", 2048, small=True)
+    with AllocationTrace() as trace:
+        bounds = probe_native_scratch(profiled.planning, "cpu")
+    assert bounds
+    largest = max(_probe_need_bytes(g, 256, 4) for g in profiled.planning.groups if g.convolution is not None)
+    assert trace.peak_bytes <= largest
+    stem_input_bytes = 2048 * 3 * 32 * 32 * 4
+    assert trace.peak_bytes < stem_input_bytes / 2
+
+
+@pytest.mark.slow
+def test_a_large_batch_cnn_refused_by_the_formula_is_planned_and_trains_within_its_budget():
+    """ResNet-18-small at batch 2048: the formula allows its stem 144 MiB of scratch (it takes 32 MiB forward, 48
+    backward), so no plan fitted below 185 MiB; probed, 110 MiB is planned, and the first steps hold within it."""
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    work, profiled = _captured("resnet18", 2048, small=True)
+    leaves = tree_flatten(((work.inputs, work.kwargs or {}, work.targets), {}))[0]
+    profiled.convolution_scratch = {}
+    by_formula = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None)
+    profiled.convolution_scratch = None
+    probed = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None)
+    budget = 110 << 20
+    assert minimum_budget_bytes(by_formula) > budget >= minimum_budget_bytes(probed)
+    resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*work.model.parameters(), *work.model.buffers(), *work.inputs, work.targets]}.values())
+    with AllocationTrace() as trace:
+        planned = executor.optimize(work.model, work.inputs, work.loss_fn, targets=work.targets, budget=budget,
+                                    repeats=1, warmup=0, time_limit_s=10, workers=1, progress=False)
+        for _ in range(2):
+            planned(*work.inputs, targets=work.targets).backward()
+    assert planned.peak_memory_bytes <= budget
+    assert trace.peak_bytes <= budget - resident, (trace.peak_bytes, budget - resident)
