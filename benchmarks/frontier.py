@@ -293,16 +293,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--time-limit", type=float, default=20.0, help="mosos' solve time limit, seconds")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rerun", default="", help="configurations to measure again; the model's other rows are "
+                        "kept from its results file (a row disturbed by other load on the machine)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, args.rounds, args.time_limit, args.threads)))
         return 0
     command = "python benchmarks/frontier.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    rerun = [c for c in args.rerun.split(",") if c]
     for model in args.models.split(","):
         rows = []
+        kept = {}
+        if rerun:
+            kept = {row["config"]: row for row in json.loads(RESULTS.with_name(f"frontier_{model}.json").read_text())}
         for config in args.configs.split(","):
+            if rerun and config not in rerun:
+                if config in kept:
+                    rows.append(kept[config])
+                continue
             row = run_one(model, config, args.rounds, args.time_limit, args.threads)
+            if rerun:
+                row["note"] = "; ".join(filter(None, [row.get("note"), "measured again (--rerun)"]))
             rows.append(row)
             shown = row.get("error", "").splitlines()[-1:] if "error" in row else (
                 f"{row['time_ratio']:.2f} x eager, {row['peak_mib']:.0f} MiB")
