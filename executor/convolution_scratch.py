@@ -14,8 +14,14 @@ ResNet-18-small's convolutions, forward and each backward half). So each
 distinct convolution call is run for real on a sixteenth and an eighth of its
 batch, under the allocator's own events, and carried to the full batch (the line
 through the two, or the larger scaled, whichever is more) with a margin. A probe
-holds an eighth of one convolution's tensors, one probe at a time, and only
-where the budget has room for it. The formula
+holds at most a quarter of one convolution's tensors, one probe at a time, and
+only where the budget has room for it.
+
+The kernel must be the one the full batch runs: with one thread oneDNN ran
+MobileNetV2's 1x1 convolutions without any scratch at 4 and 8 samples and with
+layout copies (0.8-1.2x their tensors) at 64. So no probe is smaller than 16
+samples, and a batch below 128 keeps the formula; a measuring pass that held
+more than estimated all the same is reported (`profiler._check_measuring_peak`). The formula
 stays the ceiling, and on a GPU (where cuDNN picks its algorithm, and so its
 workspace, by the batch) it stays the answer.
 """
@@ -32,7 +38,8 @@ from executor import conv_algorithms
 from executor.allocations import cpu_workspace_bytes, memory_events
 from executor.planning_graph import CONVOLUTION
 
-SMALLEST_BATCH_PROBED = 32  # below it the formula's allowance is small
+SMALLEST_PROBE_SAMPLES = 16  # below it oneDNN may run another kind of kernel than at the full batch
+SMALLEST_BATCH_PROBED = 128  # so that a probe holds at most a quarter of the batch
 SCRATCH_MARGIN = 1.25
 SCRATCH_FLOOR_BYTES = 256 << 10  # fixed buffers of tiny convolutions
 
@@ -112,14 +119,15 @@ def _probe_need_bytes(group, batch: int, element_size: int) -> int:
 
 
 def probe_batches(batch: int) -> tuple[int, int]:
-    """A sixteenth and an eighth of the batch: large enough that the per-sample part outweighs fixed buffers."""
-    return max(2, batch // 16), max(4, batch // 8)
+    """A sixteenth and an eighth of the batch (16 and 32 samples at least): large enough that the per-sample part
+    outweighs fixed buffers, and that oneDNN runs the kind of kernel it runs at the full batch."""
+    return max(SMALLEST_PROBE_SAMPLES, batch // 16), max(2 * SMALLEST_PROBE_SAMPLES, batch // 8)
 
 
 def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dict[int, int]:
     """Planning node index -> scratch bound (bytes) for each native convolution probed; nodes absent keep the
-    formula. `room_bytes`: what the budget leaves beside what the caller holds (None: unknown; a probe holds an
-    eighth of its node's batch, one probe at a time)."""
+    formula. `room_bytes`: what the budget leaves beside what the caller holds (None: unknown; a probe holds at
+    most a quarter of its node's batch, one probe at a time)."""
     device = torch.device(device)
     if device.type != "cpu":
         return {}
