@@ -93,7 +93,7 @@ def plan_remotely(
 
 
 def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio: float,
-                       algorithms: tuple[str, ...] | None = None) -> int:
+                       algorithms: tuple[str, ...] | None = None, progress=None) -> int:
     """`memory_ratio` of the keep-all peak as the capture estimates it, before the step runs (large-batch native
     convolutions probed on a few samples of the batch)."""
     from torch.utils._pytree import tree_flatten
@@ -104,7 +104,7 @@ def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memo
     leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms or conv_algorithms.ALGORITHMS,
-                                      None, None)
+                                      None, None, progress=progress)
     return budget_from_ratio(provisional, memory_ratio)
 
 
@@ -228,7 +228,7 @@ def optimize(
         signature_budget = budget_bytes
         if memory_ratio is not None:
             signature_budget = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
-                                                  algorithms)
+                                                  algorithms, say)
             say(f"budget {format_bytes(signature_budget)} ({memory_ratio:g} of the estimated keep-all peak)")
         profile, profiled = profile_step(
             model, inputs, loss_fn, targets, kwargs=kwargs,

@@ -340,7 +340,8 @@ _PROVISIONAL_NODE_MS = 0.005
 
 
 def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer, algorithms, d2h_gb_per_s,
-                        h2d_gb_per_s, name: str | None = None, budget_bytes: int | None = None) -> GraphProfile:
+                        h2d_gb_per_s, name: str | None = None, budget_bytes: int | None = None,
+                        progress: Callable[[str], None] | None = None) -> GraphProfile:
     """The profile as far as the capture knows it, before the step runs: exact sizes from the fake run, workspaces
     from above (transient intermediates, a kernel's scratch, a convolution's columns; a native convolution's
     scratch probed on slices of its batch where that fits `budget_bytes`), times from bytes moved."""
@@ -350,7 +351,11 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
     fixed = fixed_memory(profiled, leaves, optimizer, loss.untyped_storage().nbytes())
     if profiled.convolution_scratch is None:
         room = None if budget_bytes is None else budget_bytes - sum(fixed.values())
+        started = time.perf_counter()
         profiled.convolution_scratch = probe_native_scratch(planning, device, room)
+        if profiled.convolution_scratch and progress is not None:
+            progress(f"probed the scratch of {len(profiled.convolution_scratch)} native convolutions on slices of "
+                     f"the batch in {time.perf_counter() - started:.1f} s")
     nodes = []
     for group in planning.groups:
         transient = transient_peak_bytes(planning, group) + scratch_allowance_bytes(planning, group)
@@ -453,7 +458,7 @@ def profile_step(
             say(f"captured {len(profiled.planning.groups)} planning nodes in "
                 f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,
-                                          h2d_gb_per_s, name, budget_bytes)
+                                          h2d_gb_per_s, name, budget_bytes, say)
         chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
         profiled.measuring = chosen
         say(f"measuring under {chosen.describe()}")

@@ -129,3 +129,15 @@ def test_a_large_batch_cnn_refused_by_the_formula_is_planned_and_trains_within_i
             planned(*work.inputs, targets=work.targets).backward()
     assert planned.peak_memory_bytes <= budget
     assert trace.peak_bytes <= budget - resident, (trace.peak_bytes, budget - resident)
+
+
+def test_the_probe_is_reported_through_the_progress_callback():
+    from executor.profiler import provisional_profile
+
+    work, profiled = _captured("resnet18", 256, small=True)
+    leaves = tree_flatten(((work.inputs, work.kwargs or {}, work.targets), {}))[0]
+    said = []
+    provisional = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None,
+                                      progress=said.append)
+    assert any(line.startswith("probed the scratch of ") and "native convolutions" in line for line in said), said
+    assert "native convolutions' scratch probed" in provisional.provenance.notes
