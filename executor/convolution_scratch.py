@@ -133,7 +133,7 @@ def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dic
         return {}
     by_signature: dict[tuple, list] = {}
     for group in planning.groups:
-        if group.convolution is None:
+        if convolution_geometry(group) is None:  # no convolution, or one the formula does not cover either
             continue
         value = convolution_input(group).meta["val"]
         batch = int(value.shape[0])

@@ -141,3 +141,17 @@ def test_the_probe_is_reported_through_the_progress_callback():
                                       progress=said.append)
     assert any(line.startswith("probed the scratch of ") and "native convolutions" in line for line in said), said
     assert "native convolutions' scratch probed" in provisional.provenance.notes
+
+
+def test_transposed_and_one_dimensional_convolutions_are_left_alone():
+    """The formula allows nothing for them (they run ATen's own kernel, measured where they run): no probe."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Unflatten(1, (4, 1, 30)),
+                          nn.ConvTranspose2d(4, 2, 3, stride=2), nn.Flatten(), nn.LazyLinear(4))
+    images, labels = torch.randn(128, 3, 32), torch.randint(0, 4, (128,))
+    model(images)  # materialize the lazy layer
+    profiled = plan_step(model, (images,), {}, labels, F.cross_entropy)
+    assert any(g.convolution is not None for g in profiled.planning.groups)
+    assert probe_native_scratch(profiled.planning, "cpu") == {}
