@@ -21,9 +21,9 @@ The kernel must be the one the full batch runs: with one thread oneDNN ran
 MobileNetV2's 1x1 convolutions without any scratch at 4 and 8 samples and with
 layout copies (0.8-1.2x their tensors) at 64. So no probe is smaller than 16
 samples, and a batch below 128 keeps the formula; a measuring pass that held
-more than estimated all the same is reported (`profiler._check_measuring_peak`). The formula
-stays the ceiling, and on a GPU (where cuDNN picks its algorithm, and so its
-workspace, by the batch) it stays the answer.
+more than estimated all the same is reported (`profiler._check_measuring_peak`).
+The formula stays the ceiling, and on a GPU (where cuDNN picks its algorithm,
+and so its workspace, by the batch) it stays the answer.
 """
 
 from __future__ import annotations
@@ -49,9 +49,14 @@ def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, ele
     every convolution and backward half) the scratch stayed within 0.8 of the smaller of 3 x (im2col's columns +
     input + weights + output), what strided 1x1 convolutions approach, and 4.5 x (input + weights + output), plus
     256 KiB for the fixed buffers of tiny convolutions."""
-    output_elements = math.prod((geometry.input_shape[0], geometry.weight_shape[0]) + geometry.output_hw)
-    tensors = math.prod(geometry.input_shape) + math.prod(geometry.weight_shape) + output_elements
+    tensors = _tensor_elements(geometry)
     return int(element_size * min(3 * (geometry.columns_elements + tensors), 4.5 * tensors)) + SCRATCH_FLOOR_BYTES
+
+
+def _tensor_elements(geometry: conv_algorithms.ConvGeometry) -> int:
+    """Input + weights + output."""
+    output_elements = math.prod((geometry.input_shape[0], geometry.weight_shape[0]) + geometry.output_hw)
+    return math.prod(geometry.input_shape) + math.prod(geometry.weight_shape) + output_elements
 
 
 def convolution_input(group):
@@ -65,10 +70,10 @@ def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
         return None
     if node.target is CONVOLUTION:
         x, w = node.args[0], node.args[1]
-        stride, padding, dilation, transposed, groups = node.args[3], node.args[4], node.args[5], node.args[6], node.args[8]
+        stride, padding, dilation, transposed, groups = (node.args[i] for i in (3, 4, 5, 6, 8))
     else:
         x, w = node.args[1], node.args[2]
-        stride, padding, dilation, transposed, groups = node.args[4], node.args[5], node.args[6], node.args[7], node.args[9]
+        stride, padding, dilation, transposed, groups = (node.args[i] for i in (4, 5, 6, 7, 9))
     return conv_algorithms.geometry_of(x.meta["val"].shape, w.meta["val"].shape, stride, padding, dilation,
                                        transposed, groups)
 
@@ -78,11 +83,17 @@ def _batched_positions(node) -> tuple[int, ...]:
     return (0,) if node.target is CONVOLUTION else (0, 1)
 
 
+def _fake(argument) -> torch.Tensor | None:
+    """The fake tensor an fx argument stands for, or None (a literal)."""
+    value = argument.meta.get("val") if hasattr(argument, "meta") else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _signature(node) -> tuple:
     parts = [str(node.target)]
     for argument in node.args:
-        value = getattr(argument, "meta", {}).get("val") if hasattr(argument, "meta") else None
-        if isinstance(value, torch.Tensor):
+        value = _fake(argument)
+        if value is not None:
             parts.append((tuple(value.shape), tuple(value.stride()), str(value.dtype)))
         else:
             parts.append(repr(argument))
@@ -101,8 +112,8 @@ def _arguments(node, batch: int, device) -> list:
     batched = _batched_positions(node)
     arguments = []
     for position, argument in enumerate(node.args):
-        value = argument.meta.get("val") if hasattr(argument, "meta") else None
-        if isinstance(value, torch.Tensor):
+        value = _fake(argument)
+        if value is not None:
             arguments.append(_real_like(value, batch if position in batched else None, device))
         else:
             arguments.append(argument)
@@ -113,9 +124,7 @@ def _probe_need_bytes(group, batch: int, element_size: int) -> int:
     """What a probe at `batch` may hold at most: its tensors, its results, the formula's scratch."""
     geometry = convolution_geometry(group)
     sliced = dataclasses.replace(geometry, input_shape=(batch, *geometry.input_shape[1:]))
-    output_elements = math.prod((batch, geometry.weight_shape[0]) + geometry.output_hw)
-    tensors = math.prod(sliced.input_shape) + math.prod(geometry.weight_shape) + output_elements
-    return 3 * tensors * element_size + native_convolution_scratch_bytes(sliced, element_size)
+    return 3 * _tensor_elements(sliced) * element_size + native_convolution_scratch_bytes(sliced, element_size)
 
 
 def probe_batches(batch: int) -> tuple[int, int]:
@@ -139,7 +148,8 @@ def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dic
         batch = int(value.shape[0])
         if batch < SMALLEST_BATCH_PROBED:
             continue
-        if room_bytes is not None and _probe_need_bytes(group, probe_batches(batch)[1], value.element_size()) > room_bytes:
+        largest_probe = probe_batches(batch)[1]
+        if room_bytes is not None and _probe_need_bytes(group, largest_probe, value.element_size()) > room_bytes:
             continue
         by_signature.setdefault(_signature(group.convolution), []).append((group, batch))
     if not by_signature:

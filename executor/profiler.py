@@ -23,7 +23,6 @@ The model's parameters, buffers, gradients and the RNG are left as they were.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import statistics
@@ -46,7 +45,7 @@ from executor.codegen import CodeGenerator, Modes, schedule_operations
 from executor.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
 from executor.feeds import Feeder
-from executor.planning_graph import CONVOLUTION, PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
+from executor.planning_graph import PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
 from executor.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
 from executor.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
 from planner.errors import MososError

@@ -132,8 +132,6 @@ def test_a_large_batch_cnn_refused_by_the_formula_is_planned_and_trains_within_i
 
 
 def test_the_probe_is_reported_through_the_progress_callback():
-    from executor.profiler import provisional_profile
-
     work, profiled = _captured("resnet18", 256, small=True)
     leaves = tree_flatten(((work.inputs, work.kwargs or {}, work.targets), {}))[0]
     said = []
