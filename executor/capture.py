@@ -12,6 +12,12 @@ the user's source line and what to change: data-dependent control flow,
 trace, a backward that fails in plain PyTorch too. Never a bare traceback,
 never a silently different model.
 
+A forward operation with several results, some read only later in the forward
+pass and some small ones read only by the backward (batch norm's statistics,
+dropout's mask), hands the small ones on through a copy of their own
+(`_hand_off_saved_results`), so the planner can free the large result once the
+forward pass is done with it, as eager autograd does.
+
 Each `aten.convolution_backward` is split here into a filter-gradient call
 (weight and bias) and a data-gradient call (input), run in that order, so the
 planner can free a convolution's input before its input gradient exists;
@@ -413,6 +419,7 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
     autocast.eager_half_dropout(gm)
     _check_operations(graph, model)
     _split_convolution_backward(gm)
+    _hand_off_saved_results(graph)
     graph.lint()
     gm.recompile()
     flat, spec = tree_flatten(((tuple(inputs), dict(kwargs), targets), {}))
@@ -517,3 +524,83 @@ def _split_convolution_backward(gm: fx.GraphModule) -> None:
             else:
                 raise CaptureError(f"convolution_backward result used as a whole by {user}; cannot split it")
         graph.erase_node(node)
+
+
+HAND_OFF = "mosos_hand_off_of"  # meta key of a copy made by _hand_off_saved_results: the operation it copies from
+HAND_OFF_MAX_FRACTION = 0.25  # hand off results of at most this fraction of the bytes they would otherwise hold
+
+
+def _value_bytes(node: fx.Node) -> int | None:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.numel() * value.element_size()
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None
+
+
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The operations reading `node`'s value, through views (the graph's output node included)."""
+    found: list[fx.Node] = []
+    for user in node.users:
+        if user.op == "call_function" and _is_view(user):
+            found.extend(_readers(user))
+        else:
+            found.append(user)
+    return found
+
+
+def _hand_off_saved_results(graph: fx.Graph) -> None:
+    """A forward operation whose results split into some read only by forward operations and small ones read
+    only by backward operations: the small ones go to the backward through `aten.clone` (an exact copy, made right
+    after the operation), so a planning node holding them no longer holds the large ones.
+
+    Without it a batch norm's planning node keeps its whole output to the backward for the sake of two vectors of
+    statistics (the ReLU after it saves its own output), and a dropout's keeps its output for its mask. Results
+    that are graph outputs (new running statistics) stay graph outputs, their backward readers read the copy; an
+    operation with a result read in both passes is left whole (that result is kept anyway)."""
+    for op in list(graph.nodes):
+        if op.op != "call_function" or op.target is operator.getitem or op.meta.get("partitioner_tag") == "is_backward":
+            continue
+        items = [u for u in op.users if u.op == "call_function" and u.target is operator.getitem]
+        if len(items) < 2 or len(items) != len(op.users):
+            continue
+        forward_only, backward_only = [], []
+        mixed = False
+        for item in items:
+            readers = _readers(item)
+            operations = [r for r in readers if r.op != "output"]
+            if len(operations) + (1 if any(u.op == "output" for u in item.users) else 0) != len(readers):
+                mixed = True  # a view of the result is a graph output: left alone
+                continue
+            passes = {r.meta.get("partitioner_tag") == "is_backward" for r in operations}
+            if passes == {False}:
+                forward_only.append(item)
+            elif passes == {True}:
+                backward_only.append(item)  # a graph output too (new running statistics) keeps its own value
+            elif passes:
+                mixed = True
+        if mixed or not forward_only or not backward_only:
+            continue
+        sizes = [_value_bytes(n) for n in forward_only + backward_only]
+        if any(size is None for size in sizes):
+            continue
+        held_bytes = sum(sizes[:len(forward_only)])
+        handed_bytes = sum(sizes[len(forward_only):])
+        if handed_bytes > HAND_OFF_MAX_FRACTION * held_bytes:
+            continue
+        for item in backward_only:
+            with graph.inserting_after(item):
+                copy = graph.call_function(_ATEN.clone.default, (item,))
+            copy.meta.update({key: value for key, value in op.meta.items() if key != "val"})
+            if "val" in item.meta:
+                copy.meta["val"] = item.meta["val"]
+            copy.meta[HAND_OFF] = op.name  # the planning graph makes one node of an operation's copies
+            item.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy
+                                       and user.op != "output")

@@ -23,10 +23,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
-from executor.capture import CapturedStep, Source
+from executor.capture import HAND_OFF, CapturedStep, Source
 
-FORMAT_VERSION = 1
-_KEPT_META = ("partitioner_tag", "convolution_half", "seq_nr")
+FORMAT_VERSION = 2  # 2: the copies a forward operation hands to the backward (executor.capture) carry their mark
+_KEPT_META = ("partitioner_tag", "convolution_half", "seq_nr", HAND_OFF)
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
 
 

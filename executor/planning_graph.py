@@ -20,7 +20,9 @@ The grouping rule (README, "Planning nodes"):
    operations whose intermediates nobody else reads fold into one planning
    node; the intermediates are that node's transient memory, measured as its
    workspace.
-3. Never across the forward/backward boundary, and at most one convolution
+3. The copies through which an operation hands small results to the backward (executor.capture) make one
+   node of their own.
+4. Never across the forward/backward boundary, and at most one convolution
    (forward, filter-gradient or data-gradient half) per planning node, whose
    algorithm is then the node's implementation.
 
@@ -41,7 +43,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from executor.capture import CapturedStep
+from executor.capture import HAND_OFF, CapturedStep
 
 ATEN = torch.ops.aten
 CONVOLUTION = ATEN.convolution.default
@@ -282,8 +284,19 @@ def build(step: CapturedStep, facts: Facts) -> PlanningGraph:
 
     group_of: dict[fx.Node, int] = {}
     members: list[list[fx.Node]] = []
+    hand_off_group: dict[str, int] = {}  # an operation's name -> the node of the copies it hands to the backward
     for op in ops:
         backward = op in step.backward
+        copied_from = op.meta.get(HAND_OFF)
+        if copied_from is not None:
+            if copied_from in hand_off_group:
+                group_of[op] = hand_off_group[copied_from]
+                members[group_of[op]].append(op)
+                continue
+            hand_off_group[copied_from] = len(members)
+            group_of[op] = len(members)
+            members.append([op])
+            continue
         candidates = []
         for r in reads[op]:
             if r in fixed_roots:
@@ -385,8 +398,10 @@ def _name(step: CapturedStep, groups: list[Group]) -> None:
         group.op_type = "+".join(shown[:4]) + ("+..." if len(shown) > 4 else "")
         main = group.convolution if group.convolution is not None else first
         label = op_name(main) + (f"+{len(group.ops) - 1}" if len(group.ops) > 1 else "")
-        base = f"{module or '<root>'}/{label}"
         suffix = ":bwd" if group.kind == "backward" else ""
+        if first.meta.get(HAND_OFF) is not None:
+            label, suffix = op_name(_producer(first.args[0])), ":saved"  # named after the operation it copies from
+        base = f"{module or '<root>'}/{label}"
         count = used.get(base + suffix, 0) + 1
         used[base + suffix] = count
         group.id = (base if count == 1 else f"{base}#{count}") + suffix
@@ -395,15 +410,16 @@ def _name(step: CapturedStep, groups: list[Group]) -> None:
 
 def _forward_nodes(step: CapturedStep, groups: list[Group], group_of: dict) -> None:
     """A backward node's forward_node: the forward node whose operation it differentiates (same autograd
-    sequence number), if it reads that node's output; else the first forward node it reads."""
-    by_sequence: dict[int, int] = {}
+    sequence number: the operation's node or that of the copies it handed to the backward), if it reads that
+    node's output; else the first forward node it reads."""
+    by_sequence: dict[int, list[int]] = {}
     for group in groups:
         if group.kind == "backward":
             continue
         for op in group.ops:
             seq = op.meta.get("seq_nr")
-            if seq is not None:
-                by_sequence.setdefault(seq, group.index)
+            if seq is not None and group.index not in by_sequence.setdefault(seq, []):
+                by_sequence[seq].append(group.index)
     for group in groups:
         if group.kind != "backward":
             continue
@@ -411,8 +427,9 @@ def _forward_nodes(step: CapturedStep, groups: list[Group], group_of: dict) -> N
         if not forward_inputs:
             continue
         seq = group.ops[0].meta.get("seq_nr")
-        match = by_sequence.get(seq)
-        group.forward_node = match if match in forward_inputs else forward_inputs[0]
+        # the operation's own node, or the node its saved results were handed to (executor.capture)
+        matches = [g for g in by_sequence.get(seq, []) if g in forward_inputs]
+        group.forward_node = matches[0] if matches else forward_inputs[0]
 
 
 # --- what a planning node holds, from the fake run -----------------------------------------------------

@@ -13,7 +13,11 @@ as `forward_node`. Which forward tensors a backward node reads follows what
 PyTorch's autograd saves for that operator (conv/linear/GELU: the input; ReLU:
 its output; max-pooling: the input and its own indices; batch/layer norm: the
 input and its statistics; dropout: its mask; attention: q, k, v, its output
-and log-sum-exp). View-like nodes (flatten, view, transpose...) own no memory:
+and log-sum-exp). An op whose backward reads only its statistics or mask
+(batch/layer norm, dropout) while no other backward reads its output hands
+them on through a node of their own, `<fx name>:saved` (what the executor's
+capture does with a copy), so its output can go once the forward is done
+with it, as in eager PyTorch. View-like nodes (flatten, view, transpose...) own no memory:
 they are nodes of 0 bytes, and whoever reads one also reads the tensor it
 views. Their backward nodes, and those of concatenations, hand on (slices
 of) the incoming gradient: 0 bytes and 0 ms, and whoever reads one also
@@ -46,7 +50,9 @@ from planner.profile import FixedMemory, GraphProfile, Hardware, Implementation,
 from planner.validation import issues_from_validation_error
 
 ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
-ESTIMATOR_VERSION = "1.1"  # 1.1: a convolution's backward is two nodes (filter gradient, data gradient)
+ESTIMATOR_VERSION = "1.2"  # 1.1: a convolution's backward is two nodes (filter gradient, data gradient); 1.2: hand-offs
+HAND_OFF_SUFFIX = ":saved"
+HAND_OFF_MAX_FRACTION = 0.25  # the executor's rule (executor.capture): small saved results are handed on apart
 TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
 OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
 ALIAS_BACKWARD = {"view", "cat"}  # backward hands on (slices of) the incoming gradient: no work, no new memory
@@ -61,6 +67,7 @@ class _Saved:
     inputs: tuple[int, ...] = ()  # indices of the op's tensor inputs that backward reads
     self_output: bool = False  # backward reads the op's own output (or its extra saved bytes)
     extra_bytes: int = 0
+    extra_only: bool = False  # of its own node, backward reads only the extra saved bytes (statistics, a mask)
 
 
 def _saved(op: TracedOp) -> _Saved:
@@ -73,12 +80,12 @@ def _saved(op: TracedOp) -> _Saved:
     if kind == "max_pool2d":
         return _Saved((0,), True, op.output_numel * 8)  # int64 indices
     if kind == "batch_norm":
-        return _Saved((0,), True, 2 * op.output_shape[1] * 4)  # saved mean and inverse std, float32
+        return _Saved((0,), True, 2 * op.output_shape[1] * 4, extra_only=True)  # saved mean and inverse std, float32
     if kind == "layer_norm":
         rows = op.output_numel // op.output_shape[-1]
-        return _Saved((0,), True, 2 * rows * 4)
+        return _Saved((0,), True, 2 * rows * 4, extra_only=True)
     if kind == "dropout":
-        return _Saved(self_output=True, extra_bytes=op.output_numel)  # bool mask
+        return _Saved(self_output=True, extra_bytes=op.output_numel, extra_only=True)  # bool mask
     if kind == "attention":
         batch, heads, tokens = op.output_shape[0], op.output_shape[1], op.output_shape[2]
         return _Saved((0, 1, 2), True, batch * heads * tokens * 4)  # log-sum-exp
@@ -304,6 +311,18 @@ def build_profile(
                     found.append(item)
         return found
 
+    # outputs some backward node reads as a saved tensor: an op whose backward reads only its statistics (or mask)
+    # hands them on through a node of their own unless its output is saved anyway, as the executor does
+    saved_elsewhere: set[str] = set()
+    for op in traced.ops:
+        if gradients_of[op.name]:
+            saved = _saved(op)
+            saved_elsewhere.update(reads([op.inputs[i] for i in saved.inputs if i < len(op.inputs)]))
+
+    def hands_off(op: TracedOp, saved: _Saved) -> bool:
+        return (saved.extra_only and op.name not in saved_elsewhere and op.output_bytes > 0
+                and 0 < saved.extra_bytes <= HAND_OFF_MAX_FRACTION * op.output_bytes)
+
     forward_nodes: list[Node] = []
     backward_nodes: list[Node] = []
     for op in traced.ops:
@@ -327,7 +346,23 @@ def build_profile(
         if not gradients:
             continue  # no gradient reaches it (it does not depend on a parameter, or does not reach the loss)
         forward_reads = reads([op.inputs[i] for i in saved.inputs if i < len(op.inputs)])
-        if saved.self_output and op.name not in forward_reads:
+        differentiates = op.name
+        if hands_off(op, saved):
+            differentiates = op.name + HAND_OFF_SUFFIX
+            forward_nodes.append(
+                Node(
+                    id=differentiates,
+                    name=f"{label} ({op.op_type} saved for the backward)",
+                    kind="forward",
+                    op_type="clone",
+                    output_bytes=saved.extra_bytes,
+                    module=op.module_path,
+                    inputs=[op.name],
+                    implementations=_default(device.memory_ms(2 * saved.extra_bytes, kernels=1)),
+                )
+            )
+            forward_reads.append(differentiates)
+        elif saved.self_output and op.name not in forward_reads:
             forward_reads.append(op.name)
         grad_bytes = 0
         seen: set[str] = set()
@@ -351,7 +386,7 @@ def build_profile(
                     output_bytes=grad_bytes if part.input_gradient else 0,  # parameter gradients: fixed memory
                     module=op.module_path,
                     # every part differentiates the op, provided one of them reads a forward tensor (the contract)
-                    forward_node=op.name if reads_forward else None,
+                    forward_node=differentiates if reads_forward else None,
                     inputs=grad_reads(gradients) + (forward_reads if part.reads_saved else []),
                     implementations=part.implementations,
                 )

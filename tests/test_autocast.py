@@ -24,7 +24,7 @@ from executor.profiler import profile_step  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
-from tests.zoo import ZOO  # noqa: E402
+from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 
 BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}
 
@@ -69,7 +69,8 @@ def test_the_zoo_under_bf16_autocast_is_eager_autocast_bit_for_bit(name):
     assert captured.step.autocast == (("cpu", "bfloat16", True),)
     schedules = {
         "keep-all": plan(profile, strategy="keep-all"),
-        "mosos at 0.6": plan(profile, memory_ratio=0.6, strategy="mosos", time_limit_s=2, workers=1, seed=0),
+        "mosos at 0.6": plan(profile, memory_ratio=plannable_ratio(profile), strategy="mosos", time_limit_s=2,
+                             workers=1, seed=0),
         "recompute-heavy": recompute_everything_schedule(profile),
         "offload-heavy": offload_everything_schedule(profile),
     }

@@ -23,7 +23,7 @@ from executor.profiler import profile_step  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
-from tests.zoo import ZOO  # noqa: E402
+from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -74,7 +74,8 @@ def test_the_zoo_trains_under_the_compiled_replay_within_rounding(name, dtype):
     record = captured.compiled
     assert record is not None and record.compiled, f"{name}: no node was compiled ({record.describe()})"
     assert len(set(record.compiled.values())) <= len(record.compiled)
-    budget = int(profile.fixed_bytes + 0.6 * (max(1, _keep_all_peak(profile) - profile.fixed_bytes)))
+    budget = max(int(profile.fixed_bytes + 0.6 * (max(1, _keep_all_peak(profile) - profile.fixed_bytes))),
+                 int(plannable_ratio(profile) * _keep_all_peak(profile)))  # the CNNs' stem bounds every plan
     schedules = {
         "keep-all": plan(profile, strategy="keep-all"),
         "mosos at 0.6": plan(profile, budget, strategy="mosos", time_limit_s=2, workers=1, seed=0),
@@ -176,10 +177,11 @@ def test_optimize_compiles_measures_and_reports_the_compiled_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "gpt2", "inplace-cnn"])
-def test_the_allocators_peak_stays_within_the_budget_with_compiled_nodes(name):
+@pytest.mark.parametrize("name,memory_ratio", [("bert", 0.6), ("gpt2", 0.6), ("inplace-cnn", 0.7)])
+def test_the_allocators_peak_stays_within_the_budget_with_compiled_nodes(name, memory_ratio):
     """Compiling, profiling on the kernels, planning and the first compiled step, every allocation counted by the
-    allocator's own events: the rise over what the caller already holds stays within the budget."""
+    allocator's own events: the rise over what the caller already holds stays within the budget. (The CNN's measuring
+    pass needs 0.68 of its keep-all peak, now that keep-all holds no more than eager autograd does.)"""
     from executor.allocations import AllocationTrace
     from tests.test_budgeted_profiling import _resident_bytes
 
@@ -188,8 +190,8 @@ def test_the_allocators_peak_stays_within_the_budget_with_compiled_nodes(name):
     model, args, kwargs, targets, loss_fn = ZOO[name]()
     resident = _resident_bytes(model, args, kwargs, targets)
     with AllocationTrace() as trace:
-        planned = executor.optimize(model, args, loss_fn, targets=targets, kwargs=kwargs, memory_ratio=0.6,
-                                    repeats=1, warmup=0, time_limit_s=5, workers=1, progress=False, compile=True,
+        planned = executor.optimize(model, args, loss_fn, targets=targets, kwargs=kwargs,
+                                    memory_ratio=memory_ratio, repeats=1, warmup=0, time_limit_s=5, workers=1, progress=False, compile=True,
                                     cache=False)
         _planned_step(planned, args, kwargs, targets)
     budget = planned.schedule.budget_bytes

@@ -3,7 +3,8 @@
 BERT, GPT-2 (tied embeddings, the model's own loss), ViT and a LLaMA-style decoder from transformers configs
 (never downloaded), torchvision-style ResNet and MobileNetV2 (in-place ReLUs, BatchNorm, depthwise
 convolutions), and a CNN with every in-place spelling of issue 11; dropout everywhere it exists. For each,
-float64 and float32 with the native algorithms: keep-all, a `mosos` plan at 0.6 of the keep-all peak, a
+float64 and float32 with the native algorithms: keep-all, a `mosos` plan at 0.6 of the keep-all peak (the ResNet:
+the smallest multiple of 0.05 that a plan can meet, 0.7, its stem convolution bounding every plan), a
 recompute-heavy plan (every tensor backward reads is recomputed) and an offload-heavy one (every such tensor
 goes to host memory and back): the loss, every parameter gradient and every buffer after one step are
 bitwise plain PyTorch's, and the ledger's peak is the simulator's; three steps with an optimizer equal three
@@ -24,7 +25,7 @@ from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
-from tests.zoo import ZOO  # noqa: E402
+from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +39,8 @@ def _plain(model, args, kwargs, targets, loss_fn):
 
 def _schedules(profile):
     keep_all = plan(profile, strategy="keep-all")
-    mosos = plan(profile, memory_ratio=0.6, strategy="mosos", time_limit_s=2, workers=1, seed=0)
-    assert mosos.budget_bytes <= 0.6 * keep_all_peak_bytes(profile) + 1
+    mosos = plan(profile, memory_ratio=plannable_ratio(profile), strategy="mosos", time_limit_s=2, workers=1, seed=0)
+    assert mosos.budget_bytes <= plannable_ratio(profile) * keep_all_peak_bytes(profile) + 1
     assert mosos.summary.recompute_time_ms > 0 or mosos.summary.offloaded_bytes > 0
     return {
         "keep-all": keep_all,
@@ -107,7 +108,8 @@ def test_three_steps_are_bitwise_every_time_under_offload_heavy_and_mosos_plans(
     profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
                                      algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10)
     schedules = {
-        "mosos at 0.6": plan(profile, memory_ratio=0.6, strategy="mosos", time_limit_s=2, workers=1, seed=0),
+        "mosos at 0.6": plan(profile, memory_ratio=plannable_ratio(profile), strategy="mosos", time_limit_s=2,
+                             workers=1, seed=0),
         "offload-heavy": offload_everything_schedule(profile),
     }
     assert schedules["offload-heavy"].summary.offloaded_bytes > 0
@@ -117,3 +119,34 @@ def test_three_steps_are_bitwise_every_time_under_offload_heavy_and_mosos_plans(
                 _three_steps(model, args, kwargs, targets, loss_fn, profile, captured, schedule)
             except AssertionError as error:
                 raise AssertionError(f"{kind}, repetition {repetition + 1}: {error}") from None
+
+
+@pytest.mark.parametrize("name", ["resnet", "mobilenet", "bert", "gpt2"])
+def test_keep_all_holds_no_more_than_eager_autograd(name):
+    """The keep-all plan's step, counted by the allocator's own events, rises no higher than a plain eager step:
+    what a planning node keeps for the backward is what autograd saves. A batch norm's output, read in the forward
+    only (its ReLU saves its own output), goes once the forward is done with it; its statistics reach the backward
+    through a small copy of their own (executor.capture). Before that, keep-all held 1.40x eager's rise on the
+    ResNet and 1.30x on MobileNetV2."""
+    from executor.allocations import AllocationTrace
+
+    torch.set_num_threads(1)
+    model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
+    profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
+                                     algorithms=("native",))
+    eager, planned_model = copy.deepcopy(model), copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, plan(profile, strategy="keep-all"), loss_fn, profiled=captured)
+
+    def eager_step():
+        _plain(eager, args, kwargs, targets, loss_fn).backward()
+
+    def planned_step():
+        planned(*args, targets=targets, **kwargs).backward()
+
+    rises = {}
+    for label, step in (("eager", eager_step), ("keep-all", planned_step)):
+        step()  # gradients exist from here on: both steps below only accumulate into them
+        with AllocationTrace() as trace:
+            step()
+        rises[label] = trace.peak_bytes
+    assert rises["keep-all"] <= rises["eager"] * 1.01, rises

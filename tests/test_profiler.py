@@ -59,7 +59,7 @@ def small_profile():
 def test_planning_nodes_are_named_after_module_and_operators(small_profile):
     *_, profile, _ = small_profile
     ids = [n.id for n in profile.nodes]
-    assert ids[:4] == ["conv/convolution", "bn/add", "bn/native_batch_norm", "relu/relu"]
+    assert ids[:5] == ["conv/convolution", "bn/add", "bn/native_batch_norm", "bn/native_batch_norm:saved", "relu/relu"]
     assert "conv/convolution#2" in ids  # the same module called twice
     kinds = [n.kind for n in profile.nodes]
     assert kinds.count("loss") == 1 and kinds.index("loss") < kinds.index("backward")
@@ -73,11 +73,18 @@ def test_planning_nodes_are_named_after_module_and_operators(small_profile):
 def test_edges_are_the_storages_each_node_reads(small_profile):
     *_, profile, _ = small_profile
     nodes = profile.node_by_id
-    # ReLU's backward reads its output, not its input; BatchNorm's its input and its batch statistics
+    # ReLU's backward reads its output, not its input; BatchNorm's its input and its batch statistics, handed on
+    # apart from its output (which only the ReLU reads, so that it can go after the forward, as in eager PyTorch)
     assert set(nodes["relu/threshold_backward:bwd"].inputs) == {"pool/max_pool2d_with_indices_backward:bwd", "relu/relu"}
-    assert {"conv/convolution", "bn/native_batch_norm"} <= set(nodes["bn/native_batch_norm_backward:bwd"].inputs)
+    statistics = nodes["bn/native_batch_norm:saved"]
+    assert statistics.inputs == ["bn/native_batch_norm"] and statistics.op_type == "clone"
+    assert 4 * 4 * 4 <= statistics.size_bytes <= 4 * 64  # four copies: mean, inverse std, the new running pair
+    assert set(nodes["bn/native_batch_norm_backward:bwd"].inputs) == {"relu/threshold_backward:bwd", "conv/convolution",
+                                                                      "bn/native_batch_norm:saved"}
+    assert nodes["bn/native_batch_norm_backward:bwd"].forward_node == "bn/native_batch_norm:saved"
     assert nodes["bn/native_batch_norm"].extra_saved_bytes > 0  # mean and inverse std beside the output
-    # max pooling saves its input and the indices; dropout its mask
+    # max pooling saves its input and the indices; dropout its mask, and here its output too (the linear layer
+    # after it saves its input), so the mask is not handed on apart
     assert {"<root>/add", "pool/max_pool2d_with_indices"} <= set(nodes["pool/max_pool2d_with_indices_backward:bwd"].inputs)
     assert nodes["pool/max_pool2d_with_indices"].extra_saved_bytes == 2 * 4 * 4 * 4 * 8  # int64 indices
     assert "drop/native_dropout" in nodes["drop/native_dropout_backward:bwd"].inputs

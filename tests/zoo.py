@@ -197,3 +197,16 @@ ZOO = {
     "mobilenet": build_mobilenet,
     "inplace-cnn": build_inplace_cnn,
 }
+
+
+def plannable_ratio(profile, ratio: float = 0.6) -> float:
+    """`ratio` of the keep-all peak, or the smallest multiple of 0.05 above it that a plan can meet. The zoo's small
+    CNNs keep only what eager autograd keeps (a batch norm's output is not held for its statistics), so their
+    keep-all peak is within 1/0.6 of the stem convolution that bounds every plan."""
+    import math
+
+    from planner.budget import minimum_budget_bytes
+    from planner.strategies.keep_all import keep_all_peak_bytes
+
+    floor = minimum_budget_bytes(profile) / keep_all_peak_bytes(profile)
+    return ratio if ratio >= floor else math.ceil(floor * 20 + 1e-9) / 20
