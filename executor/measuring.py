@@ -40,11 +40,12 @@ FRUGAL_STRATEGIES = ("checkpoint-all", "chen-sqrt", "recompute-only")
 SCRATCH_SLACK_BYTES = 16 << 10
 
 
-def scratch_allowance_bytes(planning, group) -> int:
+def scratch_allowance_bytes(planning, group, measured=()) -> int:
     """A kernel's own scratch, which no fake tensor shows (dropout's mask, a reduction's buffer): up to one more
-    buffer as large as the largest storage an operation of the node makes."""
+    buffer as large as the largest storage an operation of the node makes. Operations in `measured` are left out:
+    their scratch is counted from a measurement (a native convolution probed on slices of its batch)."""
     facts = planning.facts
-    sizes = [facts.root_bytes.get(v, 0) for op in group.ops
+    sizes = [facts.root_bytes.get(v, 0) for op in group.ops if op not in measured
              for v in [op] + [u for u in op.users if u.target is operator.getitem]]
     return max(sizes, default=0) + max((_half_precision_scratch(op) for op in group.ops), default=0) \
         + SCRATCH_SLACK_BYTES

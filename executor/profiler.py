@@ -357,7 +357,8 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                      f"the batch in {time.perf_counter() - started:.1f} s")
     nodes = []
     for group in planning.groups:
-        transient = transient_peak_bytes(planning, group) + scratch_allowance_bytes(planning, group)
+        transient = transient_peak_bytes(planning, group)
+        allowance = scratch_allowance_bytes(planning, group)
         touched = sum(planning.facts.root_bytes.get(v, 0) for v in group.outputs) + sum(
             planning.size_bytes(planning.groups[i]) for i in group.inputs)
         time_ms = _PROVISIONAL_NODE_MS + touched / _PROVISIONAL_BYTES_PER_MS
@@ -366,10 +367,13 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
         phase = "forward" if group.kind == "forward" else "backward"
         implementations = []
         for implementation in names[group.index]:
-            workspace = transient
+            workspace = transient + allowance
             if geometry is not None and implementation == "native":
-                workspace += profiled.convolution_scratch.get(
-                    group.index, native_convolution_scratch_bytes(geometry, element_size))
+                probed = profiled.convolution_scratch.get(group.index)
+                if probed is None:
+                    workspace += native_convolution_scratch_bytes(geometry, element_size)
+                else:  # the probe measured everything the call allocates beyond its result: no allowance for it
+                    workspace = transient + scratch_allowance_bytes(planning, group, (group.convolution,)) + probed
             elif geometry is not None:
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
