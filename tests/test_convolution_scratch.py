@@ -11,6 +11,7 @@ import executor  # noqa: E402
 from executor.allocations import AllocationTrace, cpu_workspace_bytes, memory_events  # noqa: E402
 from executor.convolution_scratch import (_probe_need_bytes, convolution_geometry, convolution_input,  # noqa: E402
                                           native_convolution_scratch_bytes, probe_native_scratch)
+from executor.measuring import SCRATCH_SLACK_BYTES  # noqa: E402
 from executor.profiler import plan_step, provisional_profile  # noqa: E402
 from models.workload import reference_workload  # noqa: E402
 from planner.budget import minimum_budget_bytes  # noqa: E402
@@ -109,7 +110,8 @@ def test_the_probe_holds_an_eighth_of_one_convolution_at_a_time():
 @pytest.mark.slow
 def test_a_large_batch_cnn_refused_by_the_formula_is_planned_and_trains_within_its_budget():
     """ResNet-18-small at batch 2048: the formula allows its stem 144 MiB of scratch (it takes 32 MiB forward, 48
-    backward), so no plan fitted below 185 MiB; probed, 110 MiB is planned, and the first steps hold within it."""
+    backward), so no plan fitted below 185 MiB; probed (73 MiB), 110 MiB is planned, and the first steps hold
+    within it."""
     torch.manual_seed(0)
     torch.set_num_threads(2)
     work, profiled = _captured("resnet18", 2048, small=True)
@@ -120,6 +122,10 @@ def test_a_large_batch_cnn_refused_by_the_formula_is_planned_and_trains_within_i
     probed = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None)
     budget = 110 << 20
     assert minimum_budget_bytes(by_formula) > budget >= minimum_budget_bytes(probed)
+    # what the probe measured is the call's whole scratch: no one-more-output allowance on top (8 MiB here)
+    stem = next(g for g in profiled.planning.groups if g.id == "conv1/convolution")
+    native = next(i for i in probed.node_by_id[stem.id].implementations if i.name == "native")
+    assert native.workspace_bytes == profiled.convolution_scratch[stem.index] + SCRATCH_SLACK_BYTES
     resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*work.model.parameters(), *work.model.buffers(), *work.inputs, work.targets]}.values())
     with AllocationTrace() as trace:
