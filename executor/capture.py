@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 from executor import export
 from executor import autocast
 from executor.errors import CaptureError
+from models.estimator import HAND_OFF_MAX_FRACTION  # one rule for the capture and the per-layer estimator
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _EXECUTOR_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -527,7 +528,6 @@ def _split_convolution_backward(gm: fx.GraphModule) -> None:
 
 
 HAND_OFF = "mosos_hand_off_of"  # meta key of a copy made by _hand_off_saved_results: the operation it copies from
-HAND_OFF_MAX_FRACTION = 0.25  # hand off results of at most this fraction of the bytes they would otherwise hold
 
 
 def _value_bytes(node: fx.Node) -> int | None:
@@ -576,7 +576,7 @@ def _hand_off_saved_results(graph: fx.Graph) -> None:
         for item in items:
             readers = _readers(item)
             operations = [r for r in readers if r.op != "output"]
-            if len(operations) + (1 if any(u.op == "output" for u in item.users) else 0) != len(readers):
+            if len(readers) - len(operations) > sum(u.op == "output" for u in item.users):
                 mixed = True  # a view of the result is a graph output: left alone
                 continue
             passes = {r.meta.get("partitioner_tag") == "is_backward" for r in operations}

@@ -368,12 +368,12 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
         implementations = []
         for implementation in names[group.index]:
             workspace = transient + allowance
-            if geometry is not None and implementation == "native":
-                probed = profiled.convolution_scratch.get(group.index)
-                if probed is None:
-                    workspace += native_convolution_scratch_bytes(geometry, element_size)
-                else:  # the probe measured everything the call allocates beyond its result: no allowance for it
-                    workspace = transient + scratch_allowance_bytes(planning, group, (group.convolution,)) + probed
+            if geometry is not None and implementation == "native" and group.index in profiled.convolution_scratch:
+                # the probe measured everything the call allocates beyond its result: no allowance for it on top
+                workspace = (transient + scratch_allowance_bytes(planning, group, measured=(group.convolution,))
+                             + profiled.convolution_scratch[group.index])
+            elif geometry is not None and implementation == "native":
+                workspace += native_convolution_scratch_bytes(geometry, element_size)
             elif geometry is not None:
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
