@@ -16,6 +16,12 @@ placeholder order; `S` is the runtime (transfers, RNG states, staging buffers
 for written-back buffers, parameter gradients, and optionally the ledger and
 the timing or memory hooks of the profiler).
 
+With a node compiler, a node runs as its compiled kernel, and consecutive
+computations with only frees between them as one compiled region
+(executor.regions): a region's code is one kernel call, then in schedule order
+the graph outputs its nodes hand over, the ledger's entries (a node computed
+and freed inside counts its planned size) and the frees.
+
 Modes (each adds calls to the generated code, nothing to the fast path):
 `ledger` (the byte-exact accountant), `strict` (real sizes checked against the
 profile, freed memory checked to be released), `timing` and `memory` (the
@@ -34,8 +40,11 @@ import torch
 import torch.fx as fx
 
 from executor import conv_algorithms
+from executor.capture import HAND_OFF
 from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
+from executor.regions import regions as region_ranges
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
+from planner.strategies.per_block import layer_prefix
 
 if TYPE_CHECKING:
     from executor.compiled_nodes import NodeCompiler
@@ -128,9 +137,13 @@ class CodeGenerator:
     """Emits the code of planning nodes; one instance per generated program."""
 
     def __init__(self, planning: PlanningGraph, modes: Modes, cuda: bool = False,
-                 compiler: "NodeCompiler | None" = None):
+                 compiler: "NodeCompiler | None" = None,
+                 region_memory: tuple[list[int], Callable[[int, str], int]] | None = None):
         self.planning = planning
         self.compiler = compiler  # planning nodes as Inductor kernels where it can (executor.compiled_nodes)
+        # with a compiler: each node's planned size and each implementation's workspace, to run consecutive
+        # computations as one compiled region where that cannot raise the step's peak (executor.regions)
+        self.region_memory = region_memory
         self.step = planning.step
         self.modes = modes
         self.cuda = cuda
@@ -414,8 +427,7 @@ class CodeGenerator:
 
     # -- a whole program -----------------------------------------------------------------------------
 
-    def program(self, operations: list[Op], split: int | None, sizes: dict[int, int] | None = None,
-                name: str = "step") -> Program:
+    def program(self, operations: list[Op], split: int | None, name: str = "step") -> Program:
         """Code for `operations`; `split` is the index of the first operation of the backward part."""
         groups = self.planning.groups
         computes_after: dict[int, int] = {}
@@ -429,6 +441,7 @@ class CodeGenerator:
         later_computes.reverse()
         self._last_read = self._last_reads(operations)
         cut = len(operations) if split is None else split
+        regions = self._region_kernels(operations, self._regions(operations, cut)) if self.compiler else {}
         parts_ops = [operations[:cut], operations[cut:]] if split is not None else [operations]
         source_lines: list[str] = []
         live_after: list[list[str]] = []
@@ -453,7 +466,15 @@ class CodeGenerator:
                     w(f"({', '.join(names)},) = live.pop()")
                 else:
                     w("live.pop()")
-            for k, op in enumerate(part):
+            k = 0
+            while k < len(part):
+                region = regions.get(offset + k)
+                if region is not None:
+                    spec, kernel = region
+                    self.region(w, operations, spec, kernel, seen, on_device)
+                    k = spec.end - offset
+                    continue
+                op = part[k]
                 group = groups[op.group]
                 outputs = [local(n) for n in group.outputs]
                 if op.kind == "compute":
@@ -476,17 +497,11 @@ class CodeGenerator:
                 elif op.kind == "wait":
                     w(f"S.wait({op.group}, {op.transfer!r})")
                 elif op.kind == "free":
-                    if self.modes.strict or self.modes.ledger or self.cuda:
-                        # a buffer updated in place is the model's, not the node's: it stays when the node goes
-                        owned = [local(n) for n in group.outputs if n not in self.in_place_values]
-                        w(f"S.release({op.group}, {_tuple(owned)})")
-                    if outputs:
-                        w(" = ".join(outputs) + " = None")
-                    if self.modes.strict:
-                        w(f"S.released({op.group})")
+                    self._free(w, group)
                     on_device.discard(op.group)
                 else:
                     raise ValueError(f"unknown operation {op.kind!r}")
+                k += 1
             if part_index == len(parts_ops) - 1:
                 self._graph_input_outputs(w)
             offset += len(part)
@@ -509,6 +524,145 @@ class CodeGenerator:
         return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants,
                        frozenset(self.direct))
 
+    def _free(self, w: _Writer, group: Group, tensors: bool = True) -> None:
+        """The code of a free; `tensors=False`: a node computed and freed inside a region never had its outputs
+        made (only the ledger hears of it)."""
+        outputs = [local(n) for n in group.outputs] if tensors else []
+        if self.modes.strict or self.modes.ledger or self.cuda:
+            # a buffer updated in place is the model's, not the node's: it stays when the node goes
+            owned = [local(n) for n in group.outputs if n not in self.in_place_values] if tensors else []
+            w(f"S.release({group.index}, {_tuple(owned)})")
+        if outputs:
+            w(" = ".join(outputs) + " = None")
+        if self.modes.strict:
+            w(f"S.released({group.index})")
+
+    # -- compiled regions ----------------------------------------------------------------------------
+
+    def _regions(self, operations: list[Op], cut: int) -> list[tuple[int, int]]:
+        """Consecutive computations to run as one compiled kernel (executor.regions); none unless asked for, and
+        none in the profiler's modes, which time or measure node by node."""
+        memory = self.region_memory
+        if self.compiler is None or memory is None or self.modes.strict or self.modes.timing or self.modes.memory:
+            return []
+        size_bytes, workspace_bytes = memory
+        groups = self.planning.groups
+        first_compute: dict[int, int] = {}
+        for k, op in enumerate(operations):
+            if op.kind == "compute":
+                first_compute.setdefault(op.group, k)
+
+        def can_join(k: int) -> bool:
+            op = operations[k]
+            return self._joins_region(groups[op.group], op.implementation, first_compute[op.group] == k)
+
+        def layer_of(group: int) -> str | None:
+            found = layer_prefix(groups[group].module)
+            return found[1] if found is not None else None
+
+        bounds = [(0, cut), (cut, len(operations))]
+        return region_ranges(operations, can_join, size_bytes, workspace_bytes, bounds, layer_of)
+
+    def _joins_region(self, group: Group, implementation: str, first: bool) -> bool:
+        """A computation whose code is only its operations (no random numbers to replay, no model buffer or loss
+        written, no convolution algorithm of our own) and worth fusing."""
+        if group.random or (group.convolution is not None and implementation not in ("native", "default")):
+            return False
+        if all(op.meta.get(HAND_OFF) is not None for op in group.ops):
+            # a hand-off node only copies a result the backward reads (a dropout's mask, a batch norm's statistics):
+            # nothing to fuse, and Inductor's CPU code for a mask's copy fused with its neighbour's addition ran
+            # 10x slower than eager's two calls (GPT-2)
+            return False
+        owned = self.outputs_of.get(group.index, [])
+        return all(value in self.gradient_index for value in owned)
+
+    def _region_spec(self, operations: list[Op], start: int, end: int) -> "_RegionSpec":
+        """What the kernel of operations[start:end] computes: the nodes' operations, from the values it reads to
+        those the schedule still holds after it (a node computed and freed inside hands on nothing) and the step's
+        graph outputs it makes."""
+        groups = self.planning.groups
+        facts = self.planning.facts
+        run = operations[start:end]
+        computed = [groups[op.group] for op in run if op.kind == "compute"]
+        inside = {group.index for group in computed}
+        freed_inside = frozenset(op.group for op in run if op.kind == "free" and op.group in inside)
+        members = sorted({node for group in computed for node in self._members(group)}, key=self.position.__getitem__)
+        member_set = set(members)
+        outputs: list[fx.Node] = []
+        for group in computed:
+            wanted = [] if group.index in freed_inside else list(group.outputs)
+            for node in wanted + self.outputs_of.get(group.index, []):
+                while node not in member_set and node in facts.alias_of:
+                    node = facts.alias_of[node]
+                if node in member_set and node not in outputs:
+                    outputs.append(node)
+        inputs: list[fx.Node] = []
+        for node in members:
+            for argument in node.all_input_nodes:
+                if argument not in member_set and argument not in inputs:
+                    inputs.append(argument)
+        views = {n for n in members if n in facts.alias_of}
+        return _RegionSpec(start, end, computed, freed_inside, members, inputs, outputs, views)
+
+    def _region_kernels(self, operations: list[Op], ranges: list[tuple[int, int]]) -> dict[int, tuple]:
+        """Region start -> (spec, kernel) for the regions Inductor compiled. Kernels are compiled in the order of
+        the node computations they cover (regions alike share one), so that beyond the kinds of region a program
+        may use (executor.compiled_nodes), the regions left to run node by node are those worth least."""
+        specs = [self._region_spec(operations, start, end) for start, end in ranges]
+        keys = [self.compiler.region_key(spec.members, spec.inputs, spec.outputs) for spec in specs]
+        covered: dict[str | None, int] = {}
+        for spec, key in zip(specs, keys):
+            covered[key] = covered.get(key, 0) + len(spec.computed)
+        order = sorted(range(len(specs)), key=lambda i: (-covered[keys[i]], specs[i].start))
+        chosen: dict[int, tuple] = {}
+        for i in order:
+            spec = specs[i]
+            label = f"region {spec.computed[0].id} .. {spec.computed[-1].id}"
+            kernel = self.compiler.region_kernel(label, [group.id for group in spec.computed], spec.members,
+                                                 spec.inputs, spec.outputs, spec.views)
+            if kernel is not None:
+                chosen[spec.start] = (spec, kernel)
+        return chosen
+
+    def region(self, w: _Writer, operations: list[Op], spec: "_RegionSpec", kernel: Callable, seen: set[int],
+               on_device: set[int]) -> None:
+        """The code of a region: one call of its kernel, then what the schedule does after each computation
+        (graph outputs, the ledger) and its frees, in order."""
+        groups = self.planning.groups
+        start, end = spec.start, spec.end
+        run = operations[start:end]
+        computed, freed_inside, inputs, outputs = spec.computed, spec.freed_inside, spec.inputs, spec.outputs
+        name = f"region_{start}"
+        self.constants[name] = kernel
+        w(f"# region: compute {', '.join(group.id for group in computed)}")
+        arguments = ", ".join(self.value(node) for node in inputs)
+        w(f"{_tuple([local(n) for n in outputs])} = {name}({arguments})")
+        made: set = set(outputs)
+        derived: list[fx.Node] = []
+        for op in run:
+            group = groups[op.group]
+            if op.kind == "compute":
+                first = op.group not in seen
+                seen.add(op.group)
+                tail: list[str] = []
+                for value in self.outputs_of.get(group.index, []):
+                    self._derive(value, tail, derived, made)
+                    if first:
+                        tail.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
+                for line in tail:
+                    w(line)
+                on_device.add(op.group)
+                if self.modes.ledger:
+                    held = None if op.group in freed_inside else _tuple([local(n) for n in group.outputs])
+                    w(f"S.computed({op.group}, {op.implementation!r}, {held})")
+            else:
+                self._free(w, group, tensors=op.group not in freed_inside)
+                on_device.discard(op.group)
+        kept = {node for group in computed if group.index not in freed_inside for node in group.outputs}
+        dropped = sorted({local(n) for n in list(made) + derived if n not in kept})
+        if dropped:
+            w(" = ".join(dropped) + " = None")
+
     def _last_reads(self, operations: list[Op]) -> dict[fx.Node, int]:
         """For each mutated placeholder whose readers all belong to planning nodes: the position of the last
         computation of such a node (absent: read elsewhere, so never written in place)."""
@@ -529,6 +683,18 @@ class CodeGenerator:
             last[target] = max((k for k, op in enumerate(operations) if op.kind == "compute" and op.group in groups),
                                default=-1)
         return last
+
+@dataclass
+class _RegionSpec:
+    start: int  # operation indices, half-open
+    end: int
+    computed: list[Group]
+    freed_inside: frozenset  # nodes computed and freed inside: their outputs are never made apart
+    members: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    views: set
+
 
 def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -> list[Op]:
     """A schedule's operations as the generator's, planning nodes by index."""

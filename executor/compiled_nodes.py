@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order
 import torch.fx as fx
 
 # one library call each: Inductor would call the same kernel
@@ -35,6 +36,8 @@ _LIBRARY_CALLS = {
     torch.ops.aten.convolution_backward.default, torch.ops.aten.embedding.default,
     torch.ops.aten.embedding_dense_backward.default,
 }
+
+_FORCE_STRIDES = torch.ops.prims.inductor_force_stride_order.default
 
 _WITH_BIAS = {torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default}
 
@@ -52,11 +55,22 @@ class CompiledNodes:
     compile_seconds: float = 0.0
     kernels_compiled: int = 0  # compiled here (not taken from the process' kernels)
     eager_calls: dict[str, int] = field(default_factory=dict)  # compiled node -> calls run eagerly (layout)
+    regions: dict[str, list[str]] = field(default_factory=dict)  # region label -> its nodes, run as one kernel
+    regions_refused: dict[str, str] = field(default_factory=dict)  # region label -> why (its nodes ran apart)
 
     def describe(self) -> str:
         kernels = len(set(self.compiled.values()))
         text = (f"{len(self.compiled)} nodes compiled into {kernels} kernels "
                 f"({self.kernels_compiled} compiled now, {self.compile_seconds:.1f} s)")
+        if self.regions:
+            nodes = sum(len(members) for members in self.regions.values())
+            text += f"; {len(self.regions)} regions of consecutive nodes ({nodes} node computations)"
+        if self.regions_refused:
+            reasons: dict[str, int] = {}
+            for reason in self.regions_refused.values():
+                reasons[reason] = reasons.get(reason, 0) + 1
+            text += (f"; {len(self.regions_refused)} regions ran node by node: "
+                     + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())))
         if self.eager:
             reasons: dict[str, int] = {}
             for reason in self.eager.values():
@@ -71,23 +85,62 @@ class CompiledNodes:
 class NodeCompiler:
     """Compiles planning nodes for one program (kernels are shared process-wide)."""
 
-    def __init__(self, say: Callable[[str], None] | None = None):
+    def __init__(self, say: Callable[[str], None] | None = None, max_region_kernels: int = 0):
         self.say = say or (lambda message: None)
         self.record = CompiledNodes()
+        # kinds of region one program may use (a bound on its compile time that, unlike a time limit, picks the
+        # same regions, and so the same rounding, in every run); regions beyond run node by node
+        self.max_region_kernels = max_region_kernels
+        self.region_keys: set[str] = set()
 
     def kernel(self, node_id: str, members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
                views: set[fx.Node], reason: str | None) -> Callable | None:
         """The compiled kernel of one node, or None (eager) with the reason recorded."""
+        kernel, reason = self._compiled(node_id, members, inputs, outputs, views, reason)
+        if kernel is None:
+            self.record.eager[node_id] = reason
+            return None
+        self.record.compiled[node_id] = kernel.key
+        return _NodeCall(kernel, [node_id], self.record)
+
+    def region_kernel(self, label: str, node_ids: list[str], members: list[fx.Node], inputs: list[fx.Node],
+                      outputs: list[fx.Node], views: set[fx.Node]) -> Callable | None:
+        """One kernel for consecutive node computations (`executor.regions`), or None with the reason recorded:
+        then each node runs apart, compiled or not as `kernel` decides."""
+        key = self.region_key(members, inputs, outputs)
+        if key not in self.region_keys and len(self.region_keys) >= self.max_region_kernels:
+            self.record.regions_refused[label] = f"more than {self.max_region_kernels} kinds of region"
+            return None
+        kernel, reason = self._compiled(label, members, inputs, outputs, views, None, reshape_views=True)
+        if kernel is not None:
+            self.region_keys.add(kernel.key)
+        if kernel is None:
+            self.record.regions_refused[label] = reason
+            return None
+        self.record.regions[label] = list(node_ids)
+        for node_id in node_ids:
+            self.record.compiled[node_id] = kernel.key
+            self.record.eager.pop(node_id, None)
+        return _NodeCall(kernel, node_ids, self.record)
+
+    def region_key(self, members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> str | None:
+        """The kernel key a region would have (regions with equal keys share one kernel); None if it has none."""
+        try:
+            return structure_key(*subgraph(members, inputs, outputs, reshape_views=True))
+        except _Unsupported:
+            return None
+
+    def _compiled(self, label: str, members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node],
+                  views: set[fx.Node], reason: str | None,
+                  reshape_views: bool = False) -> tuple["_Kernel | None", str | None]:
         if reason is None:
             reason = _not_worth_compiling(members, views)
         if reason is not None:
-            self.record.eager[node_id] = reason
-            return None
+            return None, reason
         try:
-            graph_module, example_inputs = subgraph(members, inputs, outputs)
+            graph_module, example_inputs = subgraph(members, inputs, outputs, reshape_views)
         except _Unsupported as unsupported:
-            self.record.eager[node_id] = str(unsupported)
-            return None
+            return None, str(unsupported)
         key = structure_key(graph_module, example_inputs)
         with _LOCK:
             kernel = _KERNELS.get(key)
@@ -95,18 +148,14 @@ class NodeCompiler:
             if kernel is None and failure is None:
                 started = time.perf_counter()
                 try:
-                    kernel = _KERNELS[key] = _Kernel(graph_module, example_inputs)
+                    kernel = _KERNELS[key] = _Kernel(graph_module, example_inputs, key)
                 except Exception as error:  # noqa: BLE001 - whatever Inductor refuses runs eagerly, with the reason
                     failure = _FAILURES[key] = _refusal(error)
                 self.record.compile_seconds += time.perf_counter() - started
                 if kernel is not None:
                     self.record.kernels_compiled += 1
-                    self.say(f"compiled node kernel {len(set(self.record.compiled.values())) + 1} ({node_id})")
-        if kernel is None:
-            self.record.eager[node_id] = failure
-            return None
-        self.record.compiled[node_id] = key
-        return _NodeCall(kernel, node_id, self.record)
+                    self.say(f"compiled kernel {self.record.kernels_compiled} ({label})")
+        return kernel, failure
 
 
 class _Unsupported(Exception):
@@ -126,8 +175,16 @@ def _not_worth_compiling(members: list[fx.Node], views: set[fx.Node]) -> str | N
     return None
 
 
-def subgraph(members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
-    """A graph module computing `outputs` from `inputs` with `members`, and fake example inputs for it."""
+_STRICT_VIEWS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                 torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
+def subgraph(members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node], reshape_views: bool = False):
+    """A graph module computing `outputs` from `inputs` with `members`, and fake example inputs for it.
+
+    `reshape_views`: a view of a value made inside becomes a reshape (the same values). Across several nodes
+    Inductor may lay out a value it makes inside otherwise than eager did, where a strict view cannot follow;
+    what leaves the kernel still has eager's strides (checked at its first call)."""
     graph = fx.Graph()
     mapping: dict[fx.Node, fx.Node] = {}
     examples = []
@@ -145,12 +202,15 @@ def subgraph(members: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Nod
         if node.op != "call_function":
             raise _Unsupported(f"holds a {node.op} node")
         mapping[node] = graph.node_copy(node, lambda n: mapping[n])
+        if reshape_views and node.target in _STRICT_VIEWS and node.args[0] not in inputs:
+            mapping[node].target = _STRICT_VIEWS[node.target]
     results = []
     for node in outputs:
         value = _meta(node)
         if not isinstance(value, torch.Tensor):
             raise _Unsupported("hands on a value that is not a tensor")
-        results.append(mapping[node])
+        result = mapping[node]
+        results.append(result)
     graph.output(tuple(results))
     module = fx.GraphModule(torch.nn.Module(), graph)
     return module, examples
@@ -186,21 +246,45 @@ class _Kernel:
     graph eagerly instead: the graph's own views may only hold for the captured layout, and a kernel compiled
     for another layout would hand on other strides than eager's."""
 
-    def __init__(self, module: fx.GraphModule, examples: list):
-        self.module = module
+    def __init__(self, module: fx.GraphModule, examples: list, key: str):
+        self.module, self.examples, self.key = module, examples, key
         self.layout = _layout(examples)
         output = next(n for n in module.graph.nodes if n.op == "output")
         self.output_layout = _layout([value.meta["val"] for value in output.args[0]])
         self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in module.graph.nodes)
         self.compiled = _compile(module, examples)
+        self.forced = False  # compiled again with eager's strides required of some outputs
+
+    def force_eager_strides(self, outputs: list[int]) -> float:
+        """Compile again, requiring eager's strides of `outputs` (Inductor picks its own layout for a value it
+        makes, a concatenation's say, and the next node's views are eager's): free where Inductor writes the value
+        in that order anyway, a copy inside the kernel otherwise. Only for the outputs that came out otherwise:
+        a requirement on every output would hide from Inductor which values leave the kernel, and it would then
+        drop a clone of one of them as a no-op. Returns the compile seconds."""
+        started = time.perf_counter()
+        module = copy.deepcopy(self.module)
+        output = next(n for n in module.graph.nodes if n.op == "output")
+        results = list(output.args[0])
+        for index in outputs:
+            value = results[index].meta["val"]
+            with module.graph.inserting_before(output):
+                forced = module.graph.call_function(_FORCE_STRIDES, (results[index], list(value.stride())))
+            forced.meta["val"] = value
+            results[index] = forced
+        output.args = (tuple(results),)
+        module.recompile()
+        self.compiled = _compile(module, self.examples)
+        self.forced = True
+        return time.perf_counter() - started
 
 
 class _NodeCall:
-    """A node's call of its kernel; where the layout differs, the eager graph, recorded for the report."""
+    """A node's (or a region's) call of its kernel; where the layout differs, the eager graph, recorded for the
+    report."""
 
-    def __init__(self, kernel: _Kernel, node_id: str, record: "CompiledNodes"):
-        self.kernel, self.node_id, self.record = kernel, node_id, record
+    def __init__(self, kernel: _Kernel, node_ids: list[str], record: "CompiledNodes"):
+        self.kernel, self.node_ids, self.record = kernel, node_ids, record
         self.layout = kernel.layout
         self.checked = False
 
@@ -210,19 +294,37 @@ class _NodeCall:
                 return self.kernel.compiled(*args)
             rng = _rng_state(args) if self.kernel.random else None
             outputs = self.kernel.compiled(*args)
-            if _layout(outputs) == self.kernel.output_layout:
+            wrong = _wrong_strides(outputs, self.kernel.output_layout)
+            if wrong and not self.kernel.forced:
+                del outputs
+                if rng is not None:
+                    _set_rng_state(rng)
+                with _LOCK:
+                    if not self.kernel.forced:
+                        self.record.compile_seconds += self.kernel.force_eager_strides(wrong)
+                        self.record.kernels_compiled += 1
+                outputs = self.kernel.compiled(*args)
+                wrong = _wrong_strides(outputs, self.kernel.output_layout)
+            if wrong:
+                reason = "compiled, its outputs' strides were not eager's"
+            elif not _own_storages(outputs, args):
+                reason = "compiled, its outputs shared memory with its inputs or each other"
+            else:
                 self.checked = True
                 return outputs
-            # the kernel hands on other strides than eager's (the next node's views may not hold): this node
-            # runs eagerly from now on, drawing the random numbers the kernel drew
+            # the kernel hands on other strides than eager's (the next node's views may not hold), or holds memory
+            # the schedule frees (an output that is an input, a clone Inductor dropped): this node runs eagerly
+            # from now on, drawing the random numbers the kernel drew
             del outputs
             if rng is not None:
                 _set_rng_state(rng)
             self.layout = None
-            self.record.eager[self.node_id] = "compiled, its outputs' strides were not eager's"
-            self.record.compiled.pop(self.node_id, None)
+            for node_id in self.node_ids:
+                self.record.eager[node_id] = reason
+                self.record.compiled.pop(node_id, None)
         elif self.layout is not None:
-            self.record.eager_calls[self.node_id] = self.record.eager_calls.get(self.node_id, 0) + 1
+            for node_id in self.node_ids:
+                self.record.eager_calls[node_id] = self.record.eager_calls.get(node_id, 0) + 1
         return self.kernel.module(*args)
 
 
@@ -238,18 +340,36 @@ def _set_rng_state(state: tuple) -> None:
         torch.cuda.set_rng_state(value, device)
 
 
+def _wrong_strides(outputs, layout: tuple) -> list[int]:
+    return [index for index, (tensor, strides) in enumerate(zip(outputs, layout)) if tensor.stride() != strides]
+
+
+def _own_storages(outputs, inputs) -> bool:
+    """Every output in a storage of its own, none of the inputs' (eager made each a tensor of its own)."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
+    for tensor in outputs:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in taken and tensor.untyped_storage().nbytes():
+            return False
+        taken.add(pointer)
+    return True
+
+
 def _layout(tensors) -> tuple:
     return tuple(t.stride() for t in tensors)
 
 
-# kept whole, as eager's kernels: dropout, whose mask must be eager's; and batch norm: Inductor's decomposition sums in another order, and the gradients
-# before a batch norm cancel (its backward removes their mean), so a rounding apart becomes 1e-2 of a convolution
-# weight's gradient (MobileNetV2)
+# kept whole, as eager's kernels: dropout, whose mask must be eager's; batch norm, whose decomposition by Inductor
+# sums in another order, and the gradients before a batch norm cancel (its backward removes their mean), so a
+# rounding apart becomes 1e-2 of a convolution weight's gradient (MobileNetV2); an embedding's backward
 _KEPT_WHOLE = {
     torch.ops.aten._native_batch_norm_legit_functional.default, torch.ops.aten._native_batch_norm_legit.default,
     torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten.native_batch_norm.default,
     torch.ops.aten.native_batch_norm_backward.default,
     torch.ops.aten.native_dropout.default,  # eager's call, so eager's mask (with fallback_random)
+    # an embedding's backward: eager's kernel adds in eager's order; Inductor's deterministic scatter-add ran 1.4x
+    # slower in a region (GPT-2's position embedding)
+    torch.ops.aten.embedding_dense_backward.default,
 }
 
 

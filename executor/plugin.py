@@ -150,6 +150,7 @@ def optimize(
     max_signatures: int = 4,
     progress: bool | Callable[[str], None] = True,
     compile: bool = False,
+    compile_regions: bool = True,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
@@ -176,7 +177,10 @@ def optimize(
     share one), so cheap chains inside a node fuse, while every tensor the schedule acts on stays a real tensor
     at a node boundary; the profile is measured on those kernels. Its step equals plain PyTorch's to the
     rounding fusion changes (not bitwise) and itself from run to run; random nodes, in-place batch norms and
-    whatever Inductor refuses run eagerly, and `planned.compiled_nodes` says which and why.
+    whatever Inductor refuses run eagerly, and `planned.compiled_nodes` says which and why. With
+    `compile_regions` (the default), consecutive computations with nothing scheduled between them but frees run as
+    one kernel, so that fusion crosses node boundaries (executor/regions.py: within one layer of a repeated module,
+    never holding more than the plan's peak); its rounding is the same from run to run.
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
@@ -283,5 +287,6 @@ def optimize(
                             plan_token=key,
                             replan=replan if replan_when_off else None,
                             plan_signature=plan_signature if new_signatures else None,
-                            max_signatures=max_signatures, progress=say, compile=compile)
+                            max_signatures=max_signatures, progress=say, compile=compile,
+                            compile_regions=compile_regions)
     return planned

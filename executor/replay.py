@@ -94,6 +94,12 @@ def check_inputs(profile: GraphProfile, inputs: tuple, kwargs: dict, targets) ->
             )
 
 
+# kinds of compiled region one planned step may use, the most useful first (executor.codegen): the keep-all plan
+# of a 4-layer GPT-2 has 11 (a recompute plan more), the first 8 cover most of its node computations, and each
+# costs 0.3-0.8 s to compile on 2 CPU cores
+MAX_REGION_KERNELS = 8
+
+
 class _Prepared:
     """Everything a step needs that does not change between steps."""
 
@@ -116,8 +122,15 @@ class _Prepared:
         self.feeder = feeder = Feeder(step, planned.model, planned.loss_fn)
         modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict, timing=timed,
                       direct_writes=feeder.in_place_candidates())
-        compiler = NodeCompiler(planned._say) if planned.compile else None
-        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler)
+        compiler = NodeCompiler(planned._say, max_region_kernels=MAX_REGION_KERNELS) if planned.compile else None
+        nodes = profile.node_by_id
+        implementations = {(g.index, impl.name): (impl.time_ms, impl.workspace_bytes)
+                           for g in groups for impl in nodes[g.id].implementations}
+        planned_bytes = [nodes[g.id].size_bytes for g in groups]
+        region_memory = ((planned_bytes, lambda group, name: implementations[(group, name)][1])
+                         if planned.compile_regions else None)
+        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler,
+                                  region_memory=region_memory)
         self.compiled: CompiledNodes | None = compiler.record if compiler is not None else None
         self.program: Program = generator.program(self.operations, self.split,
                                                   name="planned step (timed)" if timed else "planned step")
@@ -127,12 +140,10 @@ class _Prepared:
             self.runtime = TimedStepRuntime(self.device, feeder.staging_buffers(self.device), node_ids, self.clock)
         else:
             self.runtime = StepRuntime(self.device, feeder.staging_buffers(self.device), node_ids)
-        nodes = profile.node_by_id
-        implementations = {(g.index, impl.name): (impl.time_ms, impl.workspace_bytes)
-                           for g in groups for impl in nodes[g.id].implementations}
         self.runtime.implementation_of = lambda group, name: implementations[(group, name)]
+        self.runtime.planned_bytes = planned_bytes
         if planned.strict:
-            self.runtime.expected_bytes = [nodes[g.id].size_bytes for g in groups]
+            self.runtime.expected_bytes = planned_bytes
         self.tangent_index = feeder.tangent_index
         self.input_spec = step.input_spec
         self.constant_leaves = step.constant_leaves
@@ -166,7 +177,9 @@ class PlannedModule(nn.Module):
     without them it is captured at the first call. `ledger` (default: on the CPU) keeps the byte-exact
     ledger; `strict` also checks every node's real size against the profile and that freed memory is released.
     `compile` runs the planning nodes as Inductor kernels (executor.compiled_nodes), for a profile measured so;
-    `compiled_nodes` then says which ran eagerly and why.
+    `compiled_nodes` then says which ran eagerly and why. `compile_regions` also runs consecutive computations as
+    one kernel where nothing but frees is scheduled between them (executor.regions; not in strict mode, which
+    checks node by node, nor in the timed steps, which time node by node).
     """
 
     def __init__(
@@ -189,10 +202,13 @@ class PlannedModule(nn.Module):
         progress: Callable[[str], None] | None = None,
         plan_token: object = None,
         compile: bool = False,
+        compile_regions: bool = True,
     ):
         super().__init__()
         self.model = model
         self.compile = compile  # planning nodes as Inductor kernels (the profile must have been measured so)
+        # with compile: consecutive computations with nothing scheduled between them as one kernel (executor.regions)
+        self.compile_regions = compile_regions
         self.profile = profile
         self.schedule = schedule
         self.loss_fn = loss_fn or (lambda output: output)

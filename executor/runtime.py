@@ -60,6 +60,7 @@ class StepRuntime:
         self.ledger: Accountant | None = None
         self.implementation_of: Callable[[int, str], tuple[float, int]] | None = None
         self.expected_bytes: list[int] | None = None  # strict mode: the profile's size of each node
+        self.planned_bytes: list[int] | None = None  # the profile's size of each node (a region's inner nodes)
         self.accumulated_bytes = 0
         self.watch: list = []
         self.loss_storage = 0  # data_ptr of the loss's storage once the forward part returned it
@@ -140,8 +141,10 @@ class StepRuntime:
 
     # -- ledger and strict checks --------------------------------------------------------------------
 
-    def computed(self, group: int, implementation: str, tensors: tuple) -> None:
-        size = distinct_storage_bytes(tensors)
+    def computed(self, group: int, implementation: str, tensors: tuple | None) -> None:
+        """`tensors` None: a node computed and freed inside one compiled region, whose outputs were never made
+        apart; the ledger counts what the schedule let it hold, the profile's size."""
+        size = distinct_storage_bytes(tensors) if tensors is not None else self.planned_bytes[group]
         if self.expected_bytes is not None and size != self.expected_bytes[group]:
             raise ReplayError(
                 f"{self.node_ids[group]!r} holds {size} bytes but the profile says {self.expected_bytes[group]}: the "

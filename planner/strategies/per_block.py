@@ -35,7 +35,7 @@ class NoBlocks(MososError):
     """The profile's nodes name no repeated module layers, so there is nothing to checkpoint per block."""
 
 
-def _layer_prefix(module: str | None) -> tuple[str, str] | None:
+def layer_prefix(module: str | None) -> tuple[str, str] | None:
     """(container, block) for a module path inside a numbered layer: ('transformer.h', 'transformer.h.3')."""
     if not module:
         return None
@@ -53,7 +53,7 @@ def blocks_of(profile: GraphProfile) -> dict[str, str]:
     for node in profile.nodes:
         if node.kind != "forward":
             continue
-        found = _layer_prefix(node.module)
+        found = layer_prefix(node.module)
         if found is not None:
             placed[node.id] = found
             layers[found[0]].add(found[1])
