@@ -7,6 +7,14 @@ graph once per structure and input layout, so every layer of a transformer
 shares one kernel; inside it cheap chains fuse, while every tensor the plan
 keeps, frees or recomputes is still a real tensor at the node's boundary.
 
+Consecutive computations with nothing but frees scheduled between them may
+run as one region kernel (`region_kernel`, chosen by executor.regions and the
+code generator): the same compiling, with a view of a value made inside
+turned into a reshape, since Inductor may lay such a value out otherwise.
+Every kernel's first call checks what it hands on: outputs in other strides
+than eager's make it compile again requiring eager's; outputs that share
+memory with its inputs or each other make it run eagerly.
+
 Compiled on fake tensors (nothing is allocated, so the budget holds while it
 compiles). Dropout and batch norm stay eager's own calls inside a kernel
 (eager's mask, eager's rounding). A node that is better or only correctly run

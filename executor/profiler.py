@@ -530,7 +530,8 @@ def _distinct_bytes(tensors) -> int:
 
 def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int) -> dict:
     """Resident all step: inputs and targets, parameters, gradients, optimizer state; and as other: buffers,
-    constants, the staging buffers of written-back values, the loss handed back and its incoming gradient."""
+    constants, the staging buffers of written-back values, the loss handed back and its incoming gradient, and the
+    generator states kept for recomputed random nodes."""
     step = profiled.step
     parameters = [s for s in step.sources.values() if s.kind == "parameter"]
     tensors = {s.name: step.parameter(s.name, s.owner) for s in parameters}
@@ -548,8 +549,19 @@ def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: in
         "parameters_bytes": _distinct_bytes(list(tensors.values())),
         "gradients_bytes": trainable_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes),
-        "other_bytes": _distinct_bytes(buffers + constants) + staging + returned,
+        "other_bytes": _distinct_bytes(buffers + constants) + staging + returned + random_state_bytes(profiled),
     }
+
+
+def random_state_bytes(profiled: ProfiledStep) -> int:
+    """The generator states a step keeps to draw a random node's numbers again where it is recomputed: one per
+    random node, from its first run to the step's end, and one more while a recomputation runs (the state it
+    goes back to). On the CPU each is a tensor in the device's own memory (5056 bytes: two dropouts of a small
+    Llama put a plan 10 KB over its budget before they were counted); a GPU's states are kept in host memory."""
+    random_nodes = sum(1 for group in profiled.planning.groups if group.random)
+    if not random_nodes or profiled.step.loss.meta["val"].device.type != "cpu":
+        return 0
+    return (random_nodes + 1) * torch.get_rng_state().untyped_storage().nbytes()
 
 
 def _passes(profiled: ProfiledStep, provisional: GraphProfile, chosen: MeasuringPlan, names, algorithms):
