@@ -316,7 +316,7 @@ def test_optimize_with_an_unreachable_planner_service_says_so():
     model = spec.build()
     inputs, targets = spec.example_inputs(2)
     with pytest.raises(PlannerServiceError, match="cannot reach the planner service at http://127.0.0.1:9"):
-        executor_optimize(model, inputs, spec.loss, targets=targets, memory_ratio=0.8, repeats=1, warmup=0,
+        executor_optimize(model, inputs, spec.loss, targets=targets, memory_ratio=0.9, repeats=1, warmup=0,
                           planner_url="http://127.0.0.1:9", progress=False)
 
 
