@@ -309,19 +309,7 @@ class CodeGenerator:
         elif group.convolution is not None and implementation not in ("native", "default"):
             reason = f"convolution algorithm {implementation}"
         members = self._members(group)
-        member_set = set(members)
-        outputs: list[fx.Node] = []
-        for node in list(group.outputs) + self.outputs_of.get(group.index, []):
-            while node not in member_set and node in self.planning.facts.alias_of:
-                node = self.planning.facts.alias_of[node]  # a view of the node's value: derived after the call
-            if node in member_set and node not in outputs:
-                outputs.append(node)
-        inputs: list[fx.Node] = []
-        for node in members:
-            for argument in node.all_input_nodes:
-                if argument not in member_set and argument not in inputs:
-                    inputs.append(argument)
-        views = {n for n in members if n in self.planning.facts.alias_of}
+        inputs, outputs, views = self._boundary(members, list(group.outputs) + self.outputs_of.get(group.index, []))
         kernel = self.compiler.kernel(group.id, members, inputs, outputs, views, reason)
         if kernel is None:
             return None
@@ -441,7 +429,7 @@ class CodeGenerator:
         later_computes.reverse()
         self._last_read = self._last_reads(operations)
         cut = len(operations) if split is None else split
-        regions = self._region_kernels(operations, self._regions(operations, cut)) if self.compiler else {}
+        regions = self._region_kernels(operations, self._regions(operations, cut))
         parts_ops = [operations[:cut], operations[cut:]] if split is not None else [operations]
         source_lines: list[str] = []
         live_after: list[list[str]] = []
@@ -581,45 +569,51 @@ class CodeGenerator:
         those the schedule still holds after it (a node computed and freed inside hands on nothing) and the step's
         graph outputs it makes."""
         groups = self.planning.groups
-        facts = self.planning.facts
         run = operations[start:end]
         computed = [groups[op.group] for op in run if op.kind == "compute"]
         inside = {group.index for group in computed}
         freed_inside = frozenset(op.group for op in run if op.kind == "free" and op.group in inside)
         members = sorted({node for group in computed for node in self._members(group)}, key=self.position.__getitem__)
+        wanted = [node for group in computed
+                  for node in ([] if group.index in freed_inside else list(group.outputs))
+                  + self.outputs_of.get(group.index, [])]
+        inputs, outputs, views = self._boundary(members, wanted)
+        key = self.compiler.region_key(members, inputs, outputs)
+        return _RegionSpec(start, end, computed, freed_inside, members, inputs, outputs, views, key)
+
+    def _boundary(self, members: list[fx.Node], wanted: list[fx.Node]) -> tuple[list, list, set]:
+        """What a kernel computing `members` reads from outside, what it hands on of `wanted` (a view of a member
+        as the member itself: the view is derived after the call), and the views among the members."""
+        alias_of = self.planning.facts.alias_of
         member_set = set(members)
         outputs: list[fx.Node] = []
-        for group in computed:
-            wanted = [] if group.index in freed_inside else list(group.outputs)
-            for node in wanted + self.outputs_of.get(group.index, []):
-                while node not in member_set and node in facts.alias_of:
-                    node = facts.alias_of[node]
-                if node in member_set and node not in outputs:
-                    outputs.append(node)
+        for node in wanted:
+            while node not in member_set and node in alias_of:
+                node = alias_of[node]
+            if node in member_set and node not in outputs:
+                outputs.append(node)
         inputs: list[fx.Node] = []
         for node in members:
             for argument in node.all_input_nodes:
                 if argument not in member_set and argument not in inputs:
                     inputs.append(argument)
-        views = {n for n in members if n in facts.alias_of}
-        return _RegionSpec(start, end, computed, freed_inside, members, inputs, outputs, views)
+        return inputs, outputs, {n for n in members if n in alias_of}
 
     def _region_kernels(self, operations: list[Op], ranges: list[tuple[int, int]]) -> dict[int, tuple]:
         """Region start -> (spec, kernel) for the regions Inductor compiled. Kernels are compiled in the order of
         the node computations they cover (regions alike share one), so that beyond the kinds of region a program
         may use (executor.compiled_nodes), the regions left to run node by node are those worth least."""
         specs = [self._region_spec(operations, start, end) for start, end in ranges]
-        keys = [self.compiler.region_key(spec.members, spec.inputs, spec.outputs) for spec in specs]
         covered: dict[str | None, int] = {}
-        for spec, key in zip(specs, keys):
-            covered[key] = covered.get(key, 0) + len(spec.computed)
-        order = sorted(range(len(specs)), key=lambda i: (-covered[keys[i]], specs[i].start))
+        for spec in specs:
+            covered[spec.key] = covered.get(spec.key, 0) + len(spec.computed)
+        order = sorted(range(len(specs)), key=lambda i: (-covered[specs[i].key], specs[i].start))
         chosen: dict[int, tuple] = {}
         for i in order:
             spec = specs[i]
             label = f"region {spec.computed[0].id} .. {spec.computed[-1].id}"
             kernel = self.compiler.region_kernel(label, [group.id for group in spec.computed], spec.members,
-                                                 spec.inputs, spec.outputs, spec.views)
+                                                 spec.inputs, spec.outputs, spec.views, spec.key)
             if kernel is not None:
                 chosen[spec.start] = (spec, kernel)
         return chosen
@@ -694,6 +688,7 @@ class _RegionSpec:
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     views: set
+    key: str | None  # the kernel's structure key (regions alike share one kernel); None: it cannot have one
 
 
 def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -> list[Op]:

@@ -112,10 +112,9 @@ class NodeCompiler:
         return _NodeCall(kernel, [node_id], self.record)
 
     def region_kernel(self, label: str, node_ids: list[str], members: list[fx.Node], inputs: list[fx.Node],
-                      outputs: list[fx.Node], views: set[fx.Node]) -> Callable | None:
-        """One kernel for consecutive node computations (`executor.regions`), or None with the reason recorded:
-        then each node runs apart, compiled or not as `kernel` decides."""
-        key = self.region_key(members, inputs, outputs)
+                      outputs: list[fx.Node], views: set[fx.Node], key: str | None) -> Callable | None:
+        """One kernel for consecutive node computations (`executor.regions`; `key` from `region_key`), or None
+        with the reason recorded: then each node runs apart, compiled or not as `kernel` decides."""
         if key not in self.region_keys and len(self.region_keys) >= self.max_region_kernels:
             self.record.regions_refused[label] = f"more than {self.max_region_kernels} kinds of region"
             return None

@@ -145,19 +145,27 @@ class Chain(nn.Module):
         return self.head(x)
 
 
-def test_a_node_inductor_refuses_runs_eagerly_and_the_report_says_why(monkeypatch):
-    """Inductor made to refuse every graph holding tanh (as it refuses what it cannot lower): those nodes run
-    eagerly, the step still matches plain PyTorch, and the progress and the report name them with the reason."""
+def _refuse_graphs(monkeypatch, refusal) -> None:
+    """Inductor made to refuse every graph for which `refusal(graph)` gives a reason (as it refuses what it cannot
+    lower), with the process' kernels and refusals emptied for the test."""
     real_compile = compiled_nodes._compile
 
     def refusing(module, examples):
-        if any(node.target is torch.ops.aten.tanh.default for node in module.graph.nodes):
-            raise NotImplementedError("no lowering for aten.tanh in this test")
+        reason = refusal(module.graph)
+        if reason is not None:
+            raise NotImplementedError(reason)
         return real_compile(module, examples)
 
     monkeypatch.setattr(compiled_nodes, "_compile", refusing)
     monkeypatch.setattr(compiled_nodes, "_KERNELS", {})
     monkeypatch.setattr(compiled_nodes, "_FAILURES", {})
+
+
+def test_a_node_inductor_refuses_runs_eagerly_and_the_report_says_why(monkeypatch):
+    """Inductor made to refuse every graph holding tanh (as it refuses what it cannot lower): those nodes run
+    eagerly, the step still matches plain PyTorch, and the progress and the report name them with the reason."""
+    _refuse_graphs(monkeypatch, lambda graph: "no lowering for aten.tanh in this test" if any(
+        node.target is torch.ops.aten.tanh.default for node in graph.nodes) else None)
     torch.manual_seed(0)
     model = Chain()
     x, y = torch.randn(512, 64), torch.randint(0, 8, (512,))
@@ -183,18 +191,9 @@ def test_a_region_inductor_refuses_runs_node_by_node_and_the_report_says_why(mon
     """Inductor made to refuse every graph with two matrix products (a region across two linear layers; no
     single node has two): those regions run node by node, each node compiled on its own where it can be, the
     step still matches plain PyTorch, and the record names the regions and the reason."""
-    real_compile = compiled_nodes._compile
-
-    def refusing(module, examples):
-        products = [n for n in module.graph.nodes if n.target in (torch.ops.aten.addmm.default,
-                                                                   torch.ops.aten.mm.default)]
-        if len(products) >= 2:
-            raise NotImplementedError("no two matrix products in one kernel in this test")
-        return real_compile(module, examples)
-
-    monkeypatch.setattr(compiled_nodes, "_compile", refusing)
-    monkeypatch.setattr(compiled_nodes, "_KERNELS", {})
-    monkeypatch.setattr(compiled_nodes, "_FAILURES", {})
+    products = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+    _refuse_graphs(monkeypatch, lambda graph: "no two matrix products in one kernel in this test" if sum(
+        node.target in products for node in graph.nodes) >= 2 else None)
     torch.manual_seed(0)
     model = Chain()
     x, y = torch.randn(512, 64), torch.randint(0, 8, (512,))
