@@ -37,6 +37,8 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order
 import torch.fx as fx
 
+from executor import autocast
+
 # one library call each: Inductor would call the same kernel
 _LIBRARY_CALLS = {
     torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -258,6 +260,7 @@ class _Kernel:
         self.layout = _layout(examples)
         output = next(n for n in module.graph.nodes if n.op == "output")
         self.output_layout = _layout([value.meta["val"] for value in output.args[0]])
+        self.output_dtypes = tuple(value.meta["val"].dtype for value in output.args[0])
         self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
                           and torch.Tag.nondeterministic_seeded in n.target.tags for n in module.graph.nodes)
         self.compiled = _compile(module, examples)
@@ -312,7 +315,9 @@ class _NodeCall:
                         self.record.kernels_compiled += 1
                 outputs = self.kernel.compiled(*args)
                 wrong = _wrong_strides(outputs, self.kernel.output_layout)
-            if wrong:
+            if tuple(t.dtype for t in outputs) != self.kernel.output_dtypes:
+                reason = "compiled, its outputs' dtypes were not eager's"
+            elif wrong:
                 reason = "compiled, its outputs' strides were not eager's"
             elif not _own_storages(outputs, args):
                 reason = "compiled, its outputs shared memory with its inputs or each other"
@@ -401,7 +406,9 @@ def _compile(module: fx.GraphModule, examples: list) -> Callable:
         # read by the lowerings while compiling only; the kernels run without it
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
-        with torch._inductor.config.patch(options), torch.no_grad():
+        # the graph carries autocast's casts: traced under an ambient autocast (a region compiled when the user's
+        # `with torch.autocast(...)` calls the planned module), a float32 matmul would come out in bfloat16
+        with torch._inductor.config.patch(options), torch.no_grad(), autocast.disabled():
             return compile_fx(copy.deepcopy(module), examples, decompositions=_decompositions())
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

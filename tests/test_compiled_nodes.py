@@ -329,7 +329,7 @@ def test_a_kernel_whose_strides_are_not_eagers_runs_eagerly_with_eagers_random_n
 
     kernel = object.__new__(compiled_nodes._Kernel)
     kernel.module, kernel.layout, kernel.random, kernel.compiled = module, ((4, 1),), True, wrong_strides
-    kernel.output_layout = ((4, 1),)
+    kernel.output_layout, kernel.output_dtypes = ((4, 1),), (torch.float32,)
     kernel.forced = True  # compiled again with eager's strides required already, and still other strides
     record = compiled_nodes.CompiledNodes(compiled={"n": "key"})
     call = compiled_nodes._NodeCall(kernel, ["n"], record)
@@ -369,3 +369,96 @@ def test_a_kernel_whose_output_strides_are_not_eagers_is_compiled_again_requirin
     assert got.stride() == (1, 8) and torch.equal(got, (a + b) * 3.0)
     (again,) = call(a, b)
     assert again.stride() == (1, 8) and torch.equal(again, got)
+
+
+def _matmul_then_add_graph():
+    """(a @ b + c) * 2 in float32, as a captured graph holds it (a float32 matrix product autocast would cast)."""
+    graph = torch.fx.Graph()
+    inputs = []
+    for name in "abc":
+        node = graph.placeholder(name)
+        node.meta["val"] = torch.empty(16, 16)
+        inputs.append(node)
+    product = graph.call_function(torch.ops.aten.mm.default, (inputs[0], inputs[1]))
+    summed = graph.call_function(torch.ops.aten.add.Tensor, (product, inputs[2]))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (summed, 2.0))
+    doubled.meta["val"] = torch.empty(16, 16)
+    graph.output((doubled,))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        examples = [torch.empty(16, 16) for _ in range(3)]
+    return module, examples
+
+
+def test_a_kernel_compiled_under_the_users_autocast_computes_the_graphs_dtypes():
+    """Regions compile when the planned module is first called, inside the user's `with torch.autocast(...)`. The
+    graph already carries autocast's casts, so the compile ignores the ambient autocast: traced under it, this
+    float32 product came out in bfloat16 (GPT-2's attention recomputed in a backward region, bf16: the next node
+    read float32 values from bfloat16 storage, gradients of 1e26)."""
+    module, examples = _matmul_then_add_graph()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kernel = compiled_nodes._Kernel(module, examples, "test ambient autocast")
+    a, b, c = (torch.randn(16, 16) for _ in range(3))
+    (got,) = kernel.compiled(a, b, c)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, (a @ b + c) * 2.0, rtol=1e-6, atol=1e-6)
+
+
+def test_a_kernel_whose_output_dtypes_are_not_eagers_runs_eagerly():
+    """A kernel handing on another dtype than the graph's (what the ambient autocast once caused) is caught at its
+    first call: the node runs its graph eagerly from then on, and the report says why."""
+    module, _ = _matmul_then_add_graph()
+    kernel = object.__new__(compiled_nodes._Kernel)
+    kernel.module, kernel.layout, kernel.random, kernel.forced = module, ((16, 1),) * 3, False, False
+    kernel.output_layout, kernel.output_dtypes = ((16, 1),), (torch.float32,)
+    kernel.compiled = lambda a, b, c: (((a @ b + c) * 2.0).bfloat16(),)
+    record = compiled_nodes.CompiledNodes(compiled={"n": "key"})
+    call = compiled_nodes._NodeCall(kernel, ["n"], record)
+    a, b, c = (torch.randn(16, 16) for _ in range(3))
+    (got,) = call(a, b, c)
+    assert got.dtype == torch.float32 and torch.equal(got, module(a, b, c)[0])
+    assert record.eager == {"n": "compiled, its outputs' dtypes were not eager's"} and not record.compiled
+
+
+class MixedPrecisionChain(nn.Module):
+    """Under bfloat16 autocast, with a float32 block (autocast off) whose matrix product and chain fuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.w = nn.Parameter(torch.randn(64, 64) / 8)
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x) * 0.5 + 1.0)
+        with torch.autocast("cpu", enabled=False):
+            x = torch.tanh(x.float() @ self.w * 0.5 + 1.0).sigmoid()
+        return self.head(x)
+
+
+def test_regions_compiled_under_the_users_autocast_train_as_eager_autocast_does():
+    """The planned module is called as users call it, inside `with torch.autocast("cpu", dtype=torch.bfloat16)`,
+    and compiles its regions there: every kernel keeps the graph's dtypes (none falls back for it) and the step
+    matches plain autocast within bfloat16's rounding."""
+    torch.manual_seed(0)
+    model = MixedPrecisionChain()
+    x, y = torch.randn(256, 64), torch.randint(0, 8, (256,))
+    plain_model = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_loss = nn.functional.cross_entropy(plain_model(x), y)
+    plain_loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        planned = executor.optimize(model, (x,), nn.functional.cross_entropy, targets=y, memory_ratio=1.0,
+                                    repeats=1, warmup=0, time_limit_s=5, workers=1, progress=False, compile=True,
+                                    cache=False, timed_steps=0)
+        loss = planned(x, targets=y)
+    loss.backward()
+    record = planned.compiled_nodes
+    assert record.regions, record.describe()
+    assert not [reason for reason in record.eager.values() if "dtypes" in reason], record.describe()
+    gradients, plain_gradients = _gradients(model), _gradients(plain_model)
+    largest = max(g.abs().max().item() for g in plain_gradients.values())
+    for name, reference in plain_gradients.items():
+        assert gradients[name].dtype == reference.dtype, name
+        assert (gradients[name] - reference).abs().max().item() <= 2e-2 * largest, name
+    assert abs(loss.item() - plain_loss.item()) <= 1e-2 * abs(plain_loss.item())
