@@ -2,6 +2,7 @@
 
     python benchmarks/frontier.py                           # GPT-2, BERT, ResNet-18-small: every configuration
     python benchmarks/frontier.py --models gpt2 --rounds 5 --configs eager,per-block,mosos-0.5
+    python benchmarks/frontier.py --device cuda --precisions fp32,bf16 --jobs 4   # on a GPU: frontier_gpu.md
 
 Every configuration runs in a process of its own (torch.compile shares compiled code between instances of a model
 in one process, so budgets would leak), beside an eager copy of the same weights. Time: the median over `--rounds`
@@ -18,18 +19,34 @@ planner's own per-block baseline replayed by mosos (`mosos-per-block`: the simul
 checkpointing, measured). Compile time: torch.compile's first step, and the planned step's kernels as the
 profiling compiled them. Writes benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch
 configuration, the fastest mosos plan at equal or less measured memory.
+
+On a GPU (`--device cuda`): larger workloads (GPT-2 and BERT at hidden 768, sequence 512; ResNet-18-small at batch
+32768), so that a step is not a few kernel launches; float32 or bfloat16 autocast (`--precisions`); the peak is
+`torch.cuda.max_memory_allocated` less the memory allocated before the step; each step is timed between two
+`torch.cuda.synchronize()`; mosos plans offloading as well as recomputation. `--jobs` prepares that many
+configurations at once (compiling, capturing, profiling, solving), while their peaks and timed rounds take turns
+(a lock file), so that no two timed steps share the GPU; a profiling pass may still share it with another
+configuration's timed rounds. mosos rows (and per-block ones) also report how far their gradients are from the eager
+copy's after one step from the same seed (`grad error`: the largest |difference| / the largest |gradient| over the
+parameters), beside the eager copy's own distance from itself run twice (`eager noise`, the GPU's nondeterminism).
+Writes benchmarks/results/frontier_gpu.md and frontier_gpu_<model>_<precision>.json/.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import fcntl
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,6 +59,7 @@ from benchmarks.results_file import write_section  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results" / "frontier.md"
 MIB = 2**20
 MODELS = ("gpt2", "bert", "resnet")
+PRECISIONS = ("fp32", "bf16")
 MOSOS_RATIOS = (1.0, 0.9, 0.8, 0.6, 0.5, 0.35, 0.3)
 # compiled: denser where torch.compile's configurations sit (between 0.45 and 0.9 of keep-all)
 MOSOS_COMPILED_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.35, 0.3)
@@ -71,20 +89,78 @@ def family(config: str) -> str:
     return "mosos"
 
 
-def workload(model: str):
-    """The issue's configurations: 4 layers, hidden 256, sequence 256, batch 16 (float32); ResNet-18-small at batch
-    2048 (its activations well above its fixed memory, as for a model that does not fit)."""
+def workload(model: str, device: str = "cpu"):
+    """The issue's configurations on the CPU: 4 layers, hidden 256, sequence 256, batch 16 (float32); ResNet-18-small
+    at batch 2048 (its activations well above its fixed memory, as for a model that does not fit). On a GPU: hidden
+    768 at sequence 512, and ResNet-18-small at batch 32768, built on the CPU and moved there."""
+    import torch
+
     from benchmarks import workloads
 
+    gpu = device != "cpu"
     if model == "gpt2":
-        return workloads.gpt2_small(batch_size=16, sequence=256)
-    if model == "bert":
-        return workloads.bert_small(batch_size=16, sequence=256)
-    if model == "resnet":
-        work = workloads.resnet18_small(batch_size=2048)
-        return {"model": work.model, "inputs": work.inputs, "kwargs": work.kwargs, "targets": work.targets,
-                "loss_fn": work.loss_fn}
-    raise SystemExit(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+        work = workloads.gpt2_small(batch_size=16, sequence=512 if gpu else 256, hidden=768 if gpu else 256)
+    elif model == "bert":
+        work = workloads.bert_small(batch_size=16, sequence=512 if gpu else 256, hidden=768 if gpu else 256)
+    elif model == "resnet":
+        built = workloads.resnet18_small(batch_size=32768 if gpu else 2048)
+        work = {"model": built.model, "inputs": built.inputs, "kwargs": built.kwargs, "targets": built.targets,
+                "loss_fn": built.loss_fn}
+    else:
+        raise SystemExit(f"unknown model {model!r}; known: {', '.join(MODELS)}")
+    if gpu:
+        def moved(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device)
+            if isinstance(value, (tuple, list)):
+                return type(value)(moved(v) for v in value)
+            if isinstance(value, dict):
+                return {k: moved(v) for k, v in value.items()}
+            return value
+
+        work = dict(work, model=work["model"].to(device), inputs=moved(work["inputs"]),
+                    kwargs=moved(work.get("kwargs") or {}), targets=moved(work.get("targets")))
+    return work
+
+
+def autocast_for(device: str, precision: str):
+    """A fresh context for each step: bfloat16 autocast, or nothing for float32."""
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision == "bf16":
+        return lambda: torch.autocast(device, dtype=torch.bfloat16)
+    raise SystemExit(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """Exclusive use of the device while a configuration's peak and rounds are measured (the lock file that
+    `--jobs` shares between its children); nothing where there is none."""
+    path = os.environ.get("FRONTIER_GPU_LOCK")
+    if not path:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def gradient_error(params, reference_params) -> float:
+    """The largest |difference| over the largest |reference gradient|, over every parameter with a gradient."""
+    worst = 0.0
+    for p, r in zip(params, reference_params):
+        if p is None and r is None:
+            continue
+        if p is None or r is None:
+            return float("inf")
+        scale = r.double().abs().max().item() or 1.0
+        worst = max(worst, (p.double() - r.double()).abs().max().item() / scale)
+    return worst
 
 
 def _blocks(model) -> list[tuple[object, str, object]]:
@@ -127,28 +203,40 @@ def checkpoint_per_block(model) -> str:
     return f"torch.utils.checkpoint around {len(blocks)} blocks"
 
 
-def child(model_name: str, config: str, rounds: int, time_limit_s: float, threads: int) -> dict:
+def child(model_name: str, config: str, rounds: int, time_limit_s: float, threads: int, device: str = "cpu",
+          precision: str = "fp32") -> dict:
     import torch
 
     from executor.allocations import AllocationTrace
 
     torch.set_num_threads(threads)
-    work = workload(model_name)
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available here")
+    cast = autocast_for(device, precision)
+    work = workload(model_name, device)
     model = work["model"]
     eager = copy.deepcopy(model)
+    params = list(model.parameters())  # shared with what each configuration wraps (checkpointing, compile, mosos)
     inputs, kwargs, targets, loss_fn = work["inputs"], work.get("kwargs") or {}, work.get("targets"), work["loss_fn"]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
 
     def plain_step(module):
         def step():
             for p in module.parameters():
                 p.grad = None
-            output = module(*inputs, **kwargs)
-            loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
+            with cast():
+                output = module(*inputs, **kwargs)
+                loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
             loss.backward()
         return step
 
     row = {"model": model_name, "config": config, "family": family(config), "note": "", "simulated_ms": None,
-           "keep_all_simulated_ms": None, "prepare_s": None}
+           "keep_all_simulated_ms": None, "prepare_s": None, "device": device, "precision": precision,
+           "device_name": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__}
     started = time.perf_counter()
     if config == "eager":
         step = plain_step(model)
@@ -164,6 +252,7 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         step = plain_step(model)
         began = time.perf_counter()
         step()  # compiles forward and backward
+        sync()
         row["compile_s"] = time.perf_counter() - began
         step()
     elif config.startswith("mosos"):
@@ -171,14 +260,17 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
 
         strategy, ratio = ("per-block", 1.0) if config == "mosos-per-block" else ("mosos", float(config.split("-")[-1]))
         compiled = config.startswith("mosos-compiled-")
-        planned = executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, memory_ratio=ratio,
-                                    strategy=strategy, time_limit_s=time_limit_s, progress=False, cache=False,
-                                    compile=compiled)
+        with cast():  # the plan is made for the step's autocast state, as a user's optimize() call is
+            planned = executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, memory_ratio=ratio,
+                                        strategy=strategy, time_limit_s=time_limit_s, progress=False, cache=False,
+                                        compile=compiled)
 
         def step():
             for p in planned.parameters():
                 p.grad = None
-            planned(*inputs, targets=targets, **kwargs).backward()
+            with cast():
+                loss = planned(*inputs, targets=targets, **kwargs)
+            loss.backward()
 
         step()
         step()  # the timed first steps (and a re-plan, if one happens)
@@ -187,6 +279,8 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         row["simulated_peak_mib"] = summary.peak_memory_bytes / MIB
         row["budget_mib"] = planned.schedule.budget_bytes / MIB if planned.schedule.budget_bytes else None
         row["note"] = f"{summary.strategy}, recompute {summary.recompute_time_ms:.0f} ms simulated"
+        if summary.offloaded_bytes:
+            row["note"] += f", offload {summary.offloaded_bytes / MIB:.0f} MiB, stall {summary.stall_time_ms:.1f} ms"
         if compiled:
             # the node kernels the profiling compiled, and the regions the replay compiled (executor.regions)
             record, replayed = planned._prepared.profiled.compiled, planned.compiled_nodes
@@ -197,33 +291,68 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         row["keep_all_simulated_ms"] = plan(planned.profile, None, strategy="keep-all").summary.predicted_step_time_ms
     else:
         raise SystemExit(f"unknown configuration {config!r}; known: {', '.join(all_configs())}")
+    sync()
     row["prepare_s"] = time.perf_counter() - started
     reference = plain_step(eager)
-    reference()
-    step()
-    with AllocationTrace() as trace:
-        step()
-    row["peak_mib"] = trace.peak_bytes / MIB
-    ratios, eager_ms, config_ms = [], [], []
-    for i in range(rounds):
-        pair = [(reference, eager_ms), (step, config_ms)]
-        for function, times in (pair if i % 2 == 0 else pair[::-1]):
-            began = time.perf_counter()
+
+    def gradients(function, of):
+        torch.manual_seed(0)
+        function()
+        sync()
+        return [None if p.grad is None else p.grad.detach().clone() for p in of]
+
+    def peak_bytes(function) -> int:
+        if cuda:
+            sync()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
             function()
-            times.append((time.perf_counter() - began) * 1000)
-        ratios.append(config_ms[-1] / eager_ms[-1])
+            sync()
+            return torch.cuda.max_memory_allocated(device) - before
+        with AllocationTrace() as trace:
+            function()
+        return trace.peak_bytes
+
+    with gpu_turn():
+        reference()
+        step()
+        if config.startswith("mosos") or config == "per-block":  # the same random draws as eager's, in order
+            expected = gradients(reference, eager.parameters())
+            row["grad_error"] = gradient_error(gradients(step, params), expected)
+            row["eager_noise"] = gradient_error(gradients(reference, eager.parameters()), expected)
+        row["peak_mib"] = peak_bytes(step) / MIB
+        ratios, eager_ms, config_ms = [], [], []
+        for i in range(rounds):
+            pair = [(reference, eager_ms), (step, config_ms)]
+            for function, times in (pair if i % 2 == 0 else pair[::-1]):
+                sync()
+                began = time.perf_counter()
+                function()
+                sync()
+                times.append((time.perf_counter() - began) * 1000)
+            ratios.append(config_ms[-1] / eager_ms[-1])
     row.update(time_ratio=statistics.median(ratios), eager_ms=statistics.median(eager_ms),
                config_ms=statistics.median(config_ms))
     return row
 
 
-def run_one(model: str, config: str, rounds: int, time_limit_s: float, threads: int) -> dict:
-    command = [sys.executable, __file__, "--child", model, config, "--rounds", str(rounds),
-               "--time-limit", str(time_limit_s), "--threads", str(threads)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
+def run_one(model: str, config: str, args, precision: str = "fp32", timeout_s: float | None = None) -> dict:
+    command = [sys.executable, __file__, "--child", model, config, "--rounds", str(args.rounds),
+               "--time-limit", str(args.time_limit), "--threads", str(args.threads), "--device", args.device,
+               "--precisions", precision]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if args.jobs > 1:
+        # children share the GPU's timed phases through a lock, and the machine's cores for Inductor's workers
+        env.update(FRONTIER_GPU_LOCK=str(Path(tempfile.gettempdir()) / f"frontier-gpu-{os.getpid()}.lock"),
+                   TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 2) // args.jobs)))
+    failed = {"model": model, "config": config, "family": family(config), "device": args.device,
+              "precision": precision}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(failed, error=f"not finished within {timeout_s:.0f} s (--child-timeout / --deadline)")
     if done.returncode != 0:
-        return {"model": model, "config": config, "family": family(config), "error": done.stderr.strip()[-600:]}
+        return dict(failed, error=done.stderr.strip()[-1500:] or f"exit status {done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -233,19 +362,28 @@ def best_mosos_at_or_below(rows: list[dict], peak_mib: float) -> dict | None:
     return min(candidates, key=lambda r: r["time_ratio"], default=None)
 
 
+def _error_line(row: dict) -> str:
+    lines = [line for line in row["error"].splitlines() if line.strip()]
+    return (lines[-1] if lines else "").replace("|", "/")[:200]
+
+
 def table(model: str, rows: list[dict]) -> list[str]:
+    gradients = any("grad_error" in r for r in rows)
     lines = [f"### {model}", "",
              "| configuration | time / eager | peak MiB | eager step ms | simulated / keep-all simulated | "
-             "prepare s | compile s | note |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "prepare s | compile s | " + ("grad error (eager noise) | " if gradients else "") + "note |",
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if gradients else "") + "---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['config']} | failed | | | | | | {r['error'].splitlines()[-1][:160]} |")
+            lines.append(f"| {r['config']} | failed | | | | | | " + ("| " if gradients else "")
+                         + f"{_error_line(r)} |")
             continue
         simulated = (f"{r['simulated_ms'] / r['keep_all_simulated_ms']:.2f}"
                      if r.get("simulated_ms") and r.get("keep_all_simulated_ms") else "")
+        error = (f"{r['grad_error']:.1e} ({r['eager_noise']:.1e}) | " if "grad_error" in r else "| ") if gradients else ""
         lines.append(f"| {r['config']} | {r['time_ratio']:.2f} | {r['peak_mib']:.0f} | {r['eager_ms']:.0f} | "
                      f"{simulated} | {r['prepare_s']:.1f} | "
-                     + (f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "") + f" | {r['note']} |")
+                     + (f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "") + f" | {error}{r['note']} |")
     lines += ["", "| torch configuration | its time / peak | fastest mosos at <= its peak | mosos time / peak | "
               "mosos / torch time |", "|---|---|---|---|---:|"]
     for r in rows:
@@ -261,7 +399,7 @@ def table(model: str, rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def plot(model: str, rows: list[dict], path: Path) -> None:
+def plot(model: str, rows: list[dict], path: Path, where: str = "the CPU") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -279,14 +417,31 @@ def plot(model: str, rows: list[dict], path: Path) -> None:
         for r in members:
             axes.annotate(r["config"].replace("compile-budget-", "b").replace("mosos-compiled-", "c").replace("mosos-", ""),
                           (r["peak_mib"], r["time_ratio"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    axes.set_xlabel("peak rise of live tensor storage in one step (MiB)")
+    axes.set_xlabel("peak rise of " + ("allocated GPU memory" if "GPU" in where else "live tensor storage")
+                    + " in one step (MiB)")
     axes.set_ylabel("step time / eager (paired median)")
-    axes.set_title(f"{model}: memory-time frontier on the CPU")
+    axes.set_title(f"{model}: memory-time frontier on {where}")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _names(model: str, precision: str, device: str, results_dir: Path) -> tuple[Path, Path, Path, str]:
+    """(results file, rows file, plot, section heading) of one model and precision."""
+    if device == "cpu":
+        return (results_dir / "frontier.md", results_dir / f"frontier_{model}.json",
+                results_dir / f"frontier_{model}.png", model)
+    stem = f"frontier_gpu_{model}_{precision}"
+    return (results_dir / "frontier_gpu.md", results_dir / f"{stem}.json", results_dir / f"{stem}.png",
+            f"{model}, {precision}")
+
+
+def _shown(row: dict) -> str:
+    if "error" in row:
+        return _error_line(row)
+    return f"{row['time_ratio']:.2f} x eager, {row['peak_mib']:.0f} MiB"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,41 +451,81 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--time-limit", type=float, default=20.0, help="mosos' solve time limit, seconds")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--precisions", default="fp32", help="fp32 and/or bf16 (autocast), comma-separated")
+    parser.add_argument("--jobs", type=int, default=1, help="configurations prepared at once (their timed phases "
+                        "take turns)")
+    parser.add_argument("--child-timeout", type=float, default=None, help="seconds one configuration may take")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds for the whole run: no configuration "
+                        "starts after it, and each is stopped at it")
+    parser.add_argument("--results-dir", default=str(RESULTS.parent))
+    parser.add_argument("--rows-log", default=None, help="also append each row to this JSON-lines file as it ends")
     parser.add_argument("--rerun", default="", help="configurations to measure (again); the model's other rows are "
                         "kept from its results file (a row disturbed by other load on the machine, a new ratio)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    precisions = [p for p in args.precisions.split(",") if p]
     if args.child:
-        print(json.dumps(child(*args.child, args.rounds, args.time_limit, args.threads)))
+        print(json.dumps(child(*args.child, args.rounds, args.time_limit, args.threads, args.device, precisions[0])))
         return 0
+    if args.device == "cpu" and precisions != ["fp32"]:
+        raise SystemExit("on the CPU the frontier is float32 only (--precisions fp32)")
+    if args.jobs < 1:
+        raise SystemExit("--jobs is at least 1")
     command = "python benchmarks/frontier.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    results_dir = Path(args.results_dir)
     rerun = [c for c in args.rerun.split(",") if c]
-    for model in args.models.split(","):
-        rows = []
-        kept = {}
+    configs = [c for c in args.configs.split(",") if c]
+    began = time.monotonic()
+    groups = [(model, precision) for model in args.models.split(",") for precision in precisions]
+    rows: dict[tuple[str, str], dict[str, dict]] = {}
+    for model, precision in groups:
+        kept: dict[str, dict] = {}
         if rerun:
-            kept = {row["config"]: row for row in json.loads(RESULTS.with_name(f"frontier_{model}.json").read_text())}
-        for config in args.configs.split(","):
-            if rerun and config not in rerun:
-                if config in kept:
-                    rows.append(kept[config])
-                continue
-            row = run_one(model, config, args.rounds, args.time_limit, args.threads)
-            if rerun:
-                row["note"] = "; ".join(filter(None, [row.get("note"), "measured in a later run (--rerun)"]))
-            rows.append(row)
-            shown = row.get("error", "").splitlines()[-1:] if "error" in row else (
-                f"{row['time_ratio']:.2f} x eager, {row['peak_mib']:.0f} MiB")
-            print(f"{model:7s} {config:22s} {shown}", flush=True)
-        lines = table(model, rows)
+            kept_file = _names(model, precision, args.device, results_dir)[1]
+            kept = {row["config"]: row for row in json.loads(kept_file.read_text())} if kept_file.exists() else {}
+        rows[(model, precision)] = {c: kept[c] for c in configs if c in kept and c not in rerun}
+    # configuration-major: with a --deadline, every model and precision gets the first configurations
+    tasks = [(model, precision, config) for config in configs for model, precision in groups
+             if (config in rerun if rerun else True)]
+    printing = threading.Lock()
+
+    def measure(task):
+        model, precision, config = task
+        timeout = args.child_timeout
+        left = None if args.deadline is None else args.deadline - (time.monotonic() - began)
+        if left is not None and left < 10:
+            row = {"model": model, "config": config, "family": family(config), "device": args.device,
+                   "precision": precision, "error": "not started: the run's --deadline had passed"}
+        else:
+            row = run_one(model, config, args, precision, timeout if left is None else min(timeout or left, left))
+        if rerun:
+            row["note"] = "; ".join(filter(None, [row.get("note"), "measured in a later run (--rerun)"]))
+        with printing:
+            print(f"{model:7s} {precision:5s} {config:22s} {_shown(row)}", flush=True)
+            if args.rows_log:
+                with open(args.rows_log, "a") as log:
+                    log.write(json.dumps(row) + "\n")
+        return task, row
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for (model, precision, config), row in pool.map(measure, tasks):
+            rows[(model, precision)][config] = row
+    where = "the CPU" if args.device == "cpu" else "a GPU"
+    for model, precision in groups:
+        ordered = [rows[(model, precision)][c] for c in configs if c in rows[(model, precision)]]
+        results, rows_file, picture, heading = _names(model, precision, args.device, results_dir)
+        device_name = next((r.get("device_name") for r in ordered if r.get("device_name")), args.device)
+        lines = table(heading, ordered)
         print("\n".join(lines))
-        picture = RESULTS.with_name(f"frontier_{model}.png")
-        plot(model, rows, picture)
+        plot(heading, ordered, picture, where if args.device == "cpu" else f"{device_name} ({precision})")
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        section = "\n".join([f"## {model}", "", f"`{command.strip()}` ({when}; {args.rounds} paired rounds, "
-                             f"{args.threads} torch threads; plot: {picture.name})", "", *lines[1:]])
-        write_section(RESULTS, "# Memory-time frontier (CPU)\n\n" + __doc__.split("\n\n")[2] + "\n", section + "\n")
-        (RESULTS.with_name(f"frontier_{model}.json")).write_text(json.dumps(rows, indent=1))
+        section = "\n".join([f"## {heading}", "", f"`{command.strip()}` ({when}; {args.rounds} paired rounds, "
+                             f"{args.threads} torch threads; {device_name}; plot: {picture.name})", "", *lines[1:]])
+        intro_title = "Memory-time frontier (CPU)" if args.device == "cpu" else "Memory-time frontier (GPU)"
+        intro = __doc__.split("\n\n")[2] if args.device == "cpu" else __doc__.split("\n\n")[4]
+        write_section(results, f"# {intro_title}\n\n" + intro + "\n", section + "\n")
+        rows_file.write_text(json.dumps(ordered, indent=1))
     return 0
 
 
