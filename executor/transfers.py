@@ -10,7 +10,10 @@ has read it. On the CPU the same calls make plain synchronous copies into
 separate host tensors, and waiting is a no-op.
 
 Copies are made per storage (raw bytes), so any tensor geometry (views,
-strides, several tensors on one storage) comes back exactly as it was.
+strides, several tensors on one storage) comes back exactly as it was. A
+storage that is not on the device (the CPU scalars an attention kernel hands
+its backward, its random generator's seed and offset) takes no device memory:
+it stays where it is and comes back as itself, on its own device.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class HostCopy:
 
     buffers: list[torch.Tensor]  # one uint8 host buffer per device storage
     slots: list[tuple[int, tuple]]  # per tensor: (buffer index, (size, stride, offset, dtype))
+    elsewhere: dict[int, torch.UntypedStorage]  # buffer index -> a storage not on the device, kept as it is
 
     @property
     def size_bytes(self) -> int:
@@ -44,6 +48,9 @@ class Transfers:
         self.copies: dict[int, HostCopy] = {}
         self.offload_done: dict[int, object] = {}
         self.prefetch_done: dict[int, object] = {}
+        # a freed tensor under an unfinished offload: False, the allocator takes its memory back after the copy
+        # (its free lands in whichever later allocation finds the copy done); True, the host waits for the copy
+        self.wait_before_free = False
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -70,7 +77,8 @@ class Transfers:
                 index_of[ptr] = len(storages)
                 storages.append(storage)
             slots.append((index_of[ptr], (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)))
-        buffers = self._host_buffers(key, [s.nbytes() for s in storages])
+        elsewhere = {i: storage for i, storage in enumerate(storages) if storage.device.type != self.device.type}
+        buffers = self._host_buffers(key, [0 if i in elsewhere else s.nbytes() for i, s in enumerate(storages)])
         if self.cuda:
             ready = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.d2h_stream):
@@ -78,24 +86,32 @@ class Transfers:
                 unread = self.prefetch_done.pop(key, None)
                 if unread is not None:  # a prefetch nobody waited for may still read these host buffers
                     self.d2h_stream.wait_event(unread)
-                for buffer, storage in zip(buffers, storages):
-                    buffer.copy_(_bytes_view(storage), non_blocking=True)
+                for index, (buffer, storage) in enumerate(zip(buffers, storages)):
+                    if index not in elsewhere:
+                        buffer.copy_(_bytes_view(storage), non_blocking=True)
                 self.offload_done[key] = self.d2h_stream.record_event()
         else:
-            for buffer, storage in zip(buffers, storages):
-                buffer.copy_(_bytes_view(storage))
-        copy = HostCopy(buffers, slots)
+            for index, (buffer, storage) in enumerate(zip(buffers, storages)):
+                if index not in elsewhere:
+                    buffer.copy_(_bytes_view(storage))
+        copy = HostCopy(buffers, slots, elsewhere)
         self.copies[key] = copy
         return copy
 
     def release(self, key: int, tensors: tuple) -> None:
-        """Before the device tensors are dropped: memory under an unfinished offload waits for the copy."""
+        """Before the device tensors are dropped: memory under an unfinished offload waits for the copy (the
+        allocator frees it once the copy is done, at some later allocation; with `wait_before_free`, as a
+        memory-measuring pass needs, the host waits for the copy here and the memory goes at once)."""
         if not self.cuda:
             return
         done = self.offload_done.get(key)
         if done is not None and not done.query():
+            if self.wait_before_free:
+                done.synchronize()
+                return
             for tensor in tensors:
-                tensor.record_stream(self.d2h_stream)
+                if tensor.device.type == self.device.type:
+                    tensor.record_stream(self.d2h_stream)
 
     def prefetch(self, key: int) -> tuple:
         copy = self.copies.get(key)
@@ -112,16 +128,19 @@ class Transfers:
                 # No record_stream on the device buffers: the compute stream waits for this copy (the schedule's
                 # wait, or `settle` at the end of the step) before anything frees them, and a record_stream would
                 # hold each block until every later prefetch queued on this stream had finished.
-                for device_buffer, host_buffer in zip(devices, copy.buffers):
-                    device_buffer.copy_(host_buffer, non_blocking=True)
+                for index, (device_buffer, host_buffer) in enumerate(zip(devices, copy.buffers)):
+                    if index not in copy.elsewhere:
+                        device_buffer.copy_(host_buffer, non_blocking=True)
                 self.prefetch_done[key] = self.h2d_stream.record_event()
         else:
-            for device_buffer, host_buffer in zip(devices, copy.buffers):
-                device_buffer.copy_(host_buffer)
+            for index, (device_buffer, host_buffer) in enumerate(zip(devices, copy.buffers)):
+                if index not in copy.elsewhere:
+                    device_buffer.copy_(host_buffer)
         rebuilt = []
         for buffer_index, (size, stride, offset, dtype) in copy.slots:
-            storage = devices[buffer_index].untyped_storage()
-            rebuilt.append(torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride))
+            storage = (copy.elsewhere[buffer_index] if buffer_index in copy.elsewhere
+                       else devices[buffer_index].untyped_storage())
+            rebuilt.append(torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride))
         return tuple(rebuilt)
 
     def wait(self, key: int, transfer: str) -> None:

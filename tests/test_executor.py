@@ -269,6 +269,9 @@ def test_the_generated_step_frees_what_the_schedule_frees(profiled):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_gpu_memory_stays_within_the_plan_and_gradients_match():
+    """The loss bitwise, the gradients as close to plain PyTorch's as plain PyTorch's are to themselves run twice:
+    a GPU's backward kernels add in an order that is not fixed (on an H200, float64, conv1's weight gradient came
+    out 1e-13 apart from plain PyTorch's, with cuDNN's deterministic algorithms too)."""
     spec = models.get_model("resnet18", small=True)
     torch.manual_seed(0)
     model = spec.build().cuda().double()
@@ -288,7 +291,14 @@ def test_on_gpu_memory_stays_within_the_plan_and_gradients_match():
     grown = torch.cuda.max_memory_allocated() - before
     planned_bytes = planned.simulated_peak_bytes - profile.fixed_bytes + profile.fixed_memory.gradients_bytes
     assert grown <= 1.02 * planned_bytes + (4 << 20), (grown, planned_bytes)
-    assert_same(planned_model, plain_model, loss, plain_step(plain_model, spec, inputs, targets))
+    plain_loss = plain_step(plain_model, spec, inputs, targets)
+    assert torch.equal(loss.detach(), plain_loss.detach()), (loss.item(), plain_loss.item())
+    again = copy.deepcopy(model)
+    plain_step(again, spec, inputs, targets)
+    for (key, a), b, c in zip(planned_model.named_parameters(), plain_model.parameters(), again.parameters()):
+        noise = (c.grad - b.grad).abs().max().item()
+        allowed = max(10 * noise, 1e-12 * b.grad.abs().max().item())
+        assert (a.grad - b.grad).abs().max().item() <= allowed, f"{key}: plain PyTorch's own spread {noise:.1e}"
 
 
 def test_optimize_profiles_plans_and_returns_a_module_that_trains():
@@ -402,6 +412,21 @@ def test_transfers_bring_back_any_geometry_on_the_cpu():
     pool = transfers.host_pool[7]
     transfers.offload(7, restored)
     assert transfers.host_pool[7] is pool  # host buffers are allocated once and reused
+
+
+def test_transfers_leave_a_storage_that_is_not_on_the_device_where_it_is():
+    """CUDA attention hands its backward its generator's seed and offset as CPU scalars: offloading the node moves
+    its device tensors only, and the scalars come back as themselves, still on the CPU (rebuilt on the device, an
+    H200 step failed in the attention's backward). A meta device stands in for the GPU here."""
+    from executor.transfers import Transfers
+
+    seed, offset = torch.tensor(1234), torch.tensor(56)
+    transfers = Transfers(torch.device("meta"))
+    copy_ = transfers.offload(3, (seed, offset))
+    assert copy_.size_bytes == 0  # nothing of theirs goes to host memory
+    restored = transfers.prefetch(3)
+    assert [t.device.type for t in restored] == ["cpu", "cpu"]
+    assert restored[0].item() == 1234 and restored[1].item() == 56
 
 
 def test_optimize_plans_on_a_planner_service(tmp_path):
