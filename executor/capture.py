@@ -510,6 +510,7 @@ def _split_convolution_backward(gm: fx.GraphModule) -> None:
                 stand_in = graph.call_function(_ATEN.expand.default, (scalar, list(meta.shape)))
                 stand_in.meta["val"] = meta
                 stand_in.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+                stand_in.meta[SHAPE_ONLY] = True
                 input_args[1] = stand_in
             input_half = graph.call_function(_ATEN.convolution_backward.default,
                                              tuple(input_args) + ([True, False, False],))
@@ -527,6 +528,7 @@ def _split_convolution_backward(gm: fx.GraphModule) -> None:
         graph.erase_node(node)
 
 
+SHAPE_ONLY = "mosos_shape_only"  # meta key of a convolution input's stand-in (its shape, one element's storage)
 HAND_OFF = "mosos_hand_off_of"  # meta key of a copy made by _hand_off_saved_results: the operation it copies from
 
 

@@ -23,10 +23,12 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
-from executor.capture import HAND_OFF, CapturedStep, Source
+from executor.capture import HAND_OFF, SHAPE_ONLY, CapturedStep, Source
 
-FORMAT_VERSION = 2  # 2: the copies a forward operation hands to the backward (executor.capture) carry their mark
-_KEPT_META = ("partitioner_tag", "convolution_half", "seq_nr", HAND_OFF)
+# 2: the copies a forward operation hands to the backward (executor.capture) carry their mark; 3: so do the
+# stand-ins of a convolution's input (compiled regions stop at them)
+FORMAT_VERSION = 3
+_KEPT_META = ("partitioner_tag", "convolution_half", "seq_nr", HAND_OFF, SHAPE_ONLY)
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
 
 

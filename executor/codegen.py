@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from executor import conv_algorithms
-from executor.capture import HAND_OFF
+from executor.capture import HAND_OFF, SHAPE_ONLY
 from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
 from executor.regions import regions as region_ranges
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
@@ -560,6 +560,11 @@ class CodeGenerator:
             # a hand-off node only copies a result the backward reads (a dropout's mask, a batch norm's statistics):
             # nothing to fuse, and Inductor's CPU code for a mask's copy fused with its neighbour's addition ran
             # 10x slower than eager's two calls (GPT-2)
+            return False
+        if any(argument.meta.get(SHAPE_ONLY) for op in group.ops for argument in op.all_input_nodes):
+            # a convolution's input gradient reads a stand-in of its input (one element, expanded to its shape):
+            # eager's kernel reads the shape alone, where a compiled kernel may write the expansion out in full,
+            # memory the plan does not have
             return False
         owned = self.outputs_of.get(group.index, [])
         return all(value in self.gradient_index for value in owned)

@@ -462,3 +462,30 @@ def test_regions_compiled_under_the_users_autocast_train_as_eager_autocast_does(
         assert gradients[name].dtype == reference.dtype, name
         assert (gradients[name] - reference).abs().max().item() <= 2e-2 * largest, name
     assert abs(loss.item() - plain_loss.item()) <= 1e-2 * abs(plain_loss.item())
+
+
+def test_regions_stop_at_a_convolutions_input_stand_in():
+    """A convolution's input gradient reads a stand-in of its input (its shape over one element's storage, so the
+    input can go once the filter gradient is done). Regions stop there and run on around it: before, every region
+    holding one was refused as reading a value that is not a tensor (8 of ResNet-18-small's), and compiled, the
+    stand-in could be written out in full, memory the plan does not have."""
+    import models
+
+    spec = models.get_model("resnet18", small=True)
+    torch.manual_seed(0)
+    model = spec.build()
+    inputs, targets = spec.example_inputs(16)
+    profile, captured = profile_step(copy.deepcopy(model), (inputs,), spec.loss, targets, repeats=1, warmup=0,
+                                     algorithms=("native",), compile=True)
+    planned_model = copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, plan(profile, strategy="keep-all"), spec.loss,
+                            profiled=captured, compile=True)
+    loss = _planned_step(planned, (inputs,), {}, targets)
+    record = planned.compiled_nodes
+    assert record.regions and not [r for r in record.regions_refused.values() if "not a tensor" in r], \
+        record.describe()
+    assert "region_" in planned._prepared.source
+    assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+    plain_model = copy.deepcopy(model)
+    plain_loss = _plain_step(plain_model, (inputs,), {}, targets, spec.loss)
+    _assert_close("regions", loss, plain_loss, _gradients(planned_model), _gradients(plain_model), torch.float32)
