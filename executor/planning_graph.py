@@ -74,9 +74,21 @@ def tensors_in(value) -> list[torch.Tensor]:
     return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
 
 
+# tagged random for their dropout argument, and checked to draw nothing where it is 0: ATen's CPU flash attention
+# accepts no other value (an attention with dropout on the CPU is the math path's operations and its own dropout)
+_DRAWS_NOTHING_WITHOUT_DROPOUT = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 3}
+
+
 def is_random(node: fx.Node) -> bool:
+    """Whether the operation draws random numbers (a recomputation must draw eager's again)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    position = _DRAWS_NOTHING_WITHOUT_DROPOUT.get(target)
+    if position is not None:
+        dropout = node.args[position] if len(node.args) > position else node.kwargs.get("dropout_p", 0.0)
+        return dropout != 0
+    return True
 
 
 def reference_run(step: CapturedStep, feed: dict[fx.Node, torch.Tensor]) -> Facts:

@@ -193,3 +193,24 @@ def test_the_cli_refuses_a_model_it_cannot_capture_with_the_line_and_no_tracebac
                             timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "if y.mean() > 0" in result.stderr and "0 (Branchy)" in result.stderr
+
+
+def test_an_attention_without_dropout_is_not_a_random_node():
+    """ATen's CPU flash attention is tagged random for its dropout argument, but accepts only 0 there and draws
+    nothing: it is recomputed like any other node (no generator state kept, free to join a compiled region).
+    Dropout stays random."""
+    from executor.planning_graph import is_random
+
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    without = graph.call_function(attention, (q, q, q, 0.0, True))
+    by_keyword = graph.call_function(attention, (q, q, q), {"dropout_p": 0.0})
+    with_dropout = graph.call_function(attention, (q, q, q, 0.1))
+    dropout = graph.call_function(torch.ops.aten.native_dropout.default, (q, 0.1, True))
+    assert not is_random(without) and not is_random(by_keyword)
+    assert is_random(with_dropout) and is_random(dropout)
+    x = torch.randn(2, 4, 16, 8)
+    state = torch.get_rng_state()
+    attention(x, x, x, 0.0, True)
+    assert torch.equal(state, torch.get_rng_state())  # it draws nothing
