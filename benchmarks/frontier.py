@@ -24,12 +24,12 @@ On a GPU (`--device cuda`): larger workloads (GPT-2 and BERT at hidden 768, sequ
 32768), so that a step is not a few kernel launches; float32 or bfloat16 autocast (`--precisions`); the peak is
 `torch.cuda.max_memory_allocated` less the memory allocated before the step; each step is timed between two
 `torch.cuda.synchronize()`; mosos plans offloading as well as recomputation. `--jobs` prepares that many
-configurations at once (compiling, capturing, profiling, solving), while their peaks and timed rounds take turns
-(a lock file), so that no two timed steps share the GPU; a profiling pass may still share it with another
-configuration's timed rounds. mosos rows (and per-block ones) also report how far their gradients are from the eager
-copy's after one step from the same seed (`grad error`: the largest |difference| / the largest |gradient| over the
-parameters; a gradient that is rounding alone against the model's largest), beside the eager copy's own distance
-from itself run twice (`eager noise`, the GPU's nondeterminism).
+configurations at once (torch.compile's compiling), while mosos' profiling and solving and every configuration's
+peaks and timed rounds take turns (a lock file), so that nothing timed shares the GPU. mosos rows (and per-block
+ones) also report how far their gradients are from the eager copy's after one step from the same seed (`grad
+error`: the largest |difference| / the largest |gradient| over the parameters; a gradient that is rounding alone
+against the model's largest), beside the eager copy's own distance from itself run twice (`eager noise`, the
+GPU's nondeterminism).
 Writes benchmarks/results/frontier_gpu.md and frontier_gpu_<model>_<precision>.json/.png.
 """
 
@@ -240,6 +240,8 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
            "keep_all_simulated_ms": None, "prepare_s": None, "device": device, "precision": precision,
            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__}
     started = time.perf_counter()
+    turn = contextlib.ExitStack()  # this configuration's exclusive use of the device, once taken, to the end
+    holding = False
     if config == "eager":
         step = plain_step(model)
     elif config == "per-block":
@@ -259,6 +261,9 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         step()
     elif config.startswith("mosos"):
         import executor
+
+        turn.enter_context(gpu_turn())  # profiling times every node on the device: alone, as the timed rounds
+        holding = True
 
         strategy, ratio = ("per-block", 1.0) if config == "mosos-per-block" else ("mosos", float(config.split("-")[-1]))
         compiled = config.startswith("mosos-compiled-")
@@ -315,7 +320,9 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
             function()
         return trace.peak_bytes
 
-    with gpu_turn():
+    if not holding:
+        turn.enter_context(gpu_turn())
+    with turn:
         reference()
         step()
         if config.startswith("mosos") or config == "per-block":  # the same random draws as eager's, in order
