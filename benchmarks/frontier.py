@@ -62,6 +62,7 @@ RESULTS = REPO / "benchmarks" / "results" / "frontier.md"
 MIB = 2**20
 MODELS = ("gpt2", "bert", "resnet")
 PRECISIONS = ("fp32", "bf16")
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception)\b")  # a traceback's last line: the exception and message
 MOSOS_RATIOS = (1.0, 0.9, 0.8, 0.6, 0.5, 0.35, 0.3)
 # compiled: denser where torch.compile's configurations sit (between 0.45 and 0.9 of keep-all)
 MOSOS_COMPILED_RATIOS = (1.0, 0.9, 0.8, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.35, 0.3)
@@ -111,14 +112,10 @@ def workload(model: str, device: str = "cpu"):
     else:
         raise SystemExit(f"unknown model {model!r}; known: {', '.join(MODELS)}")
     if gpu:
+        from torch.utils._pytree import tree_map_only
+
         def moved(value):
-            if isinstance(value, torch.Tensor):
-                return value.to(device)
-            if isinstance(value, (tuple, list)):
-                return type(value)(moved(v) for v in value)
-            if isinstance(value, dict):
-                return {k: moved(v) for k, v in value.items()}
-            return value
+            return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), value)
 
         work = dict(work, model=work["model"].to(device), inputs=moved(work["inputs"]),
                     kwargs=moved(work.get("kwargs") or {}), targets=moved(work.get("targets")))
@@ -138,7 +135,7 @@ def autocast_for(device: str, precision: str):
 
 @contextlib.contextmanager
 def gpu_turn():
-    """Exclusive use of the device while a configuration's peak and rounds are measured (the lock file that
+    """Exclusive use of the device while a configuration profiles (mosos) and is measured (the lock file that
     `--jobs` shares between its children); nothing where there is none."""
     path = os.environ.get("FRONTIER_GPU_LOCK")
     if not path:
@@ -354,18 +351,23 @@ def run_one(model: str, config: str, args, precision: str = "fp32", timeout_s: f
         # children share the GPU's timed phases through a lock, and the machine's cores for Inductor's workers
         env.update(FRONTIER_GPU_LOCK=str(Path(tempfile.gettempdir()) / f"frontier-gpu-{os.getpid()}.lock"),
                    TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 2) // args.jobs)))
-    failed = {"model": model, "config": config, "family": family(config), "device": args.device,
-              "precision": precision}
     try:
         done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return dict(failed, error=f"not finished within {timeout_s:.0f} s (--child-timeout / --deadline)")
+        return failed_row(model, config, args.device, precision,
+                          f"not finished within {timeout_s:.0f} s (--child-timeout / --deadline)")
     if done.returncode != 0:
         # the exception's own line first (a dispatcher's message lists every backend after it), then the tail
-        headers = [line for line in done.stderr.splitlines() if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+        headers = [line for line in done.stderr.splitlines() if _EXCEPTION_LINE.match(line)]
         status = f"exit status {done.returncode}" + (" (a signal)" if done.returncode < 0 else "")
-        return dict(failed, error="\n".join([*headers[-1:], done.stderr.strip()[-1500:], status]))
+        return failed_row(model, config, args.device, precision,
+                          "\n".join([*headers[-1:], done.stderr.strip()[-1500:], status]))
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def failed_row(model: str, config: str, device: str, precision: str, error: str) -> dict:
+    return {"model": model, "config": config, "family": family(config), "device": device, "precision": precision,
+            "error": error}
 
 
 def best_mosos_at_or_below(rows: list[dict], peak_mib: float) -> dict | None:
@@ -376,7 +378,7 @@ def best_mosos_at_or_below(rows: list[dict], peak_mib: float) -> dict | None:
 
 def _error_line(row: dict) -> str:
     lines = [line for line in row["error"].splitlines() if line.strip()]
-    headers = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    headers = [line for line in lines if _EXCEPTION_LINE.match(line)]
     return (headers[-1] if headers else lines[-1] if lines else "").replace("|", "/")[:200]
 
 
@@ -503,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[(model, precision)] = {c: kept[c] for c in configs if c in kept and c not in rerun}
     # configuration-major: with a --deadline, every model and precision gets the first configurations
     tasks = [(model, precision, config) for config in configs for model, precision in groups
-             if (config in rerun if rerun else True)]
+             if not rerun or config in rerun]
     printing = threading.Lock()
 
     def measure(task):
@@ -511,8 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = args.child_timeout
         left = None if args.deadline is None else args.deadline - (time.monotonic() - began)
         if left is not None and left < 10:
-            row = {"model": model, "config": config, "family": family(config), "device": args.device,
-                   "precision": precision, "error": "not started: the run's --deadline had passed"}
+            row = failed_row(model, config, args.device, precision, "not started: the run's --deadline had passed")
         else:
             row = run_one(model, config, args, precision, timeout if left is None else min(timeout or left, left))
         if rerun:
@@ -527,14 +528,13 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for (model, precision, config), row in pool.map(measure, tasks):
             rows[(model, precision)][config] = row
-    where = "the CPU"
     for model, precision in groups:
         ordered = [rows[(model, precision)][c] for c in configs if c in rows[(model, precision)]]
         results, rows_file, picture, heading = _names(model, precision, args.device, results_dir)
         device_name = next((r.get("device_name") for r in ordered if r.get("device_name")), args.device)
         lines = table(heading, ordered)
         print("\n".join(lines))
-        plot(heading, ordered, picture, where if args.device == "cpu" else f"{device_name} ({precision})",
+        plot(heading, ordered, picture, "the CPU" if args.device == "cpu" else f"{device_name} ({precision})",
              gpu=args.device != "cpu")
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         section = "\n".join([f"## {heading}", "", f"`{command.strip()}` ({when}; {args.rounds} paired rounds, "

@@ -38,6 +38,7 @@ import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_f
 import torch.fx as fx
 
 from executor import autocast
+from executor.planning_graph import is_random
 
 # one library call each: Inductor would call the same kernel
 _LIBRARY_CALLS = {
@@ -261,8 +262,7 @@ class _Kernel:
         output = next(n for n in module.graph.nodes if n.op == "output")
         self.output_layout = _layout([value.meta["val"] for value in output.args[0]])
         self.output_dtypes = tuple(value.meta["val"].dtype for value in output.args[0])
-        self.random = any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                          and torch.Tag.nondeterministic_seeded in n.target.tags for n in module.graph.nodes)
+        self.random = any(n.op == "call_function" and is_random(n) for n in module.graph.nodes)
         self.compiled = _compile(module, examples)
         self.forced = False  # compiled again with eager's strides required of some outputs
 

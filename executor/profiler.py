@@ -249,7 +249,7 @@ class _ProfilingRuntime(TimedStepRuntime):
     def memory_begin(self, group: int) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.memory_start = (_requested_bytes(self.device, "current"), torch.cuda.memory_allocated(self.device))
+            self.memory_start = _requested_bytes(self.device, "current")
         else:
             scope = torch.autograd.profiler.record_function(f"mosos-node:{group}")
             scope.__enter__()
@@ -257,13 +257,8 @@ class _ProfilingRuntime(TimedStepRuntime):
 
     def memory_end(self, group: int) -> None:
         if self.cuda:
-            # the allocator's requested bytes (no rounding), bounded by its allocated bytes: where a build's reset of
-            # the peak statistics leaves the requested bytes' peak as it was, that peak is a whole step's
-            requested, allocated = self.memory_start
-            peak = min(_requested_bytes(self.device, "peak") - requested,
-                       torch.cuda.max_memory_allocated(self.device) - allocated)
-            held = min(_requested_bytes(self.device, "current") - requested,
-                       torch.cuda.memory_allocated(self.device) - allocated)
+            peak = _requested_bytes(self.device, "peak") - self.memory_start
+            held = _requested_bytes(self.device, "current") - self.memory_start
             self.memory[group] = (peak, held)
         else:
             self.scopes.pop(group).__exit__(None, None, None)

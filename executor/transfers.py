@@ -79,6 +79,7 @@ class Transfers:
             slots.append((index_of[ptr], (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)))
         elsewhere = {i: storage for i, storage in enumerate(storages) if storage.device.type != self.device.type}
         buffers = self._host_buffers(key, [0 if i in elsewhere else s.nbytes() for i, s in enumerate(storages)])
+        copied = [pair for i, pair in enumerate(zip(buffers, storages)) if i not in elsewhere]
         if self.cuda:
             ready = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.d2h_stream):
@@ -86,14 +87,12 @@ class Transfers:
                 unread = self.prefetch_done.pop(key, None)
                 if unread is not None:  # a prefetch nobody waited for may still read these host buffers
                     self.d2h_stream.wait_event(unread)
-                for index, (buffer, storage) in enumerate(zip(buffers, storages)):
-                    if index not in elsewhere:
-                        buffer.copy_(_bytes_view(storage), non_blocking=True)
+                for buffer, storage in copied:
+                    buffer.copy_(_bytes_view(storage), non_blocking=True)
                 self.offload_done[key] = self.d2h_stream.record_event()
         else:
-            for index, (buffer, storage) in enumerate(zip(buffers, storages)):
-                if index not in elsewhere:
-                    buffer.copy_(_bytes_view(storage))
+            for buffer, storage in copied:
+                buffer.copy_(_bytes_view(storage))
         copy = HostCopy(buffers, slots, elsewhere)
         self.copies[key] = copy
         return copy
@@ -118,6 +117,7 @@ class Transfers:
         if copy is None:
             raise KeyError(key)
         devices = [torch.empty(buffer.numel(), dtype=torch.uint8, device=self.device) for buffer in copy.buffers]
+        copied = [pair for i, pair in enumerate(zip(devices, copy.buffers)) if i not in copy.elsewhere]
         if self.cuda:
             allocated = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.h2d_stream):
@@ -128,14 +128,12 @@ class Transfers:
                 # No record_stream on the device buffers: the compute stream waits for this copy (the schedule's
                 # wait, or `settle` at the end of the step) before anything frees them, and a record_stream would
                 # hold each block until every later prefetch queued on this stream had finished.
-                for index, (device_buffer, host_buffer) in enumerate(zip(devices, copy.buffers)):
-                    if index not in copy.elsewhere:
-                        device_buffer.copy_(host_buffer, non_blocking=True)
+                for device_buffer, host_buffer in copied:
+                    device_buffer.copy_(host_buffer, non_blocking=True)
                 self.prefetch_done[key] = self.h2d_stream.record_event()
         else:
-            for index, (device_buffer, host_buffer) in enumerate(zip(devices, copy.buffers)):
-                if index not in copy.elsewhere:
-                    device_buffer.copy_(host_buffer)
+            for device_buffer, host_buffer in copied:
+                device_buffer.copy_(host_buffer)
         rebuilt = []
         for buffer_index, (size, stride, offset, dtype) in copy.slots:
             storage = (copy.elsewhere[buffer_index] if buffer_index in copy.elsewhere
