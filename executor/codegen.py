@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from executor import conv_algorithms
 from executor.capture import HAND_OFF, SHAPE_ONLY
+from executor.compiled_nodes import EAGER
 from executor.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
 from executor.regions import regions as region_ranges
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
@@ -239,29 +240,7 @@ class CodeGenerator:
                     made.add(item)
             made.add(op)
             body.append((op, lines))
-        # graph outputs whose storage this node owns
-        tail: list[str] = []
-        for value in self.outputs_of.get(group.index, []):
-            self._derive(value, tail, derived, made)
-            if value in self.gradient_index:
-                if first:
-                    tail.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
-            elif value in self.mutation_index:
-                if first:
-                    index = self.mutation_index[value]
-                    target = self.step.mutations[index][1]
-                    if value in self.in_place_values:
-                        self.direct.add(index)  # the operation itself wrote it
-                    elif index in self.modes.direct_writes and self._last_read.get(target, -1) <= self._position:
-                        # nothing after this point reads the tensor: update it now, as the eager step does
-                        tail.append(f"{self.value(target)}.copy_({self.value(value)})")
-                        self.direct.add(index)
-                    else:
-                        tail.append(f"S.stage({index}, {self.value(value)})")
-            elif value is self.step.loss and first:
-                tail.append(f"v__loss = {self.value(value)}")
-                if self.modes.strict:
-                    tail.append("S.loss_storage = v__loss.untyped_storage().data_ptr()")
+        tail = self._owned_outputs(group, first, derived, made)  # graph outputs whose storage this node owns
         # frees of transients right after their last use inside the node
         keep = set(group.outputs)
         transient = [n for n in made if n not in keep]
@@ -296,6 +275,34 @@ class CodeGenerator:
             w(f"S.tock({group.index})")
         del members
 
+    def _owned_outputs(self, group: Group, first: bool, derived: list, made: set) -> list[str]:
+        """The code handing on the step's graph outputs whose storage the node owns, after its computation: a
+        parameter's gradient, a buffer's new value (written now if nothing later reads the buffer, else staged for
+        the step's end), the loss."""
+        tail: list[str] = []
+        for value in self.outputs_of.get(group.index, []):
+            self._derive(value, tail, derived, made)
+            if not first:
+                continue
+            if value in self.gradient_index:
+                tail.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
+            elif value in self.mutation_index:
+                index = self.mutation_index[value]
+                target = self.step.mutations[index][1]
+                if value in self.in_place_values:
+                    self.direct.add(index)  # the operation itself wrote it
+                elif index in self.modes.direct_writes and self._last_read.get(target, -1) <= self._position:
+                    # nothing after this point reads the tensor: update it now, as the eager step does
+                    tail.append(f"{self.value(target)}.copy_({self.value(value)})")
+                    self.direct.add(index)
+                else:
+                    tail.append(f"S.stage({index}, {self.value(value)})")
+            elif value is self.step.loss:
+                tail.append(f"v__loss = {self.value(value)}")
+                if self.modes.strict:
+                    tail.append("S.loss_storage = v__loss.untyped_storage().data_ptr()")
+        return tail
+
     def _compiled_call(self, group: Group, implementation: str, first: bool) -> tuple[str, list[fx.Node]] | None:
         """The line calling the node's compiled kernel and the values it binds, or None to run it eagerly."""
         reason = None
@@ -304,8 +311,8 @@ class CodeGenerator:
             # one dropout is kept whole in the kernel (eager's own call: eager's mask, redrawn from the same RNG
             # state where recomputed); other random operations, or several whose order a kernel may change, not
             reason = "random (eager's random numbers, redrawn exactly where recomputed)"
-        elif first and any(self._batch_norm_in_place(op) for op in group.ops):
-            reason = "a batch norm updating the model's running statistics in place"
+        elif implementation == EAGER:
+            reason = "the plan runs it eagerly (measured faster than its kernel)"
         elif group.convolution is not None and implementation not in ("native", "default"):
             reason = f"convolution algorithm {implementation}"
         members = self._members(group)
@@ -552,9 +559,10 @@ class CodeGenerator:
         return region_ranges(operations, can_join, size_bytes, workspace_bytes, bounds, layer_of)
 
     def _joins_region(self, group: Group, implementation: str, first: bool) -> bool:
-        """A computation whose code is only its operations (no random numbers to replay, no model buffer or loss
-        written, no convolution algorithm of our own) and worth fusing."""
-        if group.random or (group.convolution is not None and implementation not in ("native", "default")):
+        """A computation whose code is only its operations and what it hands on (no random numbers to replay, no
+        loss, no convolution algorithm of our own), worth fusing, and compiled in the plan."""
+        if group.random or implementation == EAGER \
+                or (group.convolution is not None and implementation not in ("native", "default")):
             return False
         if all(op.meta.get(HAND_OFF) is not None for op in group.ops):
             # a hand-off node only copies a result the backward reads (a dropout's mask, a batch norm's statistics):
@@ -567,7 +575,7 @@ class CodeGenerator:
             # memory the plan does not have
             return False
         owned = self.outputs_of.get(group.index, [])
-        return all(value in self.gradient_index for value in owned)
+        return all(value in self.gradient_index or value in self.mutation_index for value in owned)
 
     def _region_spec(self, operations: list[Op], start: int, end: int) -> "_RegionSpec":
         """What the kernel of operations[start:end] computes: the nodes' operations, from the values it reads to
@@ -638,17 +646,13 @@ class CodeGenerator:
         w(f"{_tuple([local(n) for n in outputs])} = {name}({arguments})")
         made: set = set(outputs)
         derived: list[fx.Node] = []
-        for op in run:
+        for k, op in enumerate(run, start):
             group = groups[op.group]
             if op.kind == "compute":
                 first = op.group not in seen
                 seen.add(op.group)
-                tail: list[str] = []
-                for value in self.outputs_of.get(group.index, []):
-                    self._derive(value, tail, derived, made)
-                    if first:
-                        tail.append(f"S.gradient({self.gradient_index[value]}, {self.value(value)})")
-                for line in tail:
+                self._position = k
+                for line in self._owned_outputs(group, first, derived, made):
                     w(line)
                 on_device.add(op.group)
                 if self.modes.ledger:

@@ -27,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -42,7 +42,7 @@ from executor.allocations import cpu_workspace_bytes, memory_events
 from executor.convolution_scratch import (convolution_geometry, convolution_input, native_convolution_scratch_bytes,
                                           probe_native_scratch)
 from executor.codegen import CodeGenerator, Modes, schedule_operations
-from executor.compiled_nodes import CompiledNodes, NodeCompiler
+from executor.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
 from executor.feeds import Feeder
 from executor.planning_graph import PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
@@ -50,6 +50,7 @@ from executor.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_lay
 from executor.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
+from planner.schedule import Compute
 from planner.simulator import simulate
 from planner.units import format_bytes
 
@@ -636,6 +637,8 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                          operations))
     if compiler is not None:
         say(f"compiled: {compiler.record.describe()}")
+        programs.extend(_eager_pass(profiled, chosen, names, passes, compiler.record, device.type == "cuda"))
+        pass_names = [algorithm for algorithm, _, _, _ in programs]
     samples: dict[tuple[int, str], list[float]] = {}
     harness: list[float] = []
     glue: list[float] = []  # per computation, ms
@@ -709,6 +712,33 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
     return nodes_doc, spread, notes, loss_bytes
 
 
+def _eager_pass(profiled: ProfiledStep, chosen: MeasuringPlan, names: list[list[str]], passes: list,
+                record: CompiledNodes, cuda: bool) -> list[tuple]:
+    """With compiled nodes: the native pass again with each compiled node run eagerly (implementation EAGER, added
+    to the node's names), so that the plan can keep eager code where Inductor's kernel is slower. Same schedule, so
+    within the same budget (eager code is what the provisional figures describe)."""
+    planning = profiled.planning
+    index_of = {group.id: group.index for group in planning.groups}
+    compiled = {index_of[node_id] for node_id in record.compiled if node_id in index_of
+                and planning.groups[index_of[node_id]].convolution is None}
+    if not compiled:
+        return []
+    for g in sorted(compiled):
+        names[g].append(EAGER)
+    _, operations, ran = passes[0]
+    operations = [replace(op, implementation=EAGER) if op.kind == "compute" and op.group in compiled else op
+                  for op in operations]
+    ran = {g: EAGER if g in compiled else implementation for g, implementation in ran.items()}
+    schedule = chosen.pass_schedules["native"]
+    eager_ids = {planning.groups[g].id for g in compiled}
+    stages = [stage.model_copy(update={"operations": [
+        op.model_copy(update={"implementation": EAGER}) if isinstance(op, Compute) and op.node in eager_ids else op
+        for op in stage.operations]}) for stage in schedule.stages]
+    chosen.pass_schedules[EAGER] = schedule.model_copy(update={"stages": stages})
+    program = CodeGenerator(planning, Modes(timing=True), cuda=cuda, compiler=None)
+    return [(EAGER, program.program(operations, None, name=f"profile {EAGER}"), ran, operations)]
+
+
 def _owner_pass(implementation: str, passes: list[str]) -> str:
     """The pass whose figures an implementation takes: its own algorithm's, else the native pass."""
     return implementation if implementation in passes else "native"
@@ -734,7 +764,8 @@ def _workspaces(profiled: ProfiledStep, programs, values, device, pass_names, ru
     planning = profiled.planning
     result: dict[tuple[int, str], int] = {}
     for algorithm, _, ran, operations in programs:
-        generator = CodeGenerator(planning, Modes(memory=True), cuda=device.type == "cuda", compiler=compiler)
+        generator = CodeGenerator(planning, Modes(memory=True), cuda=device.type == "cuda",
+                                  compiler=None if algorithm == EAGER else compiler)
         program = generator.program(operations, None, name=f"memory {algorithm}")
         say("measuring workspace" + ("" if algorithm == "native" else f" ({algorithm})"))
         runtime.rng.clear()

@@ -4,9 +4,10 @@ Inside a region, Inductor fuses across node boundaries (a bias, an activation an
 nodes), and a value the schedule frees inside the region is never made at all. What the schedule does between
 those computations must not need a real tensor at a boundary: so a region spans only computations and frees
 (an offload, a prefetch or a wait ends it), and the code generator says which computations can join one (not
-random, not writing the model's buffers, no convolution algorithm of our own). A region also stays inside one
-layer of a repeated module (`transformer.h.3`): the layers' regions are then alike and share one kernel, so the
-compile time grows with the kinds of layer, not with their number.
+random, not the loss, no convolution algorithm of our own; a batch norm's new running statistics are written after
+the region's call). A region also stays inside one layer of a repeated module (`transformer.h.3`): the layers'
+regions are then alike and share one kernel, so the compile time grows with the kinds of layer, not with their
+number.
 
 The budget keeps its promise: a region holds every tensor it reads until it returns (the caller's references),
 so a freed input goes only after it. A region is allowed only where the worst case, everything live when it
@@ -64,6 +65,7 @@ def regions(operations: Sequence[_Operation], can_join: Callable[[int], bool], s
                 k += 1
                 continue
             start, end, computes, groups = k, k + 1, 1, {operations[k].group}
+            freed_before: set[int] = set()  # freed inside before any computation of theirs there (an earlier one's)
             layer = layer_of(operations[k].group)
             outputs = size_bytes[operations[k].group]
             workspace = workspace_bytes(operations[k].group, operations[k].implementation)
@@ -71,9 +73,14 @@ def regions(operations: Sequence[_Operation], can_join: Callable[[int], bool], s
             while j < high and computes < max_nodes:
                 op = operations[j]
                 if op.kind == "free":
+                    if op.group not in groups:
+                        freed_before.add(op.group)
                     j += 1
                     continue
-                if op.kind != "compute" or not can_join(j) or op.group in groups or layer_of(op.group) != layer:
+                # a node computed again after its earlier outputs were freed inside: the region's call would make
+                # the new outputs before the code after it frees the old ones under the same names
+                if op.kind != "compute" or not can_join(j) or op.group in groups or op.group in freed_before \
+                        or layer_of(op.group) != layer:
                     break
                 grown_outputs = outputs + size_bytes[op.group]
                 grown_workspace = max(workspace, workspace_bytes(op.group, op.implementation))

@@ -18,14 +18,26 @@ pytest.importorskip("transformers")
 from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
-from executor import compiled_nodes  # noqa: E402
+from executor import compiled_nodes, profiler  # noqa: E402
+from executor.compiled_nodes import EAGER  # noqa: E402
+from executor.measuring import with_implementations  # noqa: E402
 from executor.profiler import profile_step  # noqa: E402
 from executor.replay import PlannedModule  # noqa: E402
 from executor.schedules import recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
+from planner.schedule import Compute  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+@pytest.fixture(autouse=True)
+def _kernels_only(request, monkeypatch):
+    """These tests are about the kernels: the profile offers no eager alternative beside a node's kernel, so which
+    nodes run compiled does not hang on which of the two a noisy clock timed faster (the alternative has tests of
+    its own, marked `eager_alternative`)."""
+    if request.node.get_closest_marker("eager_alternative") is None:
+        monkeypatch.setattr(profiler, "_eager_pass", lambda *args, **kwargs: [])
 
 
 def _plain_step(model, args, kwargs, targets, loss_fn):
@@ -489,3 +501,94 @@ def test_regions_stop_at_a_convolutions_input_stand_in():
     plain_model = copy.deepcopy(model)
     plain_loss = _plain_step(plain_model, (inputs,), {}, targets, spec.loss)
     _assert_close("regions", loss, plain_loss, _gradients(planned_model), _gradients(plain_model), torch.float32)
+
+
+class Normalised(nn.Module):
+    """Convolutions, batch norms and ReLUs, as a CNN's blocks: the batch norms' first computations write the
+    model's running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.a_norm = nn.BatchNorm2d(8)
+        self.b = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.b_norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.a_norm(self.a(x)))
+        x = torch.relu(self.b_norm(self.b(x)) + x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_batch_norms_writing_running_statistics_compile_and_join_regions():
+    """A batch norm's first computation hands its new running statistics on from its kernel (eager's own batch norm
+    call inside, so eager's values) and they are written into the model's buffers after it: it compiles and joins
+    regions with the ReLU after it, where it used to run eagerly (reported as updating the statistics in place).
+    After two steps the buffers are plain PyTorch's bitwise, under keep-all and under a recompute-heavy plan."""
+    torch.manual_seed(0)
+    model = Normalised()
+    x, y = torch.randn(32, 3, 16, 16), torch.randint(0, 4, (32,))
+    profile, captured = profile_step(copy.deepcopy(model), (x,), nn.functional.cross_entropy, y, repeats=1, warmup=0,
+                                     algorithms=("native",), compile=True)
+    plain_model = copy.deepcopy(model)
+    for _ in range(2):
+        plain_model.zero_grad(set_to_none=True)
+        plain_loss = _plain_step(plain_model, (x,), {}, y, nn.functional.cross_entropy)
+    for schedule in (plan(profile, strategy="keep-all"), recompute_everything_schedule(profile)):
+        planned_model = copy.deepcopy(model)
+        planned = PlannedModule(planned_model, profile, schedule, nn.functional.cross_entropy, profiled=captured,
+                                compile=True)
+        for _ in range(2):
+            planned_model.zero_grad(set_to_none=True)
+            loss = _planned_step(planned, (x,), {}, y)
+        record = planned.compiled_nodes
+        assert not [reason for reason in record.eager.values() if "batch norm" in reason], record.describe()
+        norms = [node for node in profile.node_by_id if "norm" in node and not node.startswith("backward")]
+        in_regions = {node for nodes in record.regions.values() for node in nodes}
+        assert in_regions & set(norms), (norms, record.describe())
+        for (name, buffer), plain_buffer in zip(planned_model.named_buffers(), plain_model.buffers()):
+            assert torch.equal(buffer, plain_buffer), name
+        assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+        _assert_close("batch norm", loss, plain_loss, _gradients(planned_model), _gradients(plain_model),
+                      torch.float32)
+
+
+@pytest.mark.eager_alternative
+def test_a_compiled_profile_offers_each_kernels_eager_code_and_the_plan_chooses():
+    """Beside each compiled node's kernel ("default") the profile offers its eager code ("eager"), timed and measured
+    in a pass of its own, so the planner keeps eager code where Inductor's is slower (a max pool's backward on the
+    CPU). A node the plan runs eagerly is reported so, stays out of regions, and the step still matches plain
+    PyTorch with the ledger at the simulated peak."""
+    torch.manual_seed(0)
+    model = Chain()
+    x, y = torch.randn(512, 64), torch.randint(0, 8, (512,))
+    profile, captured = profile_step(copy.deepcopy(model), (x,), nn.functional.cross_entropy, y, repeats=1, warmup=0,
+                                     algorithms=("native",), compile=True)
+    compiled = set(captured.compiled.compiled)
+    assert compiled, captured.compiled.describe()
+    for node in profile.nodes:
+        names = [implementation.name for implementation in node.implementations]
+        assert names == (["default", EAGER] if node.id in compiled else ["default"]), (node.id, names)
+        assert all(implementation.time_ms > 0 for implementation in node.implementations), node.id
+    keep_all = plan(profile, strategy="keep-all")
+    for _, _, op in keep_all.operations():
+        if isinstance(op, Compute):  # keep-all runs each node's fastest code
+            assert op.implementation == profile.node_by_id[op.node].fastest.name, op.node
+    run_eagerly = set(sorted(compiled)[::2])
+    schedule = with_implementations(profile, keep_all, lambda node: EAGER if node in run_eagerly else "default", None)
+    assert {op.node for _, _, op in schedule.operations()
+            if isinstance(op, Compute) and op.implementation == EAGER} == run_eagerly
+    planned_model = copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, schedule, nn.functional.cross_entropy, profiled=captured,
+                            compile=True)
+    loss = _planned_step(planned, (x,), {}, y)
+    record = planned.compiled_nodes
+    for node in run_eagerly:
+        assert record.eager.get(node) == "the plan runs it eagerly (measured faster than its kernel)", node
+    assert not run_eagerly & {node for nodes in record.regions.values() for node in nodes}
+    assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+    plain_model = copy.deepcopy(model)
+    plain_loss = _plain_step(plain_model, (x,), {}, y, nn.functional.cross_entropy)
+    _assert_close("eager alternative", loss, plain_loss, _gradients(planned_model), _gradients(plain_model),
+                  torch.float32, _exact_gradients(model, x, y))

@@ -78,6 +78,16 @@ def test_a_node_computed_twice_in_a_run_starts_a_new_region():
     assert found == [(0, 2), (3, 5)]
 
 
+def test_a_node_freed_and_computed_again_inside_a_run_starts_a_new_region():
+    """Its earlier outputs are freed inside the run, then it is recomputed (a recompute-heavy plan's backward): one
+    region would make the new outputs in its call, and the free after the call would drop them (a batch norm's
+    recomputation, whose statistics' copy then read None)."""
+    operations = [compute(0), compute(1), compute(2), free(0), compute(3), compute(0), compute(4)]
+    sizes = [1] * 5
+    # the first computation of 0 is no region's (a random node, say)
+    assert regions(operations, lambda k: k != 0, sizes, no_workspace) == [(1, 5), (5, 7)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=30),
        st.lists(st.integers(1, 100), min_size=6, max_size=6), st.integers(1, 6))
@@ -104,4 +114,7 @@ def test_no_region_holds_more_than_the_schedule_peak(steps, sizes, max_nodes):
         groups = [op.group for op in run if op.kind == "compute"]
         assert 2 <= len(groups) <= max_nodes and len(set(groups)) == len(groups)
         assert all(op.kind in ("compute", "free") for op in run)
+        freed = {op.group for op in run if op.kind == "free"}
+        assert all(op.group not in freed for k, op in enumerate(run) if op.kind == "compute"
+                   and any(o.kind == "free" and o.group == op.group for o in run[:k])), run
         assert before[start] + sum(sizes[g] for g in groups) <= peak
