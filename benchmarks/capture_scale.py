@@ -2,7 +2,7 @@
 time and memory, for BERT-base (12 layers, hidden 768, sequence 512, batch 1) and smaller models.
 
 Each workload is captured in a fresh process (`--child`) so that its memory is its own: the peak RSS rise of
-`executor.profiler.plan_step` (torch.export, the joint graph, grouping into planning nodes) over the resident
+`executor.measure.profiler.plan_step` (torch.export, the joint graph, grouping into planning nodes) over the resident
 set after the model and its inputs are built.
 
     python benchmarks/capture_scale.py        # writes benchmarks/results/capture.md
@@ -38,7 +38,7 @@ def _status_kib(field: str) -> int:
 def child(spec: str) -> dict:
     import torch
 
-    from executor.profiler import plan_step
+    from executor.measure.profiler import plan_step
     from models.workload import load_workload
 
     torch.set_num_threads(1)

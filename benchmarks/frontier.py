@@ -8,7 +8,7 @@ Every configuration runs in a process of its own (torch.compile shares compiled 
 in one process, so budgets would leak), beside an eager copy of the same weights. Time: the median over `--rounds`
 of the pair ratio (configuration step / eager step, the two run back to back, alternating which goes first), so that
 the machine's drift between processes (20-40%) cancels. Peak: the rise of live tensor storage during one step, from
-the allocator's records (`executor.allocations.AllocationTrace`), gradients set to None before it as
+the allocator's records (`executor.measure.allocations.AllocationTrace`), gradients set to None before it as
 `optimizer.zero_grad()` leaves them. mosos on the CPU plans recomputation only (host memory is the same RAM).
 
 Families: eager; per-block checkpointing (transformers' `gradient_checkpointing_enable()` where the model has it,
@@ -206,7 +206,7 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
           precision: str = "fp32") -> dict:
     import torch
 
-    from executor.allocations import AllocationTrace
+    from executor.measure.allocations import AllocationTrace
 
     torch.set_num_threads(threads)
     cuda = device == "cuda"
@@ -286,7 +286,7 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         if summary.offloaded_bytes:
             row["note"] += f", offload {summary.offloaded_bytes / MIB:.0f} MiB, stall {summary.stall_time_ms:.1f} ms"
         if compiled:
-            # the node kernels the profiling compiled, and the regions the replay compiled (executor.regions)
+            # the node kernels the profiling compiled, and the regions the replay compiled (executor.replay.regions)
             record, replayed = planned._prepared.profiled.compiled, planned.compiled_nodes
             row["compile_s"] = record.compile_seconds + replayed.compile_seconds
             row["note"] += f"; profiled: {record.describe()}; replayed: {replayed.describe()}"

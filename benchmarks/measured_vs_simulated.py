@@ -67,8 +67,8 @@ def _measure_steps(planned, work, steps: int) -> float:
 def step_time_rows(workload: str, ratios, steps: int, time_limit_s: float) -> list[dict]:
     import torch
 
-    from executor.profiler import profile_step
-    from executor.replay import PlannedModule
+    from executor.measure.profiler import profile_step
+    from executor.replay.replay import PlannedModule
     from models.workload import load_workload
     from planner.errors import BudgetError
     from planner.planning import plan
@@ -117,8 +117,8 @@ def _child_first_step(workload: str, path: str, ratio: float) -> dict:
     import torch
 
     import executor
-    from executor.profiler import profile_step
-    from executor.replay import PlannedModule
+    from executor.measure.profiler import profile_step
+    from executor.replay.replay import PlannedModule
     from models.workload import load_workload
     from planner.planning import plan
     from planner.strategies.keep_all import keep_all_peak_bytes
@@ -147,7 +147,7 @@ def _child_first_step(workload: str, path: str, ratio: float) -> dict:
 
 
 def first_step_rows(workload: str, ratio: float, rounds: int) -> list[dict]:
-    from executor.profiler import profile_step
+    from executor.measure.profiler import profile_step
     from models.workload import load_workload
     from planner.strategies.keep_all import keep_all_peak_bytes
 

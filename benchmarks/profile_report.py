@@ -155,16 +155,16 @@ def _kept_sections() -> list[str]:
 def _measured_comparison() -> list[str]:
     """Estimated beside measured (the executor's profiler, CPU) graphs of the small variants."""
     try:
-        from executor.profiler import profile_model
+        from executor.measure.profiler import profile_model
     except ImportError:
-        return ["", "(executor.profiler not importable: no comparison with measured graphs)"]
+        return ["", "(executor.measure.profiler not importable: no comparison with measured graphs)"]
     from models.registry import get_model
 
     lines = [
         "",
         "## Estimated vs. measured graphs (small variants, batch 2)",
         "",
-        "Measured: `executor.profiler.profile_model` on this CPU (1 repeat, native convolutions). The estimate has "
+        "Measured: `executor.measure.profiler.profile_model` on this CPU (1 repeat, native convolutions). The estimate has "
         "one node per module call; the measured profile one per ATen planning node (README, \"Planning nodes\"), "
         "so ids and counts differ. Both count the same parameters and inputs; forward tensors differ by each "
         "side's conventions (the estimate counts CUDA's 1-byte dropout masks and no workspace outside "

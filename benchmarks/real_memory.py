@@ -87,7 +87,7 @@ def _status_kib(field: str) -> int:
 
 
 def _storage_rise_bytes(step) -> int:
-    from executor.allocations import AllocationTrace
+    from executor.measure.allocations import AllocationTrace
 
     with AllocationTrace() as trace:
         step()
@@ -99,7 +99,7 @@ def child(spec: str, profile_path: str, schedule_path: str) -> dict:
 
     import torch
 
-    from executor.replay import PlannedModule
+    from executor.replay.replay import PlannedModule
     from models.workload import load_workload
     from planner.profile import parse_profile
     from planner.schedule import parse_schedule
@@ -139,7 +139,7 @@ def measured_profile(spec: str):
     """The workload's profile as the planner sees it (native algorithms, no optimizer: the check has none)."""
     import torch
 
-    from executor.profiler import profile_step
+    from executor.measure.profiler import profile_step
     from models.workload import load_workload
 
     torch.set_num_threads(1)

@@ -33,8 +33,8 @@ HEADING = "## Replay speed on the CPU"
 def measure(spec: str, rounds: int, warmup: int, ratio: float, time_limit_s: float, say=print) -> dict:
     import torch
 
-    from executor.profiler import profile_step
-    from executor.replay import PlannedModule
+    from executor.measure.profiler import profile_step
+    from executor.replay.replay import PlannedModule
     from models.workload import load_workload
     from planner.budget import minimum_budget_bytes
     from planner.errors import BudgetError

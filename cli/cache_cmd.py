@@ -1,4 +1,4 @@
-"""`mosos cache list` / `mosos cache clear`: the plans `optimize()` keeps across runs (executor.cache)."""
+"""`mosos cache list` / `mosos cache clear`: the plans `optimize()` keeps across runs (executor.plan.cache)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ DIRECTORY = typer.Option(None, "--dir", help="The cache directory (default: $MOS
 def _cache(directory: Path | None):
     if importlib.util.find_spec("torch") is None:
         raise MososError("the plan cache is written by the executor, which needs torch: pip install torch")
-    from executor.cache import PlanCache
+    from executor.plan.cache import PlanCache
 
     return PlanCache(directory)
 

@@ -3,7 +3,7 @@
 Two kinds of model: a reference network by name (`--model vgg19`, priced per
 layer by `models.estimator`), or the user's own `path/to/file.py:build` /
 `package.module:build` workload (`models.workload`), captured here and priced
-per ATen operation by `executor.estimate`, without running a step. torch,
+per ATen operation by `executor.measure.estimate`, without running a step. torch,
 `models` and `executor` are imported only when the command runs, so the planner
 stays importable without them.
 """
@@ -63,7 +63,7 @@ def _estimate_workload(spec: str, gpu: str | None, batch: int | None, output: Pa
     if gpu is None:
         raise MososError(f"mosos estimate {spec} needs --gpu (one of the table: mosos estimate --list)")
     whole_number_in(batch, "--batch", 1, 1 << 24)
-    from executor.estimate import estimate_workload, gpu_of
+    from executor.measure.estimate import estimate_workload, gpu_of
 
     gpu_of(gpu)  # an unknown GPU is refused, with the known keys, before the user's code runs
     started = time.monotonic()

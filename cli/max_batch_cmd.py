@@ -2,9 +2,9 @@
 
 A named model is estimated for a named GPU (`--model vgg19 --gpu v100`); a
 user's `--model path.py:build` workload is estimated for a named GPU from its
-captured step at every batch (`--gpu h100`, `executor.batch_profiles.EstimatedWorkloadProfiles`),
+captured step at every batch (`--gpu h100`, `executor.measure.batch_profiles.EstimatedWorkloadProfiles`),
 or, without `--gpu`, measured on this machine's device at a few batches and
-scaled (`executor.batch_profiles.MeasuredProfiles`). torch, `models` and
+scaled (`executor.measure.batch_profiles.MeasuredProfiles`). torch, `models` and
 `executor` are imported only when the command runs.
 """
 
@@ -67,11 +67,11 @@ def _profile_source(model: str, gpu: str | None, *, image_size, tokens, small, m
 
     if looks_like_spec(model):
         if gpu is not None:
-            from executor.batch_profiles import EstimatedWorkloadProfiles
+            from executor.measure.batch_profiles import EstimatedWorkloadProfiles
 
             return EstimatedWorkloadProfiles(model, gpu, math=math, optimizer=optimizer, memory_bytes=memory,
                                              progress=say)
-        from executor.batch_profiles import MeasuredProfiles
+        from executor.measure.batch_profiles import MeasuredProfiles
 
         return MeasuredProfiles(model, device=device, measure_batches=measure_batches, validate_batch=validate_batch,
                                 optimizer=optimizer, repeats=repeats, threads=threads, d2h_gb_per_s=d2h,

@@ -24,7 +24,7 @@ from planner.units import format_bytes, parse_bytes
 def _load():
     if importlib.util.find_spec("torch") is None:
         raise MososError("mosos profile needs torch to run the model: pip install torch")
-    from executor import reference
+    from executor.replay import reference
 
     return reference
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import executor  # noqa: E402
-from executor.reference import load  # noqa: E402
+from executor.replay.reference import load  # noqa: E402
 from models.workload import looks_like_spec  # noqa: E402
 from planner.errors import MososError  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402

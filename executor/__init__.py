@@ -9,21 +9,21 @@ __all__ = ["profile_model", "estimate_profile", "PlannedModule", "optimize", "Ca
 
 
 def __getattr__(name: str):
-    # lazy, so `import executor.conv_algorithms` does not pull in the whole replay machinery
+    # lazy, so `import executor.measure.conv_algorithms` does not pull in the whole replay machinery
     if name == "profile_model":
-        from executor.profiler import profile_model
+        from executor.measure.profiler import profile_model
 
         return profile_model
     if name == "estimate_profile":
-        from executor.estimate import estimate_profile
+        from executor.measure.estimate import estimate_profile
 
         return estimate_profile
     if name == "PlannedModule":
-        from executor.replay import PlannedModule
+        from executor.replay.replay import PlannedModule
 
         return PlannedModule
     if name == "optimize":
-        from executor.plugin import optimize
+        from executor.plan.plugin import optimize
 
         return optimize
     if name in ("CaptureError", "ProfileMismatch", "ReplayError"):

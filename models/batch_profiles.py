@@ -4,7 +4,7 @@
   batch asked for. An estimate costs tens of milliseconds, so every batch is
   estimated exactly, and kept for the rest of the search.
 - Scaling measured profiles across batches (`scale_profile`, `check_same_graph`,
-  `ScalingReport`), for `executor.batch_profiles.MeasuredProfiles`: a user's
+  `ScalingReport`), for `executor.measure.batch_profiles.MeasuredProfiles`: a user's
   `file.py:build(batch_size=...)` workload measured by the executor's profiler
   on this machine's device (the measuring lives with the profiler: `models/`
   never imports `executor/`). A measurement

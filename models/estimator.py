@@ -53,7 +53,7 @@ ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
 ESTIMATOR_VERSION = "1.2"  # 1.1: a convolution's backward is two nodes (filter gradient, data gradient); 1.2: hand-offs
 HAND_OFF_SUFFIX = ":saved"
 # results read only by the backward are handed on apart when at most this fraction of the bytes they would
-# otherwise hold; executor.capture applies the same rule to captured graphs
+# otherwise hold; executor.capture.capture applies the same rule to captured graphs
 HAND_OFF_MAX_FRACTION = 0.25
 TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
 OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}

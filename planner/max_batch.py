@@ -3,7 +3,7 @@
 `max_batch(profile_for_batch, budget_bytes, ...)` takes a function that makes
 the training step's profile at any batch size (the estimator for a named GPU,
 a user's model estimated for a named GPU, or profiles measured at a few
-batches and scaled: see `models.batch_profiles` and `executor.batch_profiles`)
+batches and scaled: see `models.batch_profiles` and `executor.measure.batch_profiles`)
 and, for each strategy, searches the batch sizes:
 
 - a batch *fits* when the strategy's plan (checked by the simulator, as every

@@ -1,4 +1,4 @@
-"""Mixed precision: under torch.autocast the planned step is eager autocast's, bit for bit (executor.autocast).
+"""Mixed precision: under torch.autocast the planned step is eager autocast's, bit for bit (executor.capture.autocast).
 
 The zoo (BERT, GPT-2 with tied embeddings, ViT, a LLaMA-style decoder, ResNet, MobileNetV2, the in-place CNN) in
 float32 under bf16 CPU autocast, with keep-all, mosos at 0.6, recompute-heavy and offload-heavy plans: the loss,
@@ -20,9 +20,9 @@ from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
 from executor.errors import ProfileMismatch  # noqa: E402
-from executor.profiler import profile_step  # noqa: E402
-from executor.replay import PlannedModule  # noqa: E402
-from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from executor.measure.profiler import profile_step  # noqa: E402
+from executor.replay.replay import PlannedModule  # noqa: E402
+from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The budget holds from the first allocation, in the process itself: every allocation of capture, profiling,
-planning and the first planned step counted by the allocator's own events (executor.allocations), and the profile
+planning and the first planned step counted by the allocator's own events (executor.measure.allocations), and the profile
 measured within a budget agrees with the keep-all one where keep-all fits."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import executor  # noqa: E402
-from executor.allocations import AllocationTrace  # noqa: E402
-from executor.profiler import profile_step  # noqa: E402
+from executor.measure.allocations import AllocationTrace  # noqa: E402
+from executor.measure.profiler import profile_step  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.schedule import Schedule  # noqa: E402
@@ -165,7 +165,7 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
     re-plans once on what it measured, and every step stays plain PyTorch's, bit for bit."""
     import copy
 
-    from executor.replay import PlannedModule
+    from executor.replay.replay import PlannedModule
 
     torch.set_num_threads(1)
     model, args, kwargs, targets, loss_fn = ZOO["bert"]()

@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from executor.capture import capture  # noqa: E402
+from executor.capture.capture import capture  # noqa: E402
 from executor.errors import CaptureError  # noqa: E402
-from executor.profiler import profile_step  # noqa: E402
-from executor.replay import PlannedModule  # noqa: E402
-from executor.schedules import recompute_everything_schedule  # noqa: E402
+from executor.measure.profiler import profile_step  # noqa: E402
+from executor.replay.replay import PlannedModule  # noqa: E402
+from executor.plan.schedules import recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 
 
@@ -199,7 +199,7 @@ def test_an_attention_without_dropout_is_not_a_random_node():
     """ATen's CPU flash attention is tagged random for its dropout argument, but accepts only 0 there and draws
     nothing: it is recomputed like any other node (no generator state kept, free to join a compiled region).
     Dropout stays random."""
-    from executor.planning_graph import is_random
+    from executor.capture.planning_graph import is_random
 
     graph = torch.fx.Graph()
     q = graph.placeholder("q")

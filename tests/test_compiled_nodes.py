@@ -1,4 +1,4 @@
-"""The compiled replay (executor.compiled_nodes): planning nodes as Inductor kernels.
+"""The compiled replay (executor.replay.compiled_nodes): planning nodes as Inductor kernels.
 
 The zoo trains under keep-all, mosos at 0.6 and recompute-heavy plans with compiled nodes: loss and every
 gradient within the rounding fusion changes of plain PyTorch's (float32: 1e-5 of the gradient's largest
@@ -18,12 +18,13 @@ pytest.importorskip("transformers")
 from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
-from executor import compiled_nodes, profiler  # noqa: E402
-from executor.compiled_nodes import EAGER  # noqa: E402
-from executor.measuring import with_implementations  # noqa: E402
-from executor.profiler import profile_step  # noqa: E402
-from executor.replay import PlannedModule  # noqa: E402
-from executor.schedules import recompute_everything_schedule  # noqa: E402
+from executor.replay import compiled_nodes  # noqa: E402
+from executor.measure import profiler  # noqa: E402
+from executor.replay.compiled_nodes import EAGER  # noqa: E402
+from executor.measure.measuring import with_implementations  # noqa: E402
+from executor.measure.profiler import profile_step  # noqa: E402
+from executor.replay.replay import PlannedModule  # noqa: E402
+from executor.plan.schedules import recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.schedule import Compute  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
@@ -282,7 +283,7 @@ def test_the_allocators_peak_stays_within_the_budget_with_compiled_nodes(name, m
     """Compiling, profiling on the kernels, planning, the timed step and one with compiled regions, every
     allocation counted by the allocator's own events: the rise over what the caller already holds stays within the budget. (The CNN's measuring
     pass needs 0.68 of its keep-all peak, now that keep-all holds no more than eager autograd does.)"""
-    from executor.allocations import AllocationTrace
+    from executor.measure.allocations import AllocationTrace
     from tests.test_budgeted_profiling import _resident_bytes
 
     torch.manual_seed(0)

@@ -8,11 +8,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import executor  # noqa: E402
-from executor.allocations import AllocationTrace, cpu_workspace_bytes, memory_events  # noqa: E402
-from executor.convolution_scratch import (_probe_need_bytes, convolution_geometry, convolution_input,  # noqa: E402
+from executor.measure.allocations import AllocationTrace, cpu_workspace_bytes, memory_events  # noqa: E402
+from executor.measure.convolution_scratch import (_probe_need_bytes, convolution_geometry, convolution_input,  # noqa: E402
                                           native_convolution_scratch_bytes, probe_native_scratch)
-from executor.measuring import SCRATCH_SLACK_BYTES  # noqa: E402
-from executor.profiler import plan_step, provisional_profile  # noqa: E402
+from executor.measure.measuring import SCRATCH_SLACK_BYTES  # noqa: E402
+from executor.measure.profiler import plan_step, provisional_profile  # noqa: E402
 from models.workload import reference_workload  # noqa: E402
 from planner.budget import minimum_budget_bytes  # noqa: E402
 from torch.profiler import record_function  # noqa: E402

@@ -287,7 +287,7 @@ def test_shipped_profiles_validate_and_plan_with_keep_all(file_name):
 def test_estimated_and_measured_profiles_describe_the_same_step(name):
     """The estimator plans module by module, the measured profiler ATen planning node by node (other ids, other
     granularity); both describe the same step: the same parameters and inputs, forward tensors of the same order."""
-    profiler = pytest.importorskip("executor.profiler")
+    profiler = pytest.importorskip("executor.measure.profiler")
     spec = get_model(name, small=True)
     inputs, targets = spec.example_inputs(2)
     measured = profiler.profile_model(spec.build(), inputs, spec.loss, targets, repeats=1, warmup=0,

@@ -1,4 +1,4 @@
-"""A user's own model estimated for a GPU of the table (executor.estimate): no step run, no activation allocated,
+"""A user's own model estimated for a GPU of the table (executor.measure.estimate): no step run, no activation allocated,
 agreeing with the reference estimator on the reference networks and with MONeT's measured P100 convolutions."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from benchmarks.estimate_agreement import NETWORKS, agreement, calibration  # noqa: E402
-from executor.estimate import EstimateError, estimate_profile, estimate_step, op_bytes, op_flops  # noqa: E402
-from executor.profiler import profile_model  # noqa: E402
+from executor.measure.estimate import EstimateError, estimate_profile, estimate_step, op_bytes, op_flops  # noqa: E402
+from executor.measure.profiler import profile_model  # noqa: E402
 from models.calibration import DEFAULT_DATA  # noqa: E402
 from models.workload import load_workload  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
@@ -163,8 +163,8 @@ def test_tf32_and_the_gpu_table_change_the_times_not_the_sizes():
 
 
 def _allocations(run):
-    """Every c10 CPU allocation and free while `run()` runs (the allocator's events, executor.allocations)."""
-    from executor.allocations import AllocationTrace
+    """Every c10 CPU allocation and free while `run()` runs (the allocator's events, executor.measure.allocations)."""
+    from executor.measure.allocations import AllocationTrace
 
     with AllocationTrace() as trace:
         run()

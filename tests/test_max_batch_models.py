@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
 from cli import app  # noqa: E402
-from executor.batch_profiles import MeasuredProfiles  # noqa: E402
+from executor.measure.batch_profiles import MeasuredProfiles  # noqa: E402
 from models.batch_profiles import BatchProfileError, EstimatedProfiles  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.max_batch import max_batch  # noqa: E402
@@ -157,8 +157,8 @@ def test_a_workload_spec_needs_a_batch_size_parameter(workload):
 def test_with_a_gpu_a_workload_is_estimated_at_every_batch_not_measured(workload):
     """`--model file.py:build --gpu`: each batch the search reaches is captured and estimated for the GPU, exactly
     (the profile at a batch is the estimate at that batch, not a line through others); nothing is measured."""
-    from executor.batch_profiles import EstimatedWorkloadProfiles
-    from executor.estimate import estimate_workload
+    from executor.measure.batch_profiles import EstimatedWorkloadProfiles
+    from executor.measure.estimate import estimate_workload
 
     result = invoke("max-batch", "--model", f"{workload}:build", "--gpu", "v100", "--budget", "3MiB",
                     "--strategy", "keep-all", "--max-overhead", "none", "--time-limit", "120", "--json")

@@ -20,9 +20,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from executor.profiler import profile_step  # noqa: E402
-from executor.replay import PlannedModule  # noqa: E402
-from executor.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from executor.measure.profiler import profile_step  # noqa: E402
+from executor.replay.replay import PlannedModule  # noqa: E402
+from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
@@ -126,9 +126,9 @@ def test_keep_all_holds_no_more_than_eager_autograd(name):
     """The keep-all plan's step, counted by the allocator's own events, rises no higher than a plain eager step:
     what a planning node keeps for the backward is what autograd saves. A batch norm's output, read in the forward
     only (its ReLU saves its own output), goes once the forward is done with it; its statistics reach the backward
-    through a small copy of their own (executor.capture). Before that, keep-all held 1.40x eager's rise on the
+    through a small copy of their own (executor.capture.capture). Before that, keep-all held 1.40x eager's rise on the
     ResNet and 1.30x on MobileNetV2."""
-    from executor.allocations import AllocationTrace
+    from executor.measure.allocations import AllocationTrace
 
     torch.set_num_threads(1)
     model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)

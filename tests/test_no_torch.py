@@ -75,6 +75,6 @@ def test_the_import_scan_sees_lazy_imports(tmp_path, monkeypatch):
     import tests.test_no_torch as this
 
     (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "m.py").write_text("def f():\n    from executor.profiler import profile_model\n")
+    (tmp_path / "pkg" / "m.py").write_text("def f():\n    from executor.measure.profiler import profile_model\n")
     monkeypatch.setattr(this, "REPO", tmp_path)
-    assert this._imports_of("pkg", {"executor"}) == ["pkg/m.py:2 imports executor.profiler"]
+    assert this._imports_of("pkg", {"executor"}) == ["pkg/m.py:2 imports executor.measure.profiler"]

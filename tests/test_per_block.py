@@ -71,7 +71,7 @@ def test_a_profile_without_module_paths_says_so_and_mosos_goes_on_without_it():
 def _zoo_profile(name):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from executor.profiler import profile_step
+    from executor.measure.profiler import profile_step
     from tests.zoo import ZOO
 
     model, args, kwargs, targets, loss_fn = ZOO[name]()
@@ -111,7 +111,7 @@ def test_mosos_is_never_slower_than_per_block_checkpointing_on_the_zoos_transfor
 def test_the_per_block_plan_replays_bitwise():
     import torch
 
-    from executor.plugin import optimize
+    from executor.plan.plugin import optimize
 
     profile, (model, args, kwargs, targets, loss_fn) = _zoo_profile("gpt2")
     plain = copy.deepcopy(model)

@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from executor.profiler import profile_step  # noqa: E402
-from executor.replay import PlannedModule  # noqa: E402
+from executor.measure.profiler import profile_step  # noqa: E402
+from executor.replay.replay import PlannedModule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
 

@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from executor import conv_algorithms  # noqa: E402
+from executor.measure import conv_algorithms  # noqa: E402
 from executor.errors import CaptureError  # noqa: E402
-from executor.profiler import optimizer_state_bytes, plan_step, profile_model, profile_step  # noqa: E402
+from executor.measure.profiler import optimizer_state_bytes, plan_step, profile_model, profile_step  # noqa: E402
 from planner.errors import MososError  # noqa: E402
 from planner.profile import parse_profile  # noqa: E402
 
@@ -267,7 +267,7 @@ SHIPPED = sorted((REPO / "models" / "profiles").glob("*-small-cpu.json"))
 def test_shipped_cpu_profiles_match_todays_networks(path):
     """Each shipped measured profile validates and was made from the network `models` builds now."""
     models = pytest.importorskip("models")
-    from executor.replay import check_model
+    from executor.replay.replay import check_model
     from planner.profile import load_profile
 
     profile = load_profile(path)
@@ -277,7 +277,7 @@ def test_shipped_cpu_profiles_match_todays_networks(path):
     batch = int(profile.provenance.input_signature.split("[")[1].split(",")[0])
     inputs, targets = spec.example_inputs(batch)
     check_model(plan_step(spec.build(), (inputs,), None, targets, spec.loss), profile)  # raises ProfileMismatch
-    from executor.capture import tensor_signature
+    from executor.capture.capture import tensor_signature
 
     assert profile.provenance.input_signature == tensor_signature((inputs,))
     assert profile.provenance.target_signature == tensor_signature(targets)

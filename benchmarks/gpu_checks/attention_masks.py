@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import transformers.integrations.sdpa_attention as sa
 from benchmarks.frontier import workload
-from executor.capture import capture
+from executor.capture.capture import capture
 from torch.nn.attention import SDPBackend, sdpa_kernel
 warnings.simplefilter("always")
 real = F.scaled_dot_product_attention

@@ -1,6 +1,6 @@
 """Plans kept across runs: a restarted script, or eight ranks launched at once, start at their first step.
 
-An entry holds the captured step (executor.capture_store), the profile and
+An entry holds the captured step (executor.capture.capture_store), the profile and
 the schedule `optimize()` made, under a key that is known before anything is
 captured: the model's structure (every module's class, plain attributes and
 mode, every parameter's and buffer's name, shape and dtype), the source files
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.capture import tensor_signature
-from executor.capture_store import StoreError, changed_files, dump_step, load_step
+from executor.capture.capture import tensor_signature
+from executor.capture.capture_store import StoreError, changed_files, dump_step, load_step
 from planner import __version__ as MOSOS_VERSION
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
@@ -216,7 +216,7 @@ def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targ
 
 @dataclass
 class CachedPlan:
-    step: Any  # executor.capture.CapturedStep, rebuilt for this model
+    step: Any  # executor.capture.capture.CapturedStep, rebuilt for this model
     profile: GraphProfile
     schedule: Schedule
     created: float

@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from executor import autocast
-from executor.cache import PlanKey, open_cache, plan_key
-from executor.profiler import ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step, provisional_profile
-from executor.replay import PlannedModule
+from executor.capture import autocast
+from executor.plan.cache import PlanKey, open_cache, plan_key
+from executor.measure.profiler import ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step, provisional_profile
+from executor.replay.replay import PlannedModule
 from planner.errors import MososError
 from planner.planning import plan
 from planner.profile import GraphProfile
@@ -98,7 +98,7 @@ def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memo
     convolutions probed on a few samples of the batch)."""
     from torch.utils._pytree import tree_flatten
 
-    from executor import conv_algorithms
+    from executor.measure import conv_algorithms
     from planner.budget import budget_from_ratio
 
     leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
@@ -109,7 +109,7 @@ def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memo
 
 
 def _algorithms(algorithms) -> tuple[str, ...]:
-    from executor import conv_algorithms
+    from executor.measure import conv_algorithms
 
     if algorithms == "all":
         return tuple(conv_algorithms.ALGORITHMS)
@@ -169,7 +169,7 @@ def optimize(
 
     `algorithms` are the convolution algorithms the plan may pick per layer. The default, `("native",)`, is
     ATen's own: every step is bitwise plain PyTorch's, and the same from run to run. `algorithms="all"` (every
-    one of executor.conv_algorithms.ALGORITHMS) lets the plan pick per layer by measured time and workspace (a
+    one of executor.measure.conv_algorithms.ALGORITHMS) lets the plan pick per layer by measured time and workspace (a
     smaller budget may fit); the others agree with plain PyTorch to rounding only, and which one a run picks can
     change with the timings (and again at the re-plan) while the plan's memory figures stay the same.
 
@@ -179,7 +179,7 @@ def optimize(
     rounding fusion changes (not bitwise) and itself from run to run; random nodes, in-place batch norms and
     whatever Inductor refuses run eagerly, and `planned.compiled_nodes` says which and why. With
     `compile_regions` (the default), consecutive computations with nothing scheduled between them but frees run as
-    one kernel, so that fusion crosses node boundaries (executor/regions.py: within one layer of a repeated module,
+    one kernel, so that fusion crosses node boundaries (executor/replay/regions.py: within one layer of a repeated module,
     never holding more than the plan's peak); its rounding is the same from run to run.
     """
     if not isinstance(model, nn.Module):

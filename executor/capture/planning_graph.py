@@ -20,7 +20,7 @@ The grouping rule (README, "Planning nodes"):
    operations whose intermediates nobody else reads fold into one planning
    node; the intermediates are that node's transient memory, measured as its
    workspace.
-3. The copies through which an operation hands small results to the backward (executor.capture) make one
+3. The copies through which an operation hands small results to the backward (executor.capture.capture) make one
    node of their own.
 4. Never across the forward/backward boundary, and at most one convolution
    (forward, filter-gradient or data-gradient half) per planning node, whose
@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from executor.capture import HAND_OFF, CapturedStep
+from executor.capture.capture import HAND_OFF, CapturedStep
 
 ATEN = torch.ops.aten
 CONVOLUTION = ATEN.convolution.default
@@ -439,7 +439,7 @@ def _forward_nodes(step: CapturedStep, groups: list[Group], group_of: dict) -> N
         if not forward_inputs:
             continue
         seq = group.ops[0].meta.get("seq_nr")
-        # the operation's own node, or the node its saved results were handed to (executor.capture)
+        # the operation's own node, or the node its saved results were handed to (executor.capture.capture)
         matches = [g for g in by_sequence.get(seq, []) if g in forward_inputs]
         group.forward_node = matches[0] if matches else forward_inputs[0]
 

@@ -1,8 +1,8 @@
 """PlannedModule: a training step that follows a schedule, generated once as code.
 
 `loss = planned(*inputs, targets=targets, **kwargs); loss.backward()` runs
-the model's captured joint graph (executor.capture) in the schedule's order:
-the generated code (executor.codegen) computes each planning node's ATen
+the model's captured joint graph (executor.capture.capture) in the schedule's order:
+the generated code (executor.replay.codegen) computes each planning node's ATen
 operations, offloads, prefetches, waits, frees and recomputes exactly where
 the schedule says. One custom autograd Function wraps the step: its forward
 runs the code up to the first backward computation and returns the loss, its
@@ -16,9 +16,9 @@ optimizer works unchanged.
 - Recomputation restores the RNG state of the node's first computation
   (dropout draws the same mask); buffers (BatchNorm statistics) and mutated
   inputs are written back once, at the end of the step, from staging buffers.
-- Offload and prefetch go through executor.transfers (CUDA streams, pinned
+- Offload and prefetch go through executor.replay.transfers (CUDA streams, pinned
   host buffers, events; plain copies on the CPU).
-- The ledger (executor.accountant), on by default on the CPU, counts the real
+- The ledger (executor.replay.accountant), on by default on the CPU, counts the real
   bytes of every planning node's storages and stands in for
   `torch.cuda.max_memory_allocated`: `planned.peak_memory_bytes`.
 """
@@ -32,16 +32,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.accountant import Accountant
-from executor.capture import tensor_signature
-from executor.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
-from executor.compiled_nodes import CompiledNodes, NodeCompiler
-from executor import autocast
+from executor.replay.accountant import Accountant
+from executor.capture.capture import tensor_signature
+from executor.replay.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
+from executor.replay.compiled_nodes import CompiledNodes, NodeCompiler
+from executor.capture import autocast
 from executor.errors import CaptureError, ProfileMismatch, ReplayError
-from executor.feeds import Feeder
-from executor.measured import StepReport, measured_profile, node_differences
-from executor.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
-from executor.runtime import StepRuntime, TimedStepRuntime
+from executor.capture.feeds import Feeder
+from executor.measure.measured import StepReport, measured_profile, node_differences
+from executor.measure.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
+from executor.replay.runtime import StepRuntime, TimedStepRuntime
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
@@ -94,7 +94,7 @@ def check_inputs(profile: GraphProfile, inputs: tuple, kwargs: dict, targets) ->
             )
 
 
-# kinds of compiled region one planned step may use, the most useful first (executor.codegen): the keep-all plan
+# kinds of compiled region one planned step may use, the most useful first (executor.replay.codegen): the keep-all plan
 # of a 4-layer GPT-2 has 11 (a recompute plan more), the first 8 cover most of its node computations, and each
 # costs 0.3-0.8 s to compile on 2 CPU cores
 MAX_REGION_KERNELS = 8
@@ -176,9 +176,9 @@ class PlannedModule(nn.Module):
     Give `example_inputs` (and `kwargs`, `targets`) to capture the model now and refuse a mismatch at once;
     without them it is captured at the first call. `ledger` (default: on the CPU) keeps the byte-exact
     ledger; `strict` also checks every node's real size against the profile and that freed memory is released.
-    `compile` runs the planning nodes as Inductor kernels (executor.compiled_nodes), for a profile measured so;
+    `compile` runs the planning nodes as Inductor kernels (executor.replay.compiled_nodes), for a profile measured so;
     `compiled_nodes` then says which ran eagerly and why. `compile_regions` also runs consecutive computations as
-    one kernel where nothing but frees is scheduled between them (executor.regions; not in strict mode, which
+    one kernel where nothing but frees is scheduled between them (executor.replay.regions; not in strict mode, which
     checks node by node, nor in the timed steps, which time node by node).
     """
 
@@ -207,7 +207,7 @@ class PlannedModule(nn.Module):
         super().__init__()
         self.model = model
         self.compile = compile  # planning nodes as Inductor kernels (the profile must have been measured so)
-        # with compile: consecutive computations with nothing scheduled between them as one kernel (executor.regions)
+        # with compile: consecutive computations with nothing scheduled between them as one kernel (executor.replay.regions)
         self.compile_regions = compile_regions
         self.profile = profile
         self.schedule = schedule

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from executor.capture import CapturedStep
+from executor.capture.capture import CapturedStep
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:

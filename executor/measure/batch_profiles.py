@@ -2,7 +2,7 @@
 `planner.max_batch.max_batch` (which takes any `batch -> GraphProfile` function).
 
 - `EstimatedWorkloadProfiles(spec, gpu)`: estimated for a GPU of the table at every batch asked for
-  (`executor.estimate`: the step is captured at that batch, nothing runs), and kept for the rest of the search.
+  (`executor.measure.estimate`: the step is captured at that batch, nothing runs), and kept for the rest of the search.
   Each batch is exact; each costs a capture (seconds for a BERT-sized model).
 - `MeasuredProfiles(spec)`: measured by the profiler on this machine's device at a few batches and scaled
   linearly in between and beyond (`models.batch_profiles.scale_profile`), checked against a further measurement.
@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from executor.estimate import estimate_workload, gpu_of
-from executor.profiler import profile_model
+from executor.measure.estimate import estimate_workload, gpu_of
+from executor.measure.profiler import profile_model
 from models.batch_profiles import BatchProfileError, ScalingReport, check_same_graph, memory_peak_bytes, scale_profile
 from models.workload import load_workload
 from planner.errors import MososError
@@ -55,7 +55,7 @@ class EstimatedWorkloadProfiles:
         return self._cache[batch_size]
 
     def describe(self) -> str:
-        estimator = next(iter(self._cache.values())).provenance.estimator if self._cache else "executor.estimate"
+        estimator = next(iter(self._cache.values())).provenance.estimator if self._cache else "executor.measure.estimate"
         seconds = sum(self.capture_seconds)
         return (f"estimated for {self.gpu.name} at every batch from the captured step ({estimator}; "
                 f"{len(self.capture_seconds)} captures, {seconds:.1f} s)")

@@ -2,7 +2,7 @@
 
 `capture(model, inputs, kwargs, targets, loss_fn)` exports the model with its
 loss (`torch.export`, non-strict) and traces forward and backward into one
-functionalised joint graph (executor.export). In-place operations arrive as
+functionalised joint graph (executor.capture.export). In-place operations arrive as
 their out-of-place forms; a mutated buffer or input (BatchNorm statistics,
 `torch.relu_(x)` on an input) is a graph output written back once per step.
 
@@ -43,8 +43,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor import export
-from executor import autocast
+from executor.capture import export
+from executor.capture import autocast
 from executor.errors import CaptureError
 from models.estimator import HAND_OFF_MAX_FRACTION  # one rule for the capture and the per-layer estimator
 
@@ -92,7 +92,7 @@ class CapturedStep:
     backward: set = field(default_factory=set)  # nodes of the backward pass
     export_seconds: float = 0.0
     joint_seconds: float = 0.0
-    autocast: tuple = ()  # the autocast regions it was captured under (executor.autocast.autocast_state())
+    autocast: tuple = ()  # the autocast regions it was captured under (executor.capture.autocast.autocast_state())
 
     @property
     def graph(self) -> fx.Graph:

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_map
 
-from executor import profiler
+from executor.measure import profiler
 from models.workload import Workload, load_workload, reference_workload
 from planner.errors import MososError
 from planner.profile import GraphProfile
@@ -27,7 +27,7 @@ class ReferenceProfile:
     plain_ms: float | None  # a plain PyTorch step, timed the same way (None: it would not fit the budget)
     repeats: int
     measured_under: str = "keep-all"  # the schedule the profile was measured under
-    compiled: object = None  # compile=True: executor.compiled_nodes.CompiledNodes
+    compiled: object = None  # compile=True: executor.replay.compiled_nodes.CompiledNodes
 
     @property
     def ratio(self) -> float | None:
@@ -110,7 +110,7 @@ def profile_workload(
     compile: bool = False,
 ) -> ReferenceProfile:
     """Measure one training step of a workload and check the node times against a plain step; within
-    `budget_bytes` the plain step is run only where keep-all fits (executor.measuring)."""
+    `budget_bytes` the plain step is run only where keep-all fits (executor.measure.measuring)."""
     if threads is not None:
         if threads < 1:
             raise MososError(f"--threads must be at least 1, got {threads}")

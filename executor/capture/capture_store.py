@@ -23,9 +23,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
-from executor.capture import HAND_OFF, SHAPE_ONLY, CapturedStep, Source
+from executor.capture.capture import HAND_OFF, SHAPE_ONLY, CapturedStep, Source
 
-# 2: the copies a forward operation hands to the backward (executor.capture) carry their mark; 3: so do the
+# 2: the copies a forward operation hands to the backward (executor.capture.capture) carry their mark; 3: so do the
 # stand-ins of a convolution's input (compiled regions stop at them)
 FORMAT_VERSION = 3
 _KEPT_META = ("partitioner_tag", "convolution_half", "seq_nr", HAND_OFF, SHAPE_ONLY)
@@ -262,7 +262,7 @@ def _restore_values(step: CapturedStep, leaves: list, data: dict) -> None:
     """Every node's fake value, from the model's tensors and these inputs, checked against the capture's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from executor.feeds import Feeder
+    from executor.capture.feeds import Feeder
 
     feeder = Feeder(step)
     values = feeder.feed(leaves)

@@ -34,9 +34,9 @@ import math
 import torch
 from torch.profiler import record_function
 
-from executor import conv_algorithms
-from executor.allocations import cpu_workspace_bytes, memory_events
-from executor.planning_graph import CONVOLUTION
+from executor.measure import conv_algorithms
+from executor.measure.allocations import cpu_workspace_bytes, memory_events
+from executor.capture.planning_graph import CONVOLUTION
 
 SMALLEST_PROBE_SAMPLES = 16  # below it oneDNN may run another kind of kernel than at the full batch
 SMALLEST_BATCH_PROBED = 128  # so that a probe holds at most a quarter of the batch

@@ -119,7 +119,7 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             return MeasuringPlan(keep_all, "keep-all", keep_all_peak, budget_bytes, tried)
     smallest = [keep_all_peak]
     if provisional.hardware.can_transfer:
-        from executor.schedules import offload_everything_schedule
+        from executor.plan.schedules import offload_everything_schedule
 
         tried.append("offload-everything")
         schedule = offload_everything_schedule(provisional)

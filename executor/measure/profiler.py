@@ -1,8 +1,8 @@
 """Measure a real model into a GraphProfile: its planning nodes, their sizes, times, workspaces and algorithms.
 
-The model and its loss are captured as one joint ATen graph (executor.capture),
-grouped into planning nodes (executor.planning_graph), and the keep-all step
-is generated as code (executor.codegen) and run whole, pass after pass:
+The model and its loss are captured as one joint ATen graph (executor.capture.capture),
+grouped into planning nodes (executor.capture.planning_graph), and the keep-all step
+is generated as code (executor.replay.codegen) and run whole, pass after pass:
 
 - times: each planning node's share of a real training step: the clock around
   the node's code in the generated keep-all step (the calling thread's CPU time
@@ -35,26 +35,26 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor import conv_algorithms
-from executor import autocast
-from executor.capture import CapturedStep, capture, tensor_signature
-from executor.allocations import cpu_workspace_bytes, memory_events
-from executor.convolution_scratch import (convolution_geometry, convolution_input, native_convolution_scratch_bytes,
+from executor.measure import conv_algorithms
+from executor.capture import autocast
+from executor.capture.capture import CapturedStep, capture, tensor_signature
+from executor.measure.allocations import cpu_workspace_bytes, memory_events
+from executor.measure.convolution_scratch import (convolution_geometry, convolution_input, native_convolution_scratch_bytes,
                                           probe_native_scratch)
-from executor.codegen import CodeGenerator, Modes, schedule_operations
-from executor.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
+from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
+from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
-from executor.feeds import Feeder
-from executor.planning_graph import PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
-from executor.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
-from executor.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
+from executor.capture.feeds import Feeder
+from executor.capture.planning_graph import PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
+from executor.replay.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
+from executor.measure.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
 from planner.schedule import Compute
 from planner.simulator import simulate
 from planner.units import format_bytes
 
-TOOL = "mosos executor.profiler 0.2 (torch.export joint graph)"
+TOOL = "mosos executor.measure.profiler 0.2 (torch.export joint graph)"
 
 
 def as_tuple(example_inputs) -> tuple:
@@ -427,12 +427,12 @@ def profile_step(
     """The profile and the captured step it was measured on.
 
     With `budget_bytes`, every pass holds at most that much (fixed memory included): the step is measured under
-    a schedule certified within the budget (executor.measuring: keep-all where it fits, `measuring="frugal"` to
+    a schedule certified within the budget (executor.measure.measuring: keep-all where it fits, `measuring="frugal"` to
     measure under a frugal schedule even then), and a budget no measuring pass fits is a BudgetError naming the
     smallest that works, raised before anything beyond the model is allocated.
     On a GPU, transfer bandwidth is measured with pinned buffers unless given;
     on the CPU it is taken from the arguments or left out (no offloading).
-    With `compile`, the planning nodes run as Inductor kernels (executor.compiled_nodes) and are measured so:
+    With `compile`, the planning nodes run as Inductor kernels (executor.replay.compiled_nodes) and are measured so:
     the profile is of the step that will run.
     """
     if repeats < 1 or warmup < 0:

@@ -1,6 +1,6 @@
 """Estimate a user's own training step on a GPU from the table (`models.gpus`), without that GPU and without a step.
 
-The step is captured as for measuring (`executor.profiler.plan_step`: torch.export
+The step is captured as for measuring (`executor.measure.profiler.plan_step`: torch.export
 and AOTAutograd's joint ATen graph, grouped into the executor's planning nodes,
 shapes and storages from a fake-tensor run): same node ids, sizes and edges as a
 measured profile of the model. Nothing runs on real data and no activation is
@@ -39,9 +39,9 @@ from torch import nn
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
-from executor.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, node_sizes,
+from executor.capture.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, node_sizes,
                                      transient_peak_bytes)
-from executor.profiler import ProfiledStep, _Preserved, _first_device, as_tuple, fixed_memory, optimizer_state_bytes, \
+from executor.measure.profiler import ProfiledStep, _Preserved, _first_device, as_tuple, fixed_memory, optimizer_state_bytes, \
     plan_step
 from models import cudnn
 from models.estimator import TRANSFER_LATENCY_MS
@@ -52,7 +52,7 @@ from planner.profile import GraphProfile, parse_profile
 
 ESTIMATOR = "mosos per-ATen-operation roofline + cuDNN-7 algorithm families"
 ESTIMATOR_VERSION = "1.0"
-TOOL = "mosos executor.estimate 1.0 (torch.export joint graph, fake tensors)"
+TOOL = "mosos executor.measure.estimate 1.0 (torch.export joint graph, fake tensors)"
 MATHS = ("fp32", "tf32")
 ATEN = torch.ops.aten
 

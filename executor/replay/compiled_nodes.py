@@ -8,7 +8,7 @@ shares one kernel; inside it cheap chains fuse, while every tensor the plan
 keeps, frees or recomputes is still a real tensor at the node's boundary.
 
 Consecutive computations with nothing but frees scheduled between them may
-run as one region kernel (`region_kernel`, chosen by executor.regions and the
+run as one region kernel (`region_kernel`, chosen by executor.replay.regions and the
 code generator): the same compiling, with a view of a value made inside
 turned into a reshape, since Inductor may lay such a value out otherwise.
 Every kernel's first call checks what it hands on: outputs in other strides
@@ -37,8 +37,8 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401 - registers prims.inductor_force_stride_order
 import torch.fx as fx
 
-from executor import autocast
-from executor.planning_graph import is_random
+from executor.capture import autocast
+from executor.capture.planning_graph import is_random
 
 # one library call each: Inductor would call the same kernel
 _LIBRARY_CALLS = {
@@ -122,7 +122,7 @@ class NodeCompiler:
 
     def region_kernel(self, label: str, node_ids: list[str], members: list[fx.Node], inputs: list[fx.Node],
                       outputs: list[fx.Node], views: set[fx.Node], key: str | None) -> Callable | None:
-        """One kernel for consecutive node computations (`executor.regions`; `key` from `region_key`), or None
+        """One kernel for consecutive node computations (`executor.replay.regions`; `key` from `region_key`), or None
         with the reason recorded: then each node runs apart, compiled or not as `kernel` decides."""
         if key not in self.region_keys and len(self.region_keys) >= self.max_region_kernels:
             self.record.regions_refused[label] = f"more than {self.max_region_kernels} kinds of region"

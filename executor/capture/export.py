@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor import autocast
+from executor.capture import autocast
 from executor.errors import CaptureError
 
 VERIFIED_TORCH = "2.13"
