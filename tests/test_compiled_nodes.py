@@ -593,3 +593,43 @@ def test_a_compiled_profile_offers_each_kernels_eager_code_and_the_plan_chooses(
     plain_loss = _plain_step(plain_model, (x,), {}, y, nn.functional.cross_entropy)
     _assert_close("eager alternative", loss, plain_loss, _gradients(planned_model), _gradients(plain_model),
                   torch.float32, _exact_gradients(model, x, y))
+
+
+_UNDER_CI = """
+import copy, torch
+from torch import nn
+from executor.measure.profiler import profile_step
+from executor.replay.replay import PlannedModule
+from planner.planning import plan
+from tests.test_compiled_nodes import Normalised
+torch.manual_seed(0)
+model = Normalised()
+x, y = torch.randn(32, 3, 16, 16), torch.randint(0, 4, (32,))
+profile, captured = profile_step(copy.deepcopy(model), (x,), nn.functional.cross_entropy, y, repeats=1, warmup=0,
+                                 algorithms=("native",), compile=True)
+planned = PlannedModule(copy.deepcopy(model), profile, plan(profile, strategy="keep-all"),
+                        nn.functional.cross_entropy, profiled=captured, compile=True)
+planned(x, targets=y).backward()
+record = planned.compiled_nodes
+refused = [r for r in list(record.eager.values()) + list(record.regions_refused.values()) if "Inductor" in r]
+assert not refused, refused
+assert any("norm" in node for nodes in record.regions.values() for node in nodes), record.describe()
+print("ok")
+"""
+
+
+def test_kernels_holding_a_batch_norm_compile_with_ci_set_in_the_environment():
+    """With `CI` set (a user's CI job, ours), Inductor refuses a fallback to ATen's kernel for an operation that has
+    a decomposition, which is how batch norm, dropout and an embedding's backward stay eager's inside a kernel: every
+    kernel holding one ran eagerly ("Inductor refused it ... add a decomposition to core_aten_decompositions").
+    A fresh process, since a fallback once made stays Inductor's for the process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    environment = dict(os.environ, CI="true", PYTHONPATH=str(repo))
+    result = subprocess.run([sys.executable, "-c", _UNDER_CI], cwd=repo, env=environment, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -26,8 +26,10 @@ strides are not eager's, and anything Inductor refuses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -397,6 +399,21 @@ def _decompositions() -> dict:
     return {op: rule for op, rule in select_decomp_table().items() if op not in _KEPT_WHOLE}
 
 
+@contextlib.contextmanager
+def _ci_unset():
+    """Inductor falls back to ATen's own kernel for an operation it has no lowering for, and with `CI` set in the
+    environment (a check meant for PyTorch's own CI) refuses any such fallback for an operation that has a
+    decomposition: exactly the operations kept whole here (batch norm, dropout, an embedding's backward). So a
+    user's CI job, or ours, would run every kernel holding one eagerly. Unset while compiling (under the
+    module's lock); the fallback, once made, is Inductor's for the process."""
+    value = os.environ.pop("CI", None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ["CI"] = value
+
+
 def _compile(module: fx.GraphModule, examples: list) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
@@ -414,7 +431,7 @@ def _compile(module: fx.GraphModule, examples: list) -> Callable:
         torch.utils.deterministic.fill_uninitialized_memory = False
         # the graph carries autocast's casts: traced under an ambient autocast (a region compiled when the user's
         # `with torch.autocast(...)` calls the planned module), a float32 matmul would come out in bfloat16
-        with torch._inductor.config.patch(options), torch.no_grad(), autocast.disabled():
+        with torch._inductor.config.patch(options), torch.no_grad(), autocast.disabled(), _ci_unset():
             return compile_fx(copy.deepcopy(module), examples, decompositions=_decompositions())
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
