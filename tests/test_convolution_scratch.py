@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 
 import executor  # noqa: E402
 from executor.measure.allocations import AllocationTrace, cpu_workspace_bytes, memory_events  # noqa: E402
-from executor.measure.convolution_scratch import (_probe_need_bytes, convolution_geometry, convolution_input,  # noqa: E402
-                                          native_convolution_scratch_bytes, probe_native_scratch)
+from executor.measure.convolution_scratch import (  # noqa: E402
+    _probe_need_bytes, convolution_geometry, convolution_input, native_convolution_scratch_bytes, probe_native_scratch)
 from executor.measure.measuring import SCRATCH_SLACK_BYTES  # noqa: E402
 from executor.measure.profiler import plan_step, provisional_profile  # noqa: E402
 from models.workload import reference_workload  # noqa: E402

@@ -15,7 +15,9 @@ warnings.simplefilter("always")
 real = F.scaled_dot_product_attention
 seen = []
 def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
-    seen.append(dict(q=(tuple(q.shape), q.stride(), q.dtype), k=k.stride(), v=v.stride(), mask=None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype), dropout_p=dropout_p, is_causal=is_causal, kw=list(kw), compiling=torch.compiler.is_compiling(), fake=type(q).__name__))
+    mask = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.stride(), attn_mask.dtype)
+    seen.append(dict(q=(tuple(q.shape), q.stride(), q.dtype), k=k.stride(), v=v.stride(), mask=mask, dropout_p=dropout_p,
+                     is_causal=is_causal, kw=list(kw), compiling=torch.compiler.is_compiling(), fake=type(q).__name__))
     return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
 sa.torch.nn.functional.scaled_dot_product_attention = spy
 for name in ("gpt2", "bert"):

@@ -174,31 +174,34 @@ def _greedy(provisional: GraphProfile, budget_bytes: int, time_limit_s: float) -
     return None
 
 
+def substituted(schedule: Schedule, choose, nodes: set[str]) -> Schedule:
+    """`schedule` with the computations of `nodes` set to implementation `choose(node_id)`, unchecked."""
+    stages = []
+    for stage in schedule.stages:
+        operations = [op.model_copy(update={"implementation": choose(op.node)})
+                      if isinstance(op, Compute) and op.node in nodes else op for op in stage.operations]
+        stages.append(stage.model_copy(update={"operations": operations}))
+    return schedule.model_copy(update={"stages": stages})
+
+
 def with_implementations(provisional: GraphProfile, schedule: Schedule, choose, budget_bytes: int | None) -> Schedule:
     """`schedule` with each computation's implementation set to `choose(node_id)` wherever the simulated step still
     fits the budget (all at once if that fits, else one node at a time in program order); elsewhere as it was."""
-    def substituted(allowed: set[str]) -> Schedule:
-        stages = []
-        for stage in schedule.stages:
-            operations = [op.model_copy(update={"implementation": choose(op.node)})
-                          if isinstance(op, Compute) and op.node in allowed else op for op in stage.operations]
-            stages.append(stage.model_copy(update={"operations": operations}))
-        return schedule.model_copy(update={"stages": stages})
-
     wanted = [op.node for _, _, op in schedule.operations()
               if isinstance(op, Compute) and choose(op.node) != op.implementation]
     wanted = list(dict.fromkeys(wanted))
     if not wanted:
         return schedule
-    every = substituted(set(wanted))
+    every = substituted(schedule, choose, set(wanted))
     if _certified_peak(provisional, every, budget_bytes) is not None:
         return every
     allowed: set[str] = set()
     for node_id in wanted:
-        trial = substituted(allowed | {node_id})
+        trial = substituted(schedule, choose, allowed | {node_id})
         if _certified_peak(provisional, trial, budget_bytes) is not None:
             allowed.add(node_id)
-    return substituted(allowed)
+    return substituted(schedule, choose, allowed)
 
 
-__all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "with_implementations", "scratch_allowance_bytes"]
+__all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "substituted", "with_implementations",
+           "scratch_allowance_bytes"]

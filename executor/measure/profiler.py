@@ -27,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -39,18 +39,18 @@ from executor.measure import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
-from executor.measure.convolution_scratch import (convolution_geometry, convolution_input, native_convolution_scratch_bytes,
-                                          probe_native_scratch)
+from executor.measure.convolution_scratch import (convolution_geometry, convolution_input,
+                                                  native_convolution_scratch_bytes, probe_native_scratch)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
 from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
 from executor.capture.feeds import Feeder
 from executor.capture.planning_graph import PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
 from executor.replay.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
-from executor.measure.measuring import MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, with_implementations
+from executor.measure.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, substituted,
+                                        with_implementations)
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
-from planner.schedule import Compute
 from planner.simulator import simulate
 from planner.units import format_bytes
 
@@ -637,7 +637,8 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
                          operations))
     if compiler is not None:
         say(f"compiled: {compiler.record.describe()}")
-        programs.extend(_eager_pass(profiled, chosen, names, passes, compiler.record, device.type == "cuda"))
+        programs.extend(_eager_pass(profiled, provisional, chosen, names, compiler.record,
+                                    device.type == "cuda"))
         pass_names = [algorithm for algorithm, _, _, _ in programs]
     samples: dict[tuple[int, str], list[float]] = {}
     harness: list[float] = []
@@ -712,29 +713,23 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
     return nodes_doc, spread, notes, loss_bytes
 
 
-def _eager_pass(profiled: ProfiledStep, chosen: MeasuringPlan, names: list[list[str]], passes: list,
+def _eager_pass(profiled: ProfiledStep, provisional: GraphProfile, chosen: MeasuringPlan, names: list[list[str]],
                 record: CompiledNodes, cuda: bool) -> list[tuple]:
-    """With compiled nodes: the native pass again with each compiled node run eagerly (implementation EAGER, added
-    to the node's names), so that the plan can keep eager code where Inductor's kernel is slower. Same schedule, so
-    within the same budget (eager code is what the provisional figures describe)."""
+    """With compiled nodes: the native pass's schedule again with each compiled node run eagerly (implementation
+    EAGER, added to the node's names), so that the plan can keep eager code where Inductor's kernel is slower. Same
+    schedule, so within the same budget (eager code is what the provisional figures describe)."""
     planning = profiled.planning
     index_of = {group.id: group.index for group in planning.groups}
-    compiled = {index_of[node_id] for node_id in record.compiled if node_id in index_of
-                and planning.groups[index_of[node_id]].convolution is None}
-    if not compiled:
+    eager_ids = {node_id for node_id in record.compiled
+                 if node_id in index_of and planning.groups[index_of[node_id]].convolution is None}
+    if not eager_ids:
         return []
-    for g in sorted(compiled):
-        names[g].append(EAGER)
-    _, operations, ran = passes[0]
-    operations = [replace(op, implementation=EAGER) if op.kind == "compute" and op.group in compiled else op
-                  for op in operations]
-    ran = {g: EAGER if g in compiled else implementation for g, implementation in ran.items()}
-    schedule = chosen.pass_schedules["native"]
-    eager_ids = {planning.groups[g].id for g in compiled}
-    stages = [stage.model_copy(update={"operations": [
-        op.model_copy(update={"implementation": EAGER}) if isinstance(op, Compute) and op.node in eager_ids else op
-        for op in stage.operations]}) for stage in schedule.stages]
-    chosen.pass_schedules[EAGER] = schedule.model_copy(update={"stages": stages})
+    for node_id in eager_ids:
+        names[index_of[node_id]].append(EAGER)
+    schedule = chosen.pass_schedules[EAGER] = substituted(chosen.pass_schedules["native"], lambda node: EAGER,
+                                                          eager_ids)
+    operations = schedule_operations(provisional, schedule, index_of)
+    ran = {op.group: op.implementation for op in operations if op.kind == "compute"}
     program = CodeGenerator(planning, Modes(timing=True), cuda=cuda, compiler=None)
     return [(EAGER, program.program(operations, None, name=f"profile {EAGER}"), ran, operations)]
 

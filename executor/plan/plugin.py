@@ -18,7 +18,8 @@ from torch import nn
 
 from executor.capture import autocast
 from executor.plan.cache import PlanKey, open_cache, plan_key
-from executor.measure.profiler import ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step, provisional_profile
+from executor.measure.profiler import (ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step,
+                                      provisional_profile)
 from executor.replay.replay import PlannedModule
 from planner.errors import MososError
 from planner.planning import plan
