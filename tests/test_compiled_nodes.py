@@ -278,6 +278,40 @@ def test_optimize_compiles_measures_and_reports_the_compiled_step():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet", "mobilenet"])
+def test_compiled_plans_may_run_convolutions_on_channels_last_within_rounding(name):
+    """optimize(compile=True) offers ATen's convolutions on channels-last copies beside native ones (and nothing
+    else: im2col and winograd only when asked for); with every convolution on channels-last, depthwise ones
+    included, the step is plain PyTorch's within the compiled replay's tolerance, the loss bitwise (oneDNN's NHWC
+    forward rounds as its NCHW one here), and the ledger is the simulator's."""
+    from executor.measure.measuring import substituted
+
+    model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
+    planned = executor.optimize(copy.deepcopy(model), args, loss_fn, targets=targets, kwargs=kwargs, budget=None,
+                                strategy="keep-all", repeats=1, warmup=0, progress=False, compile=True, cache=False)
+    profile = planned.profile
+    convolutions = [n for n in profile.nodes if "convolution" in n.op_type]
+    offered = {i.name for n in convolutions for i in n.implementations}
+    assert offered == {"native", "channels-last"}, offered
+    on_channels_last = {n.id for n in convolutions if any(i.name == "channels-last" for i in n.implementations)}
+    assert len(on_channels_last) == len(convolutions)
+    schedule = substituted(plan(profile, strategy="keep-all"), lambda node: "channels-last", on_channels_last)
+    planned_model = copy.deepcopy(model)
+    replayed = PlannedModule(planned_model, profile, schedule, loss_fn, example_inputs=args, kwargs=kwargs,
+                             targets=targets, compile=True)
+    torch.manual_seed(3)
+    loss = _planned_step(replayed, args, kwargs, targets)
+    assert "conv_forward" in replayed.code and "conv_backward" in replayed.code
+    assert replayed.peak_memory_bytes == replayed.simulated_peak_bytes
+    plain_model = copy.deepcopy(model)
+    torch.manual_seed(3)
+    plain_loss = _plain_step(plain_model, args, kwargs, targets, loss_fn)
+    assert torch.equal(loss.detach(), plain_loss.detach())
+    _assert_close(f"{name} channels-last", loss, plain_loss, _gradients(planned_model), _gradients(plain_model),
+                  torch.float32)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name,memory_ratio", [("bert", 0.6), ("gpt2", 0.6), ("inplace-cnn", 0.7)])
 def test_the_allocators_peak_stays_within_the_budget_with_compiled_nodes(name, memory_ratio):
     """Compiling, profiling on the kernels, planning, the timed step and one with compiled regions, every

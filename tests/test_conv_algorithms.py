@@ -99,12 +99,41 @@ def test_the_two_halves_of_native_convolution_backward_are_bitwise_the_combined_
             assert torch.equal(combined[1], filters[1]) and torch.equal(combined[2], filters[2])
 
 
+def _strides(tensor) -> list:
+    """Strides where they matter (a dimension of size 1 has any)."""
+    return [stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 1]
+
+
+@pytest.mark.parametrize("input_layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_layout(input_layout):
+    """Any groups (depthwise too); results laid out as native's, so the nodes after see the strides the capture
+    recorded; the forward is oneDNN's own kernel on other strides, within rounding of native's."""
+    generator = torch.Generator().manual_seed(7)
+    for groups, (c, o) in ((1, (4, 6)), (2, (4, 6)), (4, (4, 4))):
+        x = torch.randn(3, c, 9, 9, generator=generator).contiguous(memory_format=input_layout)
+        w = torch.randn(o, c // groups, 3, 3, generator=generator)
+        b = torch.randn(o, generator=generator)
+        arguments = ([2, 2], [1, 1], [1, 1], False, [0, 0], groups)
+        reference = ATEN.convolution(x, w, b, *arguments)
+        grad = torch.randn(reference.shape, generator=generator).contiguous(memory_format=input_layout)
+        expected = ATEN.convolution_backward(grad, x, w, [o], *arguments, [True, True, True])
+        out = forward("channels-last", x, w, b, *arguments)
+        got = backward("channels-last", grad, x, w, [o], *arguments, [True, True, True])
+        results = zip(("output", "grad input", "grad weight", "grad bias"), (out, *got), (reference, *expected))
+        for what, a, e in results:
+            assert a.shape == e.shape and _strides(a) == _strides(e), what
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+            assert _relative_error(a, e) <= TOLERANCE[torch.float32], what
+        assert got[0] is not None and backward("channels-last", grad, x, w, [o], *arguments,
+                                               [False, True, False])[0] is None
+
+
 def test_winograd_applies_only_to_3x3_stride_1():
     assert applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 3, 3), 1, 1))
     assert "3x3" in why_not_applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 5, 5), 1, 1))
     assert "stride 1" in why_not_applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 3, 3), 2, 1))
     grouped = ConvGeometry.of((1, 4, 8, 8), (4, 2, 3, 3), 1, 1, 1, 2)
-    assert applicable_algorithms(grouped) == ["native"]
+    assert applicable_algorithms(grouped) == ["native", "channels-last"]
     assert geometry_of((1, 2, 8), (2, 2, 3), [1], [1], [1], False, 1) is None  # 1-D: native only
     assert geometry_of((1, 2, 8, 8), (2, 2, 3, 3), [1, 1], [1, 1], [1, 1], True, 1) is None  # transposed
     with pytest.raises(ValueError, match="unknown"):

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 models = pytest.importorskip("models")
 
+from executor.measure import conv_algorithms  # noqa: E402
 from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
 from executor.plan.plugin import PlannerServiceError, plan_remotely  # noqa: E402
 from executor.plan.plugin import optimize as executor_optimize  # noqa: E402
@@ -177,7 +178,7 @@ def test_float32_with_every_convolution_algorithm():
     assert {n.kind for n in convolutions} == {"forward", "backward"}
     assert any(n.id.endswith("convolution_backward.weight:bwd") for n in convolutions)
     assert any(n.id.endswith("convolution_backward.input:bwd") for n in convolutions)
-    for algorithm in ("native", "im2col", "im2col-chunked", "winograd"):
+    for algorithm in conv_algorithms.ALGORITHMS:
         stages = []
         for stage in base.stages:
             operations = []

@@ -8,6 +8,9 @@ different trade-off. The profiler times and measures each of them; the
 planner picks one per planning node; the generated step calls the pick.
 
 - native: ATen's own operator (oneDNN / cuDNN): bitwise what plain PyTorch computes.
+- channels-last: ATen's own operator on channels-last (NHWC) copies of its operands, the results laid out as
+  native's: oneDNN's NHWC kernels for a network with few channels (ResNet-18-small's backward on the CPU: 1.6 ms
+  where NCHW takes 7.1 for a 4-channel 3x3 layer), cuDNN's tensor-core layout; the copies are the workspace.
 - im2col: unfold the input into columns and multiply (GEMM); the columns are the workspace.
 - im2col-chunked: the same, a quarter of the batch at a time: a quarter of the workspace, more passes.
 - winograd: F(2x2, 3x3) for 3x3 kernels, stride 1: 16 element-wise products per 2x2 output tile
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ALGORITHMS = ("native", "im2col", "im2col-chunked", "winograd")
+ALGORITHMS = ("native", "channels-last", "im2col", "im2col-chunked", "winograd")
 CHUNKS = 4
 
 def _pair(value) -> tuple[int, int]:
@@ -73,7 +76,7 @@ def why_not_applicable(name: str, geometry: ConvGeometry) -> str | None:
     """None if algorithm `name` can compute this convolution, else the reason."""
     if name not in ALGORITHMS:
         return f"unknown convolution algorithm {name!r}"
-    if name == "native":
+    if name in ("native", "channels-last"):
         return None
     if geometry.groups != 1:
         return f"{name} handles groups=1 only"
@@ -103,6 +106,13 @@ def workspace_bytes(name: str, geometry: ConvGeometry, element_size: int, phase:
     cols = geometry.columns_elements
     if name == "native":
         return 0
+    if name == "channels-last":
+        # the operands' channels-last copies, and the results in that layout until they are laid out as native's
+        _, _, h, w = geometry.input_shape
+        operands = n * c * h * w + o * (c // geometry.groups) * kh * kw
+        if phase == "forward":
+            return (operands + n * o * ho * wo) * element_size
+        return (2 * operands + n * o * ho * wo) * element_size
     if name == "im2col":
         if phase == "forward":
             return cols * element_size
@@ -239,8 +249,33 @@ def _owning(tensor):
     return tensor.clone(memory_format=torch.contiguous_format)
 
 
+def _channels_last(tensor):
+    return tensor.contiguous(memory_format=torch.channels_last)
+
+
+def _natively_channels_last(x, w) -> bool:
+    """ATen's convolutions (oneDNN's and cuDNN's) lay every result out channels-last when either operand is."""
+    return any(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() for t in (x, w))
+
+
+def _laid_out_as_native(tensor, channels_last: bool):
+    """`tensor` in the layout native's result would have, owning exactly its storage."""
+    if tensor is None:
+        return None
+    wanted = torch.channels_last if channels_last else torch.contiguous_format
+    if tensor.is_contiguous(memory_format=wanted) and tensor.storage_offset() == 0 \
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=wanted)
+
+
 def forward(name: str, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-    """What aten.convolution computes, by algorithm `name` (not native: 2-D, not transposed, groups 1)."""
+    """What aten.convolution computes, by algorithm `name` (not native: 2-D, not transposed; groups 1 but for
+    channels-last)."""
+    if name == "channels-last":
+        out = torch.ops.aten.convolution(_channels_last(x), _channels_last(w), b, stride, padding, dilation,
+                                         transposed, output_padding, groups)
+        return _laid_out_as_native(out, _natively_channels_last(x, w))
     if name == "im2col":
         out = _im2col_forward(x, w, _pair(stride), _pair(padding), _pair(dilation))
     elif name == "im2col-chunked":
@@ -257,6 +292,12 @@ def forward(name: str, x, w, b, stride, padding, dilation, transposed, output_pa
 def backward(name: str, grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
              output_mask):
     """What aten.convolution_backward computes for `output_mask`, by algorithm `name` (not native)."""
+    if name == "channels-last":
+        gi, gw, gb = torch.ops.aten.convolution_backward(
+            _channels_last(grad), _channels_last(x), _channels_last(w), bias_sizes, stride, padding, dilation,
+            transposed, output_padding, groups, output_mask)
+        channels_last = _natively_channels_last(x, w)
+        return _laid_out_as_native(gi, channels_last), _laid_out_as_native(gw, channels_last), _owning(gb)
     need_input, need_weight, need_bias = output_mask
     grad = grad.contiguous()
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
