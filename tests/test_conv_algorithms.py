@@ -99,21 +99,19 @@ def test_the_two_halves_of_native_convolution_backward_are_bitwise_the_combined_
             assert torch.equal(combined[1], filters[1]) and torch.equal(combined[2], filters[2])
 
 
-def _strides(tensor) -> list:
-    """Strides where they matter (a dimension of size 1 has any)."""
-    return [stride for size, stride in zip(tensor.shape, tensor.stride()) if size > 1]
-
-
 @pytest.mark.parametrize("input_layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
-def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_layout(input_layout):
-    """Any groups (depthwise too); results laid out as native's, so the nodes after see the strides the capture
-    recorded; the forward is oneDNN's own kernel on other strides, within rounding of native's."""
+def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_strides(input_layout):
+    """Any groups (depthwise too) and 1x1 kernels; every result with native's strides, those of a dimension of size
+    1 included (a kernel compiled for the node after checks them all); the input gradient computed from a
+    one-element stand-in of the input, as the capture hands it, without writing the stand-in out."""
+    from executor.measure.allocations import AllocationTrace
+
     generator = torch.Generator().manual_seed(7)
-    for groups, (c, o) in ((1, (4, 6)), (2, (4, 6)), (4, (4, 4))):
+    for groups, (c, o), k in ((1, (4, 6), 3), (2, (4, 6), 3), (4, (4, 4), 3), (1, (4, 8), 1)):
         x = torch.randn(3, c, 9, 9, generator=generator).contiguous(memory_format=input_layout)
-        w = torch.randn(o, c // groups, 3, 3, generator=generator)
+        w = torch.randn(o, c // groups, k, k, generator=generator)
         b = torch.randn(o, generator=generator)
-        arguments = ([2, 2], [1, 1], [1, 1], False, [0, 0], groups)
+        arguments = ([2, 2], [k // 2] * 2, [1, 1], False, [0, 0], groups)
         reference = ATEN.convolution(x, w, b, *arguments)
         grad = torch.randn(reference.shape, generator=generator).contiguous(memory_format=input_layout)
         expected = ATEN.convolution_backward(grad, x, w, [o], *arguments, [True, True, True])
@@ -121,11 +119,23 @@ def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_layo
         got = backward("channels-last", grad, x, w, [o], *arguments, [True, True, True])
         results = zip(("output", "grad input", "grad weight", "grad bias"), (out, *got), (reference, *expected))
         for what, a, e in results:
-            assert a.shape == e.shape and _strides(a) == _strides(e), what
+            assert a.shape == e.shape and a.stride() == e.stride(), (groups, k, what, a.stride(), e.stride())
             assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
             assert _relative_error(a, e) <= TOLERANCE[torch.float32], what
-        assert got[0] is not None and backward("channels-last", grad, x, w, [o], *arguments,
-                                               [False, True, False])[0] is None
+        if input_layout == torch.channels_last:
+            continue  # the capture hands a stand-in for a contiguous input only
+        alone = backward("channels-last", grad, x.new_empty(1).expand(x.shape), w, [o], *arguments,
+                         [True, False, False])
+        assert alone[1] is None and alone[2] is None
+        assert torch.equal(alone[0], got[0]) and alone[0].stride() == expected[0].stride()
+    # large enough that oneDNN's own scratch (about 100 KiB here) is small beside the input
+    x, w = torch.randn(64, 4, 32, 32, generator=generator), torch.randn(4, 4, 3, 3, generator=generator)
+    grad = torch.randn(64, 4, 32, 32, generator=generator)
+    with AllocationTrace() as trace:
+        backward("channels-last", grad, x.new_empty(1).expand(x.shape), w, [4], [1, 1], [1, 1], [1, 1], False,
+                 [0, 0], 1, [True, False, False])
+    # the gradient's channels-last copy, the result in that layout and laid out again: not the input's 1 MiB on top
+    assert trace.peak_bytes < 3 * x.nbytes + (256 << 10), "the stand-in was written out"
 
 
 def test_winograd_applies_only_to_3x3_stride_1():

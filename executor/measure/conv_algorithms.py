@@ -258,15 +258,22 @@ def _natively_channels_last(x, w) -> bool:
     return any(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() for t in (x, w))
 
 
+def _strides(shape, channels_last: bool) -> tuple[int, ...]:
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c) if channels_last else (c * h * w, h * w, w, 1)
+
+
 def _laid_out_as_native(tensor, channels_last: bool):
-    """`tensor` in the layout native's result would have, owning exactly its storage."""
+    """`tensor` with the strides native's result would have (every one: a kernel compiled for the nodes after
+    checks them all, those of a dimension of size 1 too), owning exactly its storage."""
     if tensor is None:
         return None
-    wanted = torch.channels_last if channels_last else torch.contiguous_format
-    if tensor.is_contiguous(memory_format=wanted) and tensor.storage_offset() == 0 \
+    if tensor.stride() == _strides(tensor.shape, channels_last) and tensor.storage_offset() == 0 \
             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
         return tensor
-    return tensor.clone(memory_format=wanted)
+    laid_out = torch.empty_strided(tensor.shape, _strides(tensor.shape, channels_last), dtype=tensor.dtype,
+                                   device=tensor.device)
+    return laid_out.copy_(tensor)
 
 
 def forward(name: str, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
@@ -293,8 +300,11 @@ def backward(name: str, grad, x, w, bias_sizes, stride, padding, dilation, trans
              output_mask):
     """What aten.convolution_backward computes for `output_mask`, by algorithm `name` (not native)."""
     if name == "channels-last":
+        # the input's values are read for the filter gradient only; the input gradient needs its sizes alone (the
+        # weight's channels-last layout makes ATen pick the NHWC kernel), so a stand-in is not written out
+        operand = _channels_last(x) if output_mask[1] else x
         gi, gw, gb = torch.ops.aten.convolution_backward(
-            _channels_last(grad), _channels_last(x), _channels_last(w), bias_sizes, stride, padding, dilation,
+            _channels_last(grad), operand, _channels_last(w), bias_sizes, stride, padding, dilation,
             transposed, output_padding, groups, output_mask)
         channels_last = _natively_channels_last(x, w)
         return _laid_out_as_native(gi, channels_last), _laid_out_as_native(gw, channels_last), _owning(gb)
