@@ -20,16 +20,19 @@ checkpointing, measured). Compile time: torch.compile's first step, and the plan
 profiling compiled them. Writes benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch
 configuration, the fastest mosos plan at equal or less measured memory.
 
+Every row but eager's also reports how far its gradients are from the eager copy's after one step from the same
+seed (`grad error`: the largest |difference| / the largest |gradient| over the parameters; a gradient that is
+rounding alone against the model's largest), beside the eager copy's own distance from itself run twice (`eager
+noise`, a GPU's nondeterminism). mosos and per-block checkpointing draw eager's random numbers in eager's order;
+torch.compile draws its own (Inductor's generator), so for a model with dropout its distance is that of other
+dropout masks, and rounding only for one without (ResNet-18-small).
+
 On a GPU (`--device cuda`): larger workloads (GPT-2 and BERT at hidden 768, sequence 512; ResNet-18-small at batch
 32768), so that a step is not a few kernel launches; float32 or bfloat16 autocast (`--precisions`); the peak is
 `torch.cuda.max_memory_allocated` less the memory allocated before the step; each step is timed between two
 `torch.cuda.synchronize()`; mosos plans offloading as well as recomputation. `--jobs` prepares that many
 configurations at once (torch.compile's compiling), while mosos' profiling and solving and every configuration's
-peaks and timed rounds take turns (a lock file), so that nothing timed shares the GPU. mosos rows (and per-block
-ones) also report how far their gradients are from the eager copy's after one step from the same seed (`grad
-error`: the largest |difference| / the largest |gradient| over the parameters; a gradient that is rounding alone
-against the model's largest), beside the eager copy's own distance from itself run twice (`eager noise`, the
-GPU's nondeterminism).
+peaks and timed rounds take turns (a lock file), so that nothing timed shares the GPU.
 Writes benchmarks/results/frontier_gpu.md and frontier_gpu_<model>_<precision>.json/.png.
 """
 
@@ -322,7 +325,7 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
     with turn:
         reference()
         step()
-        if config.startswith("mosos") or config == "per-block":  # the same random draws as eager's, in order
+        if config != "eager":
             expected = gradients(reference, eager.parameters())
             row["grad_error"] = gradient_error(gradients(step, params), expected)
             row["eager_noise"] = gradient_error(gradients(reference, eager.parameters()), expected)
@@ -351,11 +354,15 @@ def run_one(model: str, config: str, args, precision: str = "fp32", timeout_s: f
         # children share the GPU's timed phases through a lock, and the machine's cores for Inductor's workers
         env.update(FRONTIER_GPU_LOCK=str(Path(tempfile.gettempdir()) / f"frontier-gpu-{os.getpid()}.lock"),
                    TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 2) // args.jobs)))
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return failed_row(model, config, args.device, precision,
-                          f"not finished within {timeout_s:.0f} s (--child-timeout / --deadline)")
+    # Inductor's caches of its own, empty: every configuration compiles as on a user's first run (a warm cache
+    # left by an earlier configuration of the same model made torch.compile's 23 s compile take 2.5 s)
+    with tempfile.TemporaryDirectory(prefix="frontier-inductor-") as inductor_cache:
+        env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return failed_row(model, config, args.device, precision,
+                              f"not finished within {timeout_s:.0f} s (--child-timeout / --deadline)")
     if done.returncode != 0:
         # the exception's own line first (a dispatcher's message lists every backend after it), then the tail
         headers = [line for line in done.stderr.splitlines() if _EXCEPTION_LINE.match(line)]
@@ -540,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         section = "\n".join([f"## {heading}", "", f"`{command.strip()}` ({when}; {args.rounds} paired rounds, "
                              f"{args.threads} torch threads; {device_name}; plot: {picture.name})", "", *lines[1:]])
         intro_title = "Memory-time frontier (CPU)" if args.device == "cpu" else "Memory-time frontier (GPU)"
-        intro = __doc__.split("\n\n")[2] if args.device == "cpu" else __doc__.split("\n\n")[4]
+        paragraphs = __doc__.split("\n\n")  # how it is measured (the CPU's or the GPU's), then the gradients
+        intro = (paragraphs[2] if args.device == "cpu" else paragraphs[5]) + "\n\n" + paragraphs[4]
         write_section(results, f"# {intro_title}\n\n" + intro + "\n", section + "\n")
         rows_file.write_text(json.dumps(ordered, indent=1))
     return 0
