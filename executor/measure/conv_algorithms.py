@@ -239,12 +239,16 @@ def _winograd_backward(x, w, grad, padding, need_input, need_weight):
     return grad_input, grad_weight
 
 
+def _owns_exactly_its_storage(tensor) -> bool:
+    return (tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+
+
 def _owning(tensor):
     """The result as a tensor that owns exactly its storage: an implementation must keep no more than native's."""
     if tensor is None:
         return None
-    if (tensor.is_contiguous() and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()):
+    if tensor.is_contiguous() and _owns_exactly_its_storage(tensor):
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
 
@@ -268,12 +272,10 @@ def _laid_out_as_native(tensor, channels_last: bool):
     checks them all, those of a dimension of size 1 too), owning exactly its storage."""
     if tensor is None:
         return None
-    if tensor.stride() == _strides(tensor.shape, channels_last) and tensor.storage_offset() == 0 \
-            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+    strides = _strides(tensor.shape, channels_last)
+    if tensor.stride() == strides and _owns_exactly_its_storage(tensor):
         return tensor
-    laid_out = torch.empty_strided(tensor.shape, _strides(tensor.shape, channels_last), dtype=tensor.dtype,
-                                   device=tensor.device)
-    return laid_out.copy_(tensor)
+    return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 def forward(name: str, x, w, b, stride, padding, dilation, transposed, output_padding, groups):

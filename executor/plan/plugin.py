@@ -175,8 +175,9 @@ def optimize(
     Inductor's layout optimisation would take; on the zoo's CNNs the loss came out bitwise and the gradients within
     3e-6 relative, and like the eager alternative beside each kernel, the pick follows the measured times).
     `algorithms="all"` (every one of executor.measure.conv_algorithms.ALGORITHMS) lets the plan pick per layer by
-    measured time and workspace (a smaller budget may fit); the others agree with plain PyTorch to rounding only, and which one a run picks can
-    change with the timings (and again at the re-plan) while the plan's memory figures stay the same.
+    measured time and workspace (a smaller budget may fit); the others agree with plain PyTorch to rounding only,
+    and which one a run picks can change with the timings (and again at the re-plan) while the plan's memory
+    figures stay the same.
 
     `compile=True` runs each planning node as a kernel Inductor compiled from its ATen operations (nodes alike
     share one), so cheap chains inside a node fuse, while every tensor the schedule acts on stays a real tensor
