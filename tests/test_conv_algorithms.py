@@ -138,6 +138,55 @@ def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_stri
     assert trace.peak_bytes < 3 * x.nbytes + (256 << 10), "the stand-in was written out"
 
 
+@pytest.mark.parametrize("input_layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_batch_split_is_natives_per_sample_and_holds_a_part_at_a_time(input_layout):
+    """Any groups and a batch that does not divide by four: native's results to rounding (parts of one or two
+    samples take another oneDNN kernel; the filter and bias gradients are sums over the parts), every result with
+    native's strides and owning exactly its storage; the input gradient from a one-element stand-in of the input.
+    With parts of many samples, each sample's output and input gradient are native's bit for bit, and the peak is
+    below native's where native's scratch is large (the stem of ResNet-18-small: oneDNN reorders the whole
+    input)."""
+    from executor.measure.allocations import AllocationTrace
+
+    generator = torch.Generator().manual_seed(11)
+    for groups, (c, o), k, n in ((1, (4, 6), 3, 7), (2, (4, 6), 3, 5), (4, (4, 4), 3, 9), (1, (4, 8), 1, 2)):
+        x = torch.randn(n, c, 9, 9, generator=generator).contiguous(memory_format=input_layout)
+        w = torch.randn(o, c // groups, k, k, generator=generator)
+        b = torch.randn(o, generator=generator)
+        arguments = ([2, 2], [k // 2] * 2, [1, 1], False, [0, 0], groups)
+        reference = ATEN.convolution(x, w, b, *arguments)
+        grad = torch.randn(reference.shape, generator=generator).contiguous(memory_format=input_layout)
+        expected = ATEN.convolution_backward(grad, x, w, [o], *arguments, [True, True, True])
+        out = forward("batch-split", x, w, b, *arguments)
+        got = backward("batch-split", grad, x, w, [o], *arguments, [True, True, True])
+        results = zip(("output", "grad input", "grad weight", "grad bias"), (out, *got), (reference, *expected))
+        for what, a, e in results:
+            assert a.shape == e.shape and a.stride() == e.stride(), (groups, k, what, a.stride(), e.stride())
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+            assert _relative_error(a, e) <= TOLERANCE[torch.float32], what
+        if input_layout == torch.channels_last:
+            continue  # the capture hands a stand-in for a contiguous input only
+        alone = backward("batch-split", grad, x.new_empty(1).expand(x.shape), w, [o], *arguments,
+                         [True, False, False])
+        assert alone[1] is None and alone[2] is None
+        assert torch.equal(alone[0], got[0]) and alone[0].stride() == expected[0].stride()
+    assert why_not_applicable("batch-split", ConvGeometry.of((1, 3, 8, 8), (4, 3, 3, 3))) is not None
+    x, w = torch.randn(256, 3, 32, 32, generator=generator), torch.randn(4, 3, 7, 7, generator=generator)
+    arguments = ([2, 2], [3, 3], [1, 1], False, [0, 0], 1)
+    peaks, outputs = {}, {}
+    for name in ("native", "batch-split"):
+        with AllocationTrace() as trace:
+            out = ATEN.convolution(x, w, None, *arguments) if name == "native" else \
+                forward(name, x, w, None, *arguments)
+        peaks[name] = trace.peak_bytes - out.nbytes
+        outputs[name] = out
+    assert torch.equal(outputs["batch-split"], outputs["native"])
+    grad = torch.randn(outputs["native"].shape, generator=generator)
+    expected = ATEN.convolution_backward(grad, x, w, None, *arguments, [True, False, False])[0]
+    assert torch.equal(backward("batch-split", grad, x, w, None, *arguments, [True, False, False])[0], expected)
+    assert peaks["batch-split"] < peaks["native"] / 2, peaks
+
+
 def test_winograd_applies_only_to_3x3_stride_1():
     assert applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 3, 3), 1, 1))
     assert "3x3" in why_not_applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 5, 5), 1, 1))
@@ -159,5 +208,9 @@ def test_workspace_formulas_differ_and_chunking_caps_them():
     assert sizes["im2col"] == 8 * 16 * 9 * 32 * 32 * 4
     assert sizes["im2col-chunked"] == sizes["im2col"] // 4
     assert 0 < sizes["winograd"] != sizes["im2col"]
-    for name in ALGORITHMS:
+    # batch-split holds one part's result at a time: a quarter of the output, or of the input gradient with one
+    # part's filter and bias gradients
+    assert sizes["batch-split"] == 2 * 32 * 32 * 32 * 4
+    assert workspace_bytes("batch-split", geometry, 4, "backward") == (2 * 16 * 32 * 32 + 32 * 16 * 9 + 32) * 4
+    for name in set(ALGORITHMS) - {"batch-split"}:
         assert workspace_bytes(name, geometry, 4, "backward") >= sizes[name]
