@@ -75,8 +75,8 @@ TORCH_FAMILIES = ("per-block", "torch.compile", "torch.compile budget")
 
 def all_configs() -> list[str]:
     return (["eager", "per-block", "compile"] + [f"compile-budget-{b}" for b in COMPILE_BUDGETS]
-            + ["mosos-per-block"] + [f"mosos-{r}" for r in MOSOS_RATIOS]
-            + [f"mosos-compiled-{r}" for r in MOSOS_COMPILED_RATIOS])
+            + ["mosos-per-block"] + [f"mosos-{r}" for r in MOSOS_RATIOS] + ["mosos-smallest"]
+            + [f"mosos-compiled-{r}" for r in MOSOS_COMPILED_RATIOS] + ["mosos-compiled-smallest"])
 
 
 def family(config: str) -> str:
@@ -265,12 +265,17 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         turn.enter_context(gpu_turn())  # profiling times every node on the device: alone, as the timed rounds
         holding = True
 
-        strategy, ratio = ("per-block", 1.0) if config == "mosos-per-block" else ("mosos", float(config.split("-")[-1]))
         compiled = config.startswith("mosos-compiled-")
-        with cast():  # the plan is made for the step's autocast state, as a user's optimize() call is
-            planned = executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, memory_ratio=ratio,
-                                        strategy=strategy, time_limit_s=time_limit_s, progress=False, cache=False,
-                                        compile=compiled)
+        if config.endswith("-smallest"):
+            with cast():
+                planned = _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s, compiled, row)
+        else:
+            strategy, ratio = (("per-block", 1.0) if config == "mosos-per-block"
+                               else ("mosos", float(config.split("-")[-1])))
+            with cast():  # the plan is made for the step's autocast state, as a user's optimize() call is
+                planned = executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs,
+                                            memory_ratio=ratio, strategy=strategy, time_limit_s=time_limit_s,
+                                            progress=False, cache=False, compile=compiled)
 
         def step():
             for p in planned.parameters():
@@ -286,6 +291,8 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         row["simulated_peak_mib"] = summary.peak_memory_bytes / MIB
         row["budget_mib"] = planned.schedule.budget_bytes / MIB if planned.schedule.budget_bytes else None
         row["note"] = f"{summary.strategy}, recompute {summary.recompute_time_ms:.0f} ms simulated"
+        if row.get("smallest_budget_tries_mib"):
+            row["note"] += f", budget {row['budget_mib']:.1f} MiB (asked {', '.join(row['smallest_budget_tries_mib'])})"
         if summary.offloaded_bytes:
             row["note"] += f", offload {summary.offloaded_bytes / MIB:.0f} MiB, stall {summary.stall_time_ms:.1f} ms"
         if compiled:
@@ -343,6 +350,30 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
     row.update(time_ratio=statistics.median(ratios), eager_ms=statistics.median(eager_ms),
                config_ms=statistics.median(config_ms))
     return row
+
+
+def _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s: float, compiled: bool, row: dict):
+    """The plan at the smallest budget mosos names: a budget no plan fits is a BudgetError naming the smallest one
+    known to work (a lower bound first, from the capture; then what a measuring pass or the solver found), so ask
+    with a budget far too small and then with each budget the error names, as a user who wants the least memory
+    would."""
+    import executor
+    from planner.errors import BudgetError
+
+    budget_bytes, tried = 1, []
+    for _ in range(6):
+        try:
+            planned = executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, budget=budget_bytes,
+                                        time_limit_s=time_limit_s, progress=False, cache=False, compile=compiled)
+        except BudgetError as error:
+            named = error.minimum_budget_bytes or 0
+            # a budget the error names but that failed again: a little more
+            budget_bytes = named if named > budget_bytes else int(budget_bytes * 1.02) + 1
+            tried.append(f"{budget_bytes / MIB:.1f}")
+            continue
+        row["smallest_budget_tries_mib"] = tried
+        return planned
+    raise RuntimeError(f"no plan at the budgets the errors named: {', '.join(tried)} MiB")
 
 
 def run_one(model: str, config: str, args, precision: str = "fp32", timeout_s: float | None = None) -> dict:

@@ -285,16 +285,21 @@ def test_compiled_plans_may_run_convolutions_on_channels_last_or_split_within_ro
     native ones (and nothing else: im2col and winograd only when asked for); with every convolution on either,
     depthwise ones included, the step is plain PyTorch's within the compiled replay's tolerance, and the ledger is
     the simulator's. On channels-last the loss comes out bitwise (oneDNN's NHWC forward rounds as its NCHW one
-    here); split, the zoo's small batch makes parts of a few samples, which oneDNN may run with another kernel."""
+    here); batch-split is offered from a batch of 64."""
     from executor.measure.measuring import substituted
 
     model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
+    if algorithm == "batch-split":  # offered from a batch of 64 (parts of 16 samples)
+        generator = torch.Generator().manual_seed(5)
+        args, targets = (torch.randn(64, 3, 32, 32, generator=generator),), torch.randint(0, 4, (64,),
+                                                                                         generator=generator)
     planned = executor.optimize(copy.deepcopy(model), args, loss_fn, targets=targets, kwargs=kwargs, budget=None,
                                 strategy="keep-all", repeats=1, warmup=0, progress=False, compile=True, cache=False)
     profile = planned.profile
     convolutions = [n for n in profile.nodes if "convolution" in n.op_type]
     offered = {i.name for n in convolutions for i in n.implementations}
-    assert offered == {"native", "channels-last", "batch-split"}, offered
+    # batch-split from a batch of 64: the zoo's 16 images make channels-last the only other
+    assert offered == {"native", "channels-last"} | ({"batch-split"} if algorithm == "batch-split" else set())
     on_algorithm = {n.id for n in convolutions if any(i.name == algorithm for i in n.implementations)}
     assert len(on_algorithm) == len(convolutions)
     schedule = substituted(plan(profile, strategy="keep-all"), lambda node: algorithm, on_algorithm)
@@ -310,8 +315,10 @@ def test_compiled_plans_may_run_convolutions_on_channels_last_or_split_within_ro
     plain_loss = _plain_step(plain_model, args, kwargs, targets, loss_fn)
     if algorithm == "channels-last":
         assert torch.equal(loss.detach(), plain_loss.detach())
+    # at batch 64, with every node compiled, MobileNetV2's features.1.conv.1.weight gradient (largest value 1.5e-4)
+    # comes out 4.9e-5 of itself from plain PyTorch's, native convolutions too: measured against float64 as well
     _assert_close(f"{name} {algorithm}", loss, plain_loss, _gradients(planned_model), _gradients(plain_model),
-                  torch.float32)
+                  torch.float32, _exact_gradients(model, args[0], targets))
 
 
 @pytest.mark.slow

@@ -13,9 +13,10 @@ planner picks one per planning node; the generated step calls the pick.
   where NCHW takes 7.1 for a 4-channel 3x3 layer), cuDNN's tensor-core layout; the copies are the workspace.
 - batch-split: ATen's own operator on a quarter of the batch at a time, written into one result laid out as
   native's: a quarter of native's scratch, and on the CPU faster where native's buffers are 32 MiB or more, which
-  glibc maps afresh on every call (ResNet-18-small's stem at batch 2048: 8 ms where native takes 16). Each
-  sample's output and input gradient are native's bit for bit on the shapes measured; the filter and bias
-  gradients are sums over four parts instead of one, so they agree to rounding only.
+  glibc maps afresh on every call (ResNet-18-small's stem at batch 2048: 8 ms where native takes 16). The filter
+  and bias gradients are native's call on the whole batch (summed over parts, they would round otherwise). Offered
+  for a batch of 64 or more: on parts of 16 samples or more oneDNN runs the kind of kernel it runs on the whole
+  batch (the results came out native's bit for bit), where on parts of one sample it took another.
 - im2col: unfold the input into columns and multiply (GEMM); the columns are the workspace.
 - im2col-chunked: the same, a quarter of the batch at a time: a quarter of the workspace, more passes.
 - winograd: F(2x2, 3x3) for 3x3 kernels, stride 1: 16 element-wise products per 2x2 output tile
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 
 ALGORITHMS = ("native", "channels-last", "batch-split", "im2col", "im2col-chunked", "winograd")
 CHUNKS = 4
+SMALLEST_PART_SAMPLES = 16  # batch-split: on fewer samples oneDNN may run another kind of kernel than on the batch
 
 def _pair(value) -> tuple[int, int]:
     return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))
@@ -84,7 +86,10 @@ def why_not_applicable(name: str, geometry: ConvGeometry) -> str | None:
     if name in ("native", "channels-last"):
         return None
     if name == "batch-split":
-        return None if geometry.input_shape[0] >= 2 else "batch-split needs a batch of at least 2"
+        if geometry.input_shape[0] < CHUNKS * SMALLEST_PART_SAMPLES:
+            return (f"batch-split needs a batch of at least {CHUNKS * SMALLEST_PART_SAMPLES} (parts of "
+                    f"{SMALLEST_PART_SAMPLES} samples: on fewer, oneDNN may run another kind of kernel)")
+        return None
     if geometry.groups != 1:
         return f"{name} handles groups=1 only"
     if name == "winograd":
@@ -121,12 +126,13 @@ def workspace_bytes(name: str, geometry: ConvGeometry, element_size: int, phase:
             return (operands + n * o * ho * wo) * element_size
         return (2 * operands + n * o * ho * wo) * element_size
     if name == "batch-split":
-        # one part's result before it is written into the whole (and native's own scratch for a part)
+        # one part's result before it is written into the whole (and native's own scratch for a part; the filter
+        # gradient is native's whole-batch call, whose scratch the profile measures)
         _, _, h, w = geometry.input_shape
         part = math.ceil(n / CHUNKS)
         if phase == "forward":
             return part * o * ho * wo * element_size
-        return (part * c * h * w + o * (c // geometry.groups) * kh * kw + o) * element_size
+        return part * c * h * w * element_size
     if name == "im2col":
         if phase == "forward":
             return cols * element_size
@@ -306,20 +312,23 @@ def _batch_split_forward(x, w, b, arguments):
 
 
 def _batch_split_backward(grad, x, w, bias_sizes, arguments, output_mask):
-    """Each part's input gradient into its rows of one result; the filter and bias gradients summed over the parts,
-    in order (the one place the result is not native's bit for bit)."""
+    """The input gradient part by part into its rows of one result; the filter and bias gradients by one call on
+    the whole batch, as native computes them: summed over parts they would round otherwise (1.1e-5 of the largest
+    gradient on ResNet-18-small's stem, over the compiled replay's 1e-5)."""
+    need_input, need_weight, need_bias = output_mask
     grad_input = grad_weight = grad_bias = None
-    for start, end in _chunks(x.shape[0]):
-        gi, gw, gb = torch.ops.aten.convolution_backward(grad[start:end], x[start:end], w, bias_sizes, *arguments,
-                                                         output_mask)
-        if gi is not None:
+    if need_weight or need_bias:
+        _, grad_weight, grad_bias = torch.ops.aten.convolution_backward(grad, x, w, bias_sizes, *arguments,
+                                                                        [False, need_weight, need_bias])
+    if need_input:
+        for start, end in _chunks(x.shape[0]):
+            part = torch.ops.aten.convolution_backward(grad[start:end], x[start:end], w, bias_sizes, *arguments,
+                                                       [True, False, False])[0]
             if grad_input is None:
                 strides = _strides(x.shape, _natively_channels_last(x, w))
-                grad_input = torch.empty_strided(x.shape, strides, dtype=gi.dtype, device=gi.device)
-            grad_input[start:end].copy_(gi)
-            del gi
-        grad_weight = gw if grad_weight is None else grad_weight.add_(gw)
-        grad_bias = gb if grad_bias is None else grad_bias.add_(gb)
+                grad_input = torch.empty_strided(x.shape, strides, dtype=part.dtype, device=part.device)
+            grad_input[start:end].copy_(part)
+            del part
     return grad_input, grad_weight, grad_bias
 
 

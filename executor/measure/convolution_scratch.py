@@ -53,6 +53,39 @@ def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, ele
     return int(element_size * min(3 * (geometry.columns_elements + tensors), 4.5 * tensors)) + SCRATCH_FLOOR_BYTES
 
 
+def unprobed_for_room(planning, device, probed: dict[int, int]) -> list[tuple[object, int]]:
+    """(planning group, bytes a probe of it needs beyond the fixed memory) for each native convolution the probe
+    applies to that `probed` lacks: the budget had no room for its probe, so the formula stands for its scratch."""
+    if torch.device(device).type != "cpu":
+        return []
+    unprobed = []
+    for group in planning.groups:
+        if group.index in probed or convolution_geometry(group) is None:
+            continue
+        value = convolution_input(group).meta["val"]
+        if int(value.shape[0]) >= SMALLEST_BATCH_PROBED:
+            need = _probe_need_bytes(group, probe_batches(int(value.shape[0]))[1], value.element_size())
+            unprobed.append((group, need))
+    return unprobed
+
+
+def batch_split_scratch_bytes(group, element_size: int, probed_bytes: int | None = None) -> int:
+    """Native's scratch within algorithm batch-split: its calls on a quarter of the batch (the scratch grows
+    linearly with the batch, above), and for a backward node that computes the filter or bias gradient, native's
+    own call on the whole batch. `probed_bytes`: the whole call's bound as probed, if it was."""
+    geometry = convolution_geometry(group)
+    node = group.convolution
+    whole = probed_bytes if probed_bytes is not None else native_convolution_scratch_bytes(geometry, element_size)
+    if node.target is not CONVOLUTION and any(node.args[10][1:]):
+        return whole
+    batch = geometry.input_shape[0]
+    part = math.ceil(batch / conv_algorithms.CHUNKS)
+    if probed_bytes is None:
+        sliced = dataclasses.replace(geometry, input_shape=(part, *geometry.input_shape[1:]))
+        return native_convolution_scratch_bytes(sliced, element_size)
+    return min(whole, math.ceil(whole * part / batch) + SCRATCH_FLOOR_BYTES)
+
+
 def _tensor_elements(geometry: conv_algorithms.ConvGeometry) -> int:
     """Input + weights + output."""
     output_elements = math.prod((geometry.input_shape[0], geometry.weight_shape[0]) + geometry.output_hw)

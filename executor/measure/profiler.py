@@ -39,8 +39,9 @@ from executor.measure import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
-from executor.measure.convolution_scratch import (convolution_geometry, convolution_input,
-                                                  native_convolution_scratch_bytes, probe_native_scratch)
+from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
+                                                  convolution_input, native_convolution_scratch_bytes,
+                                                  probe_native_scratch, unprobed_for_room)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
 from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
@@ -49,7 +50,8 @@ from executor.capture.planning_graph import PlanningGraph, build, node_sizes, re
 from executor.replay.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
 from executor.measure.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, substituted,
                                         with_implementations)
-from planner.errors import MososError
+from planner.budget import minimum_budget_bytes
+from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile, parse_profile
 from planner.simulator import simulate
 from planner.units import format_bytes
@@ -375,6 +377,11 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                              + profiled.convolution_scratch[group.index])
             elif geometry is not None and implementation == "native":
                 workspace += native_convolution_scratch_bytes(geometry, element_size)
+            elif geometry is not None and implementation == "batch-split":
+                # its parts' results (and the whole one beside them), and native's scratch for what it calls
+                workspace += (2 * conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase)
+                              + batch_split_scratch_bytes(group, element_size,
+                                                          profiled.convolution_scratch.get(group.index)))
             elif geometry is not None:
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
@@ -463,7 +470,11 @@ def profile_step(
                 f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,
                                           h2d_gb_per_s, name, budget_bytes, say)
-        chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
+        try:
+            chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
+        except BudgetError as error:
+            raise _with_unprobed_scratch(error, profiled, provisional, leaves, device, optimizer, algorithms) \
+                from None
         profiled.measuring = chosen
         say(f"measuring under {chosen.describe()}")
         compiler = NodeCompiler(say) if compile else None
@@ -527,6 +538,39 @@ def _distinct_bytes(tensors) -> int:
         if isinstance(t, torch.Tensor):
             seen[t.untyped_storage().data_ptr() or id(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provisional: GraphProfile, leaves, device,
+                           optimizer, algorithms) -> BudgetError:
+    """A floor that counts the shape formula's ceiling for the scratch of convolutions the budget had no room to
+    probe is not what any plan needs (ResNet-18-small's stem: 144 MiB by the formula, 32 MiB taken), so the error
+    says what is known: the floor without their scratch, and the budget from which the probes run; the smallest
+    budget worth asking for is the larger of the two."""
+    unprobed = unprobed_for_room(profiled.planning, device, profiled.convolution_scratch or {})
+    if not unprobed or not error.minimum_budget_bytes:
+        return error
+    probed = profiled.convolution_scratch
+    profiled.convolution_scratch = {**probed, **{group.index: 0 for group, _ in unprobed}}
+    try:
+        without_scratch = provisional_profile(profiled, leaves, device, optimizer, algorithms, None, None)
+    finally:
+        profiled.convolution_scratch = probed
+    lower = minimum_budget_bytes(without_scratch)
+    probing = provisional.fixed_bytes + max(need for _, need in unprobed)
+    worth_asking = max(lower, probing)
+    if worth_asking >= error.minimum_budget_bytes:
+        return error
+    largest = max(unprobed, key=lambda item: native_convolution_scratch_bytes(
+        convolution_geometry(item[0]), convolution_input(item[0]).meta["val"].element_size()))[0]
+    ceiling = native_convolution_scratch_bytes(convolution_geometry(largest),
+                                               convolution_input(largest).meta["val"].element_size())
+    return BudgetError(
+        f"{error}. That floor counts the shape formula's ceiling for the scratch of {len(unprobed)} native "
+        f"convolution(s) ({largest.id!r}: {format_bytes(ceiling)}), which this budget leaves no room to probe on "
+        f"slices of the batch: without their scratch any plan needs at least {format_bytes(lower)} ({lower} bytes), "
+        f"and from {format_bytes(probing)} ({probing} bytes) the probes run; ask for "
+        f"{format_bytes(worth_asking)} ({worth_asking} bytes) or more and the floor is measured",
+        minimum_budget_bytes=worth_asking)
 
 
 def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int) -> dict:
