@@ -16,7 +16,8 @@ Families: eager; per-block checkpointing (transformers' `gradient_checkpointing_
 `torch._functorch.config.activation_memory_budget`; mosos (eager replay) at fractions of the keep-all peak; mosos
 with compiled planning nodes (`mosos-compiled-<ratio>`, `optimize(compile=True)`; 1.0 is the keep-all budget); the
 planner's own per-block baseline replayed by mosos (`mosos-per-block`: the simulator's view of per-block
-checkpointing, measured). Compile time: torch.compile's first step, and the planned step's kernels as the
+checkpointing, measured); and mosos at the smallest budget it names (`mosos-smallest`, `mosos-compiled-smallest`:
+asked for 1 byte, then for each budget its BudgetError names, as a user who wants the least memory would). Compile time: torch.compile's first step, and the planned step's kernels as the
 profiling compiled them. Writes benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch
 configuration, the fastest mosos plan at equal or less measured memory.
 

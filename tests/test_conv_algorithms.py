@@ -99,6 +99,38 @@ def test_the_two_halves_of_native_convolution_backward_are_bitwise_the_combined_
             assert torch.equal(combined[1], filters[1]) and torch.equal(combined[2], filters[2])
 
 
+def _laid_out_as_natives_results(algorithm, input_layout, seed, batches=(3, 3, 3, 3)):
+    """Groups 1 and 2, depthwise and a 1x1 kernel: every result of `algorithm` with native's shape and strides (every
+    one, those of a dimension of size 1 included: a kernel compiled for the node after checks them all), owning
+    exactly its storage, within float32's tolerance; the input gradient alone from a one-element stand-in of a
+    contiguous input, as the capture hands it, equal to the one computed beside the filter gradient. Each case's
+    results and native's."""
+    generator = torch.Generator().manual_seed(seed)
+    cases = []
+    for (groups, (c, o), k), n in zip(((1, (4, 6), 3), (2, (4, 6), 3), (4, (4, 4), 3), (1, (4, 8), 1)), batches):
+        x = torch.randn(n, c, 9, 9, generator=generator).contiguous(memory_format=input_layout)
+        w = torch.randn(o, c // groups, k, k, generator=generator)
+        b = torch.randn(o, generator=generator)
+        arguments = ([2, 2], [k // 2] * 2, [1, 1], False, [0, 0], groups)
+        reference = ATEN.convolution(x, w, b, *arguments)
+        grad = torch.randn(reference.shape, generator=generator).contiguous(memory_format=input_layout)
+        expected = ATEN.convolution_backward(grad, x, w, [o], *arguments, [True, True, True])
+        out = forward(algorithm, x, w, b, *arguments)
+        got = backward(algorithm, grad, x, w, [o], *arguments, [True, True, True])
+        results = zip(("output", "grad input", "grad weight", "grad bias"), (out, *got), (reference, *expected))
+        for what, a, e in results:
+            assert a.shape == e.shape and a.stride() == e.stride(), (groups, k, what, a.stride(), e.stride())
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+            assert _relative_error(a, e) <= TOLERANCE[torch.float32], what
+        cases.append(((out, *got), (reference, *expected)))
+        if input_layout == torch.channels_last:
+            continue  # the capture hands a stand-in for a contiguous input only
+        alone = backward(algorithm, grad, x.new_empty(1).expand(x.shape), w, [o], *arguments, [True, False, False])
+        assert alone[1] is None and alone[2] is None
+        assert torch.equal(alone[0], got[0]) and alone[0].stride() == expected[0].stride()
+    return cases
+
+
 @pytest.mark.parametrize("input_layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_strides(input_layout):
     """Any groups (depthwise too) and 1x1 kernels; every result with native's strides, those of a dimension of size
@@ -106,28 +138,8 @@ def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_stri
     one-element stand-in of the input, as the capture hands it, without writing the stand-in out."""
     from executor.measure.allocations import AllocationTrace
 
+    _laid_out_as_natives_results("channels-last", input_layout, seed=7)
     generator = torch.Generator().manual_seed(7)
-    for groups, (c, o), k in ((1, (4, 6), 3), (2, (4, 6), 3), (4, (4, 4), 3), (1, (4, 8), 1)):
-        x = torch.randn(3, c, 9, 9, generator=generator).contiguous(memory_format=input_layout)
-        w = torch.randn(o, c // groups, k, k, generator=generator)
-        b = torch.randn(o, generator=generator)
-        arguments = ([2, 2], [k // 2] * 2, [1, 1], False, [0, 0], groups)
-        reference = ATEN.convolution(x, w, b, *arguments)
-        grad = torch.randn(reference.shape, generator=generator).contiguous(memory_format=input_layout)
-        expected = ATEN.convolution_backward(grad, x, w, [o], *arguments, [True, True, True])
-        out = forward("channels-last", x, w, b, *arguments)
-        got = backward("channels-last", grad, x, w, [o], *arguments, [True, True, True])
-        results = zip(("output", "grad input", "grad weight", "grad bias"), (out, *got), (reference, *expected))
-        for what, a, e in results:
-            assert a.shape == e.shape and a.stride() == e.stride(), (groups, k, what, a.stride(), e.stride())
-            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
-            assert _relative_error(a, e) <= TOLERANCE[torch.float32], what
-        if input_layout == torch.channels_last:
-            continue  # the capture hands a stand-in for a contiguous input only
-        alone = backward("channels-last", grad, x.new_empty(1).expand(x.shape), w, [o], *arguments,
-                         [True, False, False])
-        assert alone[1] is None and alone[2] is None
-        assert torch.equal(alone[0], got[0]) and alone[0].stride() == expected[0].stride()
     # large enough that oneDNN's own scratch (about 100 KiB here) is small beside the input
     x, w = torch.randn(64, 4, 32, 32, generator=generator), torch.randn(4, 4, 3, 3, generator=generator)
     grad = torch.randn(64, 4, 32, 32, generator=generator)
@@ -141,37 +153,15 @@ def test_channels_last_agrees_with_native_for_groups_and_hands_back_natives_stri
 @pytest.mark.parametrize("input_layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 def test_batch_split_is_natives_per_sample_and_holds_a_part_at_a_time(input_layout):
     """Any groups and a batch that does not divide by four: native's results to rounding (parts of one sample
-    take another oneDNN kernel), the filter and bias gradients bitwise (native's call on the whole batch), every
-    result with native's strides and owning exactly its storage; the input gradient from a one-element stand-in
-    of the input.
-    With parts of many samples, each sample's output and input gradient are native's bit for bit, and the peak is
-    below native's where native's scratch is large (the stem of ResNet-18-small: oneDNN reorders the whole
-    input)."""
+    take another oneDNN kernel) and the filter and bias gradients bitwise (native's call on the whole batch), laid
+    out as native's. With parts of many samples, each sample's output and input gradient are native's bit for bit,
+    and the peak is below native's where native's scratch is large (the stem of ResNet-18-small: oneDNN reorders
+    the whole input)."""
     from executor.measure.allocations import AllocationTrace
 
+    for got, expected in _laid_out_as_natives_results("batch-split", input_layout, seed=11, batches=(7, 5, 9, 2)):
+        assert torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])  # the filter and bias gradients
     generator = torch.Generator().manual_seed(11)
-    for groups, (c, o), k, n in ((1, (4, 6), 3, 7), (2, (4, 6), 3, 5), (4, (4, 4), 3, 9), (1, (4, 8), 1, 2)):
-        x = torch.randn(n, c, 9, 9, generator=generator).contiguous(memory_format=input_layout)
-        w = torch.randn(o, c // groups, k, k, generator=generator)
-        b = torch.randn(o, generator=generator)
-        arguments = ([2, 2], [k // 2] * 2, [1, 1], False, [0, 0], groups)
-        reference = ATEN.convolution(x, w, b, *arguments)
-        grad = torch.randn(reference.shape, generator=generator).contiguous(memory_format=input_layout)
-        expected = ATEN.convolution_backward(grad, x, w, [o], *arguments, [True, True, True])
-        out = forward("batch-split", x, w, b, *arguments)
-        got = backward("batch-split", grad, x, w, [o], *arguments, [True, True, True])
-        assert torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
-        results = zip(("output", "grad input", "grad weight", "grad bias"), (out, *got), (reference, *expected))
-        for what, a, e in results:
-            assert a.shape == e.shape and a.stride() == e.stride(), (groups, k, what, a.stride(), e.stride())
-            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
-            assert _relative_error(a, e) <= TOLERANCE[torch.float32], what
-        if input_layout == torch.channels_last:
-            continue  # the capture hands a stand-in for a contiguous input only
-        alone = backward("batch-split", grad, x.new_empty(1).expand(x.shape), w, [o], *arguments,
-                         [True, False, False])
-        assert alone[1] is None and alone[2] is None
-        assert torch.equal(alone[0], got[0]) and alone[0].stride() == expected[0].stride()
     assert "at least 64" in why_not_applicable("batch-split", ConvGeometry.of((63, 3, 8, 8), (4, 3, 3, 3)))
     assert applicable("batch-split", ConvGeometry.of((64, 3, 8, 8), (4, 3, 3, 3), 1, 1, 1, 3))
     x, w = torch.randn(256, 3, 32, 32, generator=generator), torch.randn(4, 3, 7, 7, generator=generator)
