@@ -301,7 +301,11 @@ def test_compiled_plans_may_run_convolutions_on_channels_last_or_split_within_ro
     # batch-split from a batch of 64: the zoo's 16 images make channels-last the only other
     assert offered == {"native", "channels-last"} | ({"batch-split"} if algorithm == "batch-split" else set())
     on_algorithm = {n.id for n in convolutions if any(i.name == algorithm for i in n.implementations)}
-    assert len(on_algorithm) == len(convolutions)
+    # batch-split where it is not native's very call: the forward and input-gradient nodes, not a filter gradient
+    # alone (the whole batch's call; the stem's backward is one, its input needing no gradient)
+    expected = [n for n in convolutions
+                if algorithm != "batch-split" or n.kind == "forward" or "convolution_backward.input" in n.id]
+    assert on_algorithm == {n.id for n in expected}, sorted({n.id for n in expected} ^ on_algorithm)
     schedule = substituted(plan(profile, strategy="keep-all"), lambda node: algorithm, on_algorithm)
     planned_model = copy.deepcopy(model)
     replayed = PlannedModule(planned_model, profile, schedule, loss_fn, example_inputs=args, kwargs=kwargs,

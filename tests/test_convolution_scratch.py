@@ -163,8 +163,9 @@ def test_transposed_and_one_dimensional_convolutions_are_left_alone():
 
 def test_batch_splits_estimate_covers_what_it_takes_and_is_below_natives_where_it_splits(threads):
     """The provisional profile bounds what algorithm batch-split allocates beyond its result at the full batch
-    (parts' results, native's scratch for a quarter of the batch, the whole-batch filter gradient's), as the
-    measuring pass must stay within the budget; split calls (forward, input gradient) below native's own."""
+    (parts' results, native's scratch for a quarter of the batch), as the measuring pass must stay within the
+    budget; split forward calls below native's own. A filter gradient alone is not offered it (the same call as
+    native's)."""
     from executor.measure import conv_algorithms
 
     threads(2)
@@ -188,6 +189,9 @@ def test_batch_splits_estimate_covers_what_it_takes_and_is_below_natives_where_i
         del result
         taken = cpu_workspace_bytes(trees[0], 1)[0]
         estimates = {i.name: i.workspace_bytes for i in profile.node_by_id[group.id].implementations}
+        if "batch-split" not in estimates:  # a filter gradient alone: native's very call, not offered again
+            assert node.target is not torch.ops.aten.convolution.default and not node.args[10][0], group.id
+            continue
         assert taken <= estimates["batch-split"], (group.id, taken, estimates)
         if node.target is torch.ops.aten.convolution.default:
             split_below_native += estimates["batch-split"] < estimates["native"]

@@ -69,6 +69,13 @@ def unprobed_for_room(planning, device, probed: dict[int, int]) -> list[tuple[ob
     return unprobed
 
 
+def splits_the_batch(group) -> bool:
+    """Whether algorithm batch-split runs this node other than native does: a forward convolution or an input
+    gradient (a filter gradient alone is native's call on the whole batch, the same call)."""
+    node = group.convolution
+    return node.target is CONVOLUTION or bool(node.args[10][0])
+
+
 def batch_split_scratch_bytes(group, element_size: int, probed_bytes: int | None = None) -> int:
     """Native's scratch within algorithm batch-split: its calls on a quarter of the batch (the scratch grows
     linearly with the batch, above), and for a backward node that computes the filter or bias gradient, native's

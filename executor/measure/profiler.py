@@ -41,7 +41,7 @@ from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
                                                   convolution_input, native_convolution_scratch_bytes,
-                                                  probe_native_scratch, unprobed_for_room)
+                                                  probe_native_scratch, splits_the_batch, unprobed_for_room)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
 from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
@@ -220,7 +220,9 @@ def implementations_of(planning: PlanningGraph, algorithms: tuple[str, ...]) -> 
         elif geometry is None:
             names.append(["native"])
         else:
-            names.append(["native"] + [a for a in algorithms if a != "native" and conv_algorithms.applicable(a, geometry)])
+            # batch-split only where it is not native's very call (a filter gradient alone is)
+            names.append(["native"] + [a for a in algorithms if a != "native" and conv_algorithms.applicable(a, geometry)
+                                       and (a != "batch-split" or splits_the_batch(group))])
     return names
 
 
@@ -688,8 +690,10 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
     harness: list[float] = []
     glue: list[float] = []  # per computation, ms
     with torch.no_grad():
-        for algorithm, program, ran, _ in programs:
-            for index in range(warmup + repeats):
+        # round after round, every algorithm's pass in turn: a drift in the machine's speed during the measuring falls
+        # on every algorithm alike, rather than on whichever ran last
+        for index in range(warmup + repeats):
+            for algorithm, program, ran, _ in programs:
                 say(f"timing pass {index + 1}/{warmup + repeats}" + ("" if algorithm == "native" else f" ({algorithm})"))
                 runtime.reset_timing()
                 runtime.rng.clear()
