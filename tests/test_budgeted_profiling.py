@@ -15,7 +15,7 @@ import executor  # noqa: E402
 from executor.measure.allocations import AllocationTrace  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
-from planner.planning import plan  # noqa: E402
+from planner.planning import InfeasibleBudget, plan  # noqa: E402
 from planner.schedule import Schedule  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
@@ -160,9 +160,12 @@ def test_a_budget_below_every_measuring_pass_names_the_smallest_that_works():
     assert planned.schedule.budget_bytes == minimum
 
 
-def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is_off():
+@pytest.mark.parametrize("replanning", ["finds a plan", "finds none"])
+def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is_off(replanning):
     """A profile whose times are three times what the step takes: the report says so, names the nodes, the module
-    re-plans once on what it measured, and every step stays plain PyTorch's, bit for bit."""
+    re-plans once on what it measured, and every step stays plain PyTorch's, bit for bit. A re-plan that finds no
+    plan (a solver's time limit on a loaded machine) fails no step: the current plan stays, and the report says
+    why."""
     import copy
 
     from executor.replay.replay import PlannedModule
@@ -184,6 +187,8 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
 
     def replan(measured, current, token):
         asked.append(measured)
+        if replanning == "finds none":
+            raise InfeasibleBudget("strategy 'mosos': no plan found in 2 s (UNKNOWN)")
         return plan(measured, budget, strategy="recompute-only", time_limit_s=5, workers=1)
 
     planned = PlannedModule(model, slow, schedule, loss_fn, profiled=profiled, timed_steps=2, replan=replan)
@@ -206,6 +211,10 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
         plain_optimizer.step()
     assert len(asked) == 1  # re-planned once, not after the new plan's own timed steps
     report = planned.report()
+    if replanning == "finds none":
+        assert report.off and not report.replanned and "UNKNOWN" in report.replan_failed
+        assert planned.schedule is schedule and "the current one stays" in report.describe()
+        return
     first = report.history[0]
     assert first.off and first.replanned and first.ratio < 0.6
     assert first.nodes and abs(first.nodes[0].difference_ms) >= abs(first.nodes[-1].difference_ms)

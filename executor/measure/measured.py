@@ -49,6 +49,7 @@ class StepReport:
     nodes: list[NodeDifference]  # every computed node, largest absolute difference first
     replanned: bool = False
     replan_step_time_ms: float | None = None  # the new plan's simulated step
+    replan_failed: str | None = None  # why re-planning found no plan (the current one stays: it fits the budget)
     history: list["StepReport"] = field(default_factory=list)  # reports before a re-plan
     compiled: "CompiledNodes | None" = None  # compile=True: the nodes run as kernels, the eager ones and why
 
@@ -74,6 +75,9 @@ class StepReport:
         if self.replanned:
             lines.append(f"more than {REPLAN_OFF:.0%} off: re-planned on the measured node times (new plan's "
                          f"simulated step {self.replan_step_time_ms:.2f} ms)")
+        if self.replan_failed:
+            lines.append(f"more than {REPLAN_OFF:.0%} off, but re-planning on the measured node times found no plan, so "
+                         f"the current one stays (it fits the budget): {self.replan_failed}")
         if self.compiled is not None:
             lines.append(f"compiled: {self.compiled.describe()}")
             for node_id, reason in self.compiled.eager.items():

@@ -166,7 +166,8 @@ def optimize(
     The first `timed_steps` planned steps time every node; `planned.report()` then gives the measured step time and
     peak beside the simulated ones and the nodes that differ most, and where the measured step is more than 10% off
     the simulated one (`replan_when_off`), the module re-plans once on the measured node times, within the same
-    budget, for the steps after.
+    budget, for the steps after; a re-plan that finds no plan (the solver's time limit) fails no step: the current
+    plan stays, and the report says why.
 
     `algorithms` are the convolution algorithms the plan may pick per layer. The default is `("native",)`,
     ATen's own: every step is bitwise plain PyTorch's, and the same from run to run; with `compile=True`, whose

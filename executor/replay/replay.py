@@ -42,6 +42,7 @@ from executor.capture.feeds import Feeder
 from executor.measure.measured import StepReport, measured_profile, node_differences
 from executor.measure.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
 from executor.replay.runtime import StepRuntime, TimedStepRuntime
+from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
@@ -390,9 +391,17 @@ class PlannedModule(nn.Module):
         self._timed = None
         report = self._compare()
         self._reports.append(report)
-        if report.off and self._replan is not None and not any(r.replanned for r in self._reports[:-1]):
+        if report.off and self._replan is not None and not any(r.replanned or r.replan_failed
+                                                                for r in self._reports[:-1]):
             profile = measured_profile(self.profile, self.schedule, self._measured_node_ms())
-            schedule = self._replan(profile, self.schedule, self._plan_token)
+            try:
+                schedule = self._replan(profile, self.schedule, self._plan_token)
+            except MososError as error:
+                # the step under way must not fail for a better plan not found (a solver's time limit, a planner
+                # service down): the current plan holds the budget, and the report says why it stays
+                report.replan_failed = f"{type(error).__name__}: {error}"
+                self._say(f"re-planning found no plan; the current one stays: {error}")
+                return
             report.replanned = True
             report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
             self._adopt(profile, schedule)
