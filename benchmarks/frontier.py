@@ -17,9 +17,10 @@ Families: eager; per-block checkpointing (transformers' `gradient_checkpointing_
 with compiled planning nodes (`mosos-compiled-<ratio>`, `optimize(compile=True)`; 1.0 is the keep-all budget); the
 planner's own per-block baseline replayed by mosos (`mosos-per-block`: the simulator's view of per-block
 checkpointing, measured); and mosos at the smallest budget it names (`mosos-smallest`, `mosos-compiled-smallest`:
-asked for 1 byte, then for each budget its BudgetError names, as a user who wants the least memory would). Compile time: torch.compile's first step, and the planned step's kernels as the
-profiling compiled them. Writes benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch
-configuration, the fastest mosos plan at equal or less measured memory.
+asked for 1 byte, then for each budget its BudgetError names, as a user who wants the least memory would). Compile
+time: torch.compile's first step, and the planned step's kernels as the profiling compiled them. Writes
+benchmarks/results/frontier.md and frontier_<model>.png, and prints, for each torch configuration, the fastest mosos
+plan at equal or less measured memory.
 
 Every row but eager's also reports how far its gradients are from the eager copy's after one step from the same
 seed (`grad error`: the largest |difference| / the largest |gradient| over the parameters; a gradient that is
@@ -267,9 +268,10 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         holding = True
 
         compiled = config.startswith("mosos-compiled-")
+        asked_mib: list[str] = []
         if config.endswith("-smallest"):
             with cast():
-                planned = _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s, compiled, row)
+                planned, asked_mib = _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s, compiled)
         else:
             strategy, ratio = (("per-block", 1.0) if config == "mosos-per-block"
                                else ("mosos", float(config.split("-")[-1])))
@@ -292,8 +294,8 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         row["simulated_peak_mib"] = summary.peak_memory_bytes / MIB
         row["budget_mib"] = planned.schedule.budget_bytes / MIB if planned.schedule.budget_bytes else None
         row["note"] = f"{summary.strategy}, recompute {summary.recompute_time_ms:.0f} ms simulated"
-        if row.get("smallest_budget_tries_mib"):
-            row["note"] += f", budget {row['budget_mib']:.1f} MiB (asked {', '.join(row['smallest_budget_tries_mib'])})"
+        if asked_mib:
+            row["note"] += f", budget {row['budget_mib']:.1f} MiB (asked {', '.join(asked_mib)})"
         if summary.offloaded_bytes:
             row["note"] += f", offload {summary.offloaded_bytes / MIB:.0f} MiB, stall {summary.stall_time_ms:.1f} ms"
         if compiled:
@@ -353,11 +355,11 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
     return row
 
 
-def _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s: float, compiled: bool, row: dict):
+def _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s: float, compiled: bool):
     """The plan at the smallest budget mosos names: a budget no plan fits is a BudgetError naming the smallest one
     known to work (a lower bound first, from the capture; then what a measuring pass or the solver found), so ask
     with a budget far too small and then with each budget the error names, as a user who wants the least memory
-    would."""
+    would. The plan, and the budgets asked for after the first (MiB)."""
     import executor
     from planner.errors import BudgetError
 
@@ -372,8 +374,7 @@ def _smallest_plan(model, inputs, loss_fn, targets, kwargs, time_limit_s: float,
             budget_bytes = named if named > budget_bytes else int(budget_bytes * 1.02) + 1
             tried.append(f"{budget_bytes / MIB:.1f}")
             continue
-        row["smallest_budget_tries_mib"] = tried
-        return planned
+        return planned, tried
     raise RuntimeError(f"no plan at the budgets the errors named: {', '.join(tried)} MiB")
 
 

@@ -298,17 +298,23 @@ def _laid_out_as_native(tensor, channels_last: bool):
     return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
-def _batch_split_forward(x, w, b, arguments):
-    out = None
-    for start, end in _chunks(x.shape[0]):
-        part = torch.ops.aten.convolution(x[start:end], w, b, *arguments)
-        if out is None:
-            shape = (x.shape[0], *part.shape[1:])
-            out = torch.empty_strided(shape, _strides(shape, _natively_channels_last(x, w)), dtype=part.dtype,
-                                      device=part.device)
-        out[start:end].copy_(part)
+def _into_rows(n: int, compute_part, channels_last: bool):
+    """compute_part(start, end) for each quarter of the batch, written into its rows of one result with native's
+    strides (each part freed before the next)."""
+    whole = None
+    for start, end in _chunks(n):
+        part = compute_part(start, end)
+        if whole is None:
+            shape = (n, *part.shape[1:])
+            whole = torch.empty_strided(shape, _strides(shape, channels_last), dtype=part.dtype, device=part.device)
+        whole[start:end].copy_(part)
         del part
-    return out
+    return whole
+
+
+def _batch_split_forward(x, w, b, arguments):
+    return _into_rows(x.shape[0], lambda start, end: torch.ops.aten.convolution(x[start:end], w, b, *arguments),
+                      _natively_channels_last(x, w))
 
 
 def _batch_split_backward(grad, x, w, bias_sizes, arguments, output_mask):
@@ -321,14 +327,9 @@ def _batch_split_backward(grad, x, w, bias_sizes, arguments, output_mask):
         _, grad_weight, grad_bias = torch.ops.aten.convolution_backward(grad, x, w, bias_sizes, *arguments,
                                                                         [False, need_weight, need_bias])
     if need_input:
-        for start, end in _chunks(x.shape[0]):
-            part = torch.ops.aten.convolution_backward(grad[start:end], x[start:end], w, bias_sizes, *arguments,
-                                                       [True, False, False])[0]
-            if grad_input is None:
-                strides = _strides(x.shape, _natively_channels_last(x, w))
-                grad_input = torch.empty_strided(x.shape, strides, dtype=part.dtype, device=part.device)
-            grad_input[start:end].copy_(part)
-            del part
+        grad_input = _into_rows(x.shape[0], lambda start, end: torch.ops.aten.convolution_backward(
+            grad[start:end], x[start:end], w, bias_sizes, *arguments, [True, False, False])[0],
+            _natively_channels_last(x, w))
     return grad_input, grad_weight, grad_bias
 
 

@@ -58,15 +58,7 @@ def unprobed_for_room(planning, device, probed: dict[int, int]) -> list[tuple[ob
     applies to that `probed` lacks: the budget had no room for its probe, so the formula stands for its scratch."""
     if torch.device(device).type != "cpu":
         return []
-    unprobed = []
-    for group in planning.groups:
-        if group.index in probed or convolution_geometry(group) is None:
-            continue
-        value = convolution_input(group).meta["val"]
-        if int(value.shape[0]) >= SMALLEST_BATCH_PROBED:
-            need = _probe_need_bytes(group, probe_batches(int(value.shape[0]))[1], value.element_size())
-            unprobed.append((group, need))
-    return unprobed
+    return [(group, need) for group, _, need in _probeable(planning) if group.index not in probed]
 
 
 def splits_the_batch(group) -> bool:
@@ -167,6 +159,18 @@ def _probe_need_bytes(group, batch: int, element_size: int) -> int:
     return 3 * _tensor_elements(sliced) * element_size + native_convolution_scratch_bytes(sliced, element_size)
 
 
+def _probeable(planning):
+    """(planning group, batch, bytes its larger probe needs) for each native convolution the probe applies to: one
+    the formula covers, at a batch of SMALLEST_BATCH_PROBED or more."""
+    for group in planning.groups:
+        if convolution_geometry(group) is None:  # no convolution, or one the formula does not cover either
+            continue
+        value = convolution_input(group).meta["val"]
+        batch = int(value.shape[0])
+        if batch >= SMALLEST_BATCH_PROBED:
+            yield group, batch, _probe_need_bytes(group, probe_batches(batch)[1], value.element_size())
+
+
 def probe_batches(batch: int) -> tuple[int, int]:
     """A sixteenth and an eighth of the batch (16 and 32 samples at least): large enough that the per-sample part
     outweighs fixed buffers, and that oneDNN runs the kind of kernel it runs at the full batch."""
@@ -181,17 +185,9 @@ def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dic
     if device.type != "cpu":
         return {}
     by_signature: dict[tuple, list] = {}
-    for group in planning.groups:
-        if convolution_geometry(group) is None:  # no convolution, or one the formula does not cover either
-            continue
-        value = convolution_input(group).meta["val"]
-        batch = int(value.shape[0])
-        if batch < SMALLEST_BATCH_PROBED:
-            continue
-        largest_probe = probe_batches(batch)[1]
-        if room_bytes is not None and _probe_need_bytes(group, largest_probe, value.element_size()) > room_bytes:
-            continue
-        by_signature.setdefault(_signature(group.convolution), []).append((group, batch))
+    for group, batch, need in _probeable(planning):
+        if room_bytes is None or need <= room_bytes:
+            by_signature.setdefault(_signature(group.convolution), []).append((group, batch))
     if not by_signature:
         return {}
     calls = []  # (signature, probe batch, node)

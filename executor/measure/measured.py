@@ -76,8 +76,8 @@ class StepReport:
             lines.append(f"more than {REPLAN_OFF:.0%} off: re-planned on the measured node times (new plan's "
                          f"simulated step {self.replan_step_time_ms:.2f} ms)")
         if self.replan_failed:
-            lines.append(f"more than {REPLAN_OFF:.0%} off, but re-planning on the measured node times found no plan, so "
-                         f"the current one stays (it fits the budget): {self.replan_failed}")
+            lines.append(f"more than {REPLAN_OFF:.0%} off, but re-planning on the measured node times found no plan, "
+                         f"so the current one stays (it fits the budget): {self.replan_failed}")
         if self.compiled is not None:
             lines.append(f"compiled: {self.compiled.describe()}")
             for node_id, reason in self.compiled.eager.items():

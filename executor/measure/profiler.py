@@ -221,7 +221,8 @@ def implementations_of(planning: PlanningGraph, algorithms: tuple[str, ...]) -> 
             names.append(["native"])
         else:
             # batch-split only where it is not native's very call (a filter gradient alone is)
-            names.append(["native"] + [a for a in algorithms if a != "native" and conv_algorithms.applicable(a, geometry)
+            names.append(["native"] + [a for a in algorithms
+                                       if a != "native" and conv_algorithms.applicable(a, geometry)
                                        and (a != "batch-split" or splits_the_batch(group))])
     return names
 
@@ -562,15 +563,15 @@ def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provision
     worth_asking = max(lower, probing)
     if worth_asking >= error.minimum_budget_bytes:
         return error
-    largest = max(unprobed, key=lambda item: native_convolution_scratch_bytes(
-        convolution_geometry(item[0]), convolution_input(item[0]).meta["val"].element_size()))[0]
-    ceiling = native_convolution_scratch_bytes(convolution_geometry(largest),
-                                               convolution_input(largest).meta["val"].element_size())
+    ceilings = {group.id: native_convolution_scratch_bytes(convolution_geometry(group),
+                                                           convolution_input(group).meta["val"].element_size())
+                for group, _ in unprobed}
+    largest = max(ceilings, key=ceilings.get)
     return BudgetError(
         f"{error}. That floor counts the shape formula's ceiling for the scratch of {len(unprobed)} native "
-        f"convolution(s) ({largest.id!r}: {format_bytes(ceiling)}), which this budget leaves no room to probe on "
-        f"slices of the batch: without their scratch any plan needs at least {format_bytes(lower)} ({lower} bytes), "
-        f"and from {format_bytes(probing)} ({probing} bytes) the probes run; ask for "
+        f"convolution(s) ({largest!r}: {format_bytes(ceilings[largest])}), which this budget leaves no room to "
+        f"probe on slices of the batch: without their scratch any plan needs at least {format_bytes(lower)} "
+        f"({lower} bytes), and from {format_bytes(probing)} ({probing} bytes) the probes run; ask for "
         f"{format_bytes(worth_asking)} ({worth_asking} bytes) or more and the floor is measured",
         minimum_budget_bytes=worth_asking)
 
