@@ -571,8 +571,8 @@ class CodeGenerator:
             return False
         if any(argument.meta.get(SHAPE_ONLY) for op in group.ops for argument in op.all_input_nodes):
             # a convolution's input gradient reads a stand-in of its input (one element, expanded to its shape):
-            # eager's kernel reads the shape alone, where a compiled kernel may write the expansion out in full,
-            # memory the plan does not have
+            # oneDNN writes the expansion out in its own scratch, measured and planned as the node's workspace;
+            # a compiled region might write it out as a tensor of its own, memory the plan does not have
             return False
         owned = self.outputs_of.get(group.index, [])
         return all(value in self.gradient_index or value in self.mutation_index for value in owned)
