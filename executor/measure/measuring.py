@@ -36,6 +36,7 @@ from planner.units import format_bytes
 
 MODES = ("auto", "keep-all", "frugal")
 FRUGAL_STRATEGIES = ("checkpoint-all", "chen-sqrt", "recompute-only")
+HEURISTIC_STRATEGIES = ("checkpoint-all", "chen-sqrt")  # one plan each, the same whenever asked
 # small allocations kernels make beside their outputs (a scalar, a shape buffer; an embedding's backward: 8 KiB)
 SCRATCH_SLACK_BYTES = 16 << 10
 
@@ -80,6 +81,20 @@ class MeasuringPlan:
         budget = f" within {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
         return f"{self.strategy} (estimated peak {format_bytes(self.peak_bytes)}{budget})"
 
+    def as_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule | None:
+        """The schedule the step was measured under, certified on the measured figures, if it fits `budget_bytes`
+        there: a plan known to run within the budget, for when the planner finds none (BERT of the frontier at
+        108 MiB: measured under the greedy pass, while the solver's model, with its fixed compute order, proved
+        none of its plans fits and named 140 MiB). None where it does not fit or names what the profile lacks."""
+        from planner.builder import certify
+
+        restamped = Schedule.model_validate(self.schedule.model_dump() | {
+            "profile_digest": profile.digest(), "profile_name": profile.name, "budget_bytes": budget_bytes,
+            "summary": None})
+        if _certified_peak(profile, restamped, budget_bytes) is None:
+            return None
+        return certify(profile, restamped, f"measuring pass ({self.strategy})")
+
 
 def _certified_peak(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None) -> int | None:
     try:
@@ -117,7 +132,7 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
         tried.append("keep-all")
         if keep_all_peak <= budget_bytes:
             return MeasuringPlan(keep_all, "keep-all", keep_all_peak, budget_bytes, tried)
-    smallest = [keep_all_peak]
+    smallest, unverified = [keep_all_peak], []  # budgets a measuring pass was seen to fit; budgets named only
     if provisional.hardware.can_transfer:
         from executor.plan.schedules import offload_everything_schedule
 
@@ -142,32 +157,43 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             schedule = plan(provisional, budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=1)
         except InfeasibleBudget as error:
             if error.minimum_budget_bytes:
-                smallest.append(error.minimum_budget_bytes)
+                # a heuristic's figure is its own plan's peak, met again when asked for; the solver's is what its
+                # memory-minimizing search found once, which its time-limited solve need not find again
+                (smallest if strategy in HEURISTIC_STRATEGIES else unverified).append(error.minimum_budget_bytes)
             continue
         except BudgetError as error:  # below what any plan needs
             raise BudgetError(f"no measuring pass fits: {error}", minimum_budget_bytes=error.minimum_budget_bytes) \
                 from None
         return MeasuringPlan(schedule, strategy, schedule.summary.peak_memory_bytes, budget_bytes, tried)
-    minimum = _smallest_greedy_budget(provisional, budget_bytes, min(smallest), time_limit_s / 4)
+    minimum = _smallest_greedy_budget(provisional, budget_bytes, min(smallest), unverified, time_limit_s / 4)
     raise BudgetError(
         f"no measuring pass fits in {format_bytes(budget_bytes)} ({budget_bytes} bytes): tried {', '.join(tried)}; "
         f"the smallest budget known to work is {format_bytes(minimum)} ({minimum} bytes)",
         minimum_budget_bytes=minimum)
 
 
-def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_bytes: int,
+def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_bytes: int, named: list[int],
                             time_limit_s: float) -> int:
     """The smallest budget between one no measuring pass fits and one known to work at which the greedy pass
     fits, by bisection (to 0.5%): what the strategies' own figures name can be far above it (GPT-2 of the frontier:
     249 MiB named, where the greedy pass fits from 197 MiB, a floor of 187), and the greedy pass takes a tenth of
-    a second. The budget returned is one the greedy pass was seen to fit, so asking for it measures."""
+    a second. `named`: budgets the solver named but no pass was seen to fit, taken where the greedy pass fits them.
+    The budget returned is one a measuring pass was seen to fit, so asking for it measures."""
     import time
 
     deadline = time.monotonic() + time_limit_s
+
+    def greedy_fits(budget_bytes: int) -> bool:
+        return _greedy(provisional, budget_bytes, max(0.0, deadline - time.monotonic()) * 4) is not None
+
     failed, known = failed_bytes, known_bytes
+    for budget_bytes in sorted(b for b in named if failed < b < known):
+        if greedy_fits(budget_bytes):
+            known = budget_bytes
+            break
     while known - failed > max(known // 200, 1 << 10) and time.monotonic() < deadline:
         middle = (failed + known) // 2
-        if _greedy(provisional, middle, max(0.0, deadline - time.monotonic()) * 4) is not None:
+        if greedy_fits(middle):
             known = middle
         else:
             failed = middle

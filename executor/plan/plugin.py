@@ -21,7 +21,7 @@ from executor.plan.cache import PlanKey, open_cache, plan_key
 from executor.measure.profiler import (ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step,
                                       provisional_profile)
 from executor.replay.replay import PlannedModule
-from planner.errors import MososError
+from planner.errors import BudgetError, MososError
 from planner.planning import plan
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, parse_schedule
@@ -30,6 +30,10 @@ from planner.units import format_bytes, parse_bytes
 
 class PlannerServiceError(MososError):
     """The planner service answered with an error, or not at all."""
+
+
+class PlannerServiceInfeasible(PlannerServiceError, BudgetError):
+    """The planner service found no plan within the budget; says the smallest budget it knows to work."""
 
 
 def _reporter(progress: bool | Callable[[str], None]) -> Callable[[str], None]:
@@ -78,9 +82,10 @@ def plan_remotely(
                 if status["status"] == "done":
                     if not status.get("feasible", True) or status.get("schedule") is None:
                         minimum = status.get("minimum_budget_bytes")
-                        raise PlannerServiceError(
+                        raise PlannerServiceInfeasible(
                             f"no plan fits: {status.get('reason') or 'infeasible'}"
-                            + (f" (the smallest budget that works: {format_bytes(minimum)})" if minimum else "")
+                            + (f" (the smallest budget that works: {format_bytes(minimum)})" if minimum else ""),
+                            minimum_budget_bytes=minimum,
                         )
                     return parse_schedule(status["schedule"], f"{base}/v1/plans/{status['id']}")
                 if status["status"] in ("failed", "cancelled"):
@@ -212,6 +217,23 @@ def optimize(
                       **({"compile": True} if compile else {})},
         )
 
+    def make_plan(profile: GraphProfile, budget_bytes: int | None) -> Schedule:
+        if planner_url:
+            return plan_remotely(planner_url, profile, budget_bytes, None, strategy, time_limit_s, planner_token, say)
+        best = [float("inf")]
+
+        def on_progress(event: dict) -> None:
+            # Candidate plans from inner phases report their own objectives; say only what improves the best.
+            objective = event.get("objective")
+            if objective is not None and objective < best[0]:
+                best[0] = objective
+                phase = f" ({event['phase']})" if event.get("phase") else ""
+                gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
+                say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
+
+        return plan(profile, budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=workers,
+                    progress=on_progress)
+
     def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
         """Capture, profile within the budget and plan one input signature (or take it from the cache); the key
         it is kept under comes back for a re-plan to replace it. Planned for the autocast regions in force at the
@@ -251,23 +273,15 @@ def optimize(
             algorithms=algorithms, profiled=profiled, progress=say, compile=compile,
         )
         say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
-        if planner_url:
-            schedule = plan_remotely(planner_url, profile, signature_budget, None, strategy, time_limit_s,
-                                     planner_token, say)
-        else:
-            best = [float("inf")]
-
-            def on_progress(event: dict) -> None:
-                # Candidate plans from inner phases report their own objectives; say only what improves the best.
-                objective = event.get("objective")
-                if objective is not None and objective < best[0]:
-                    best[0] = objective
-                    phase = f" ({event['phase']})" if event.get("phase") else ""
-                    gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
-                    say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
-
-            schedule = plan(profile, signature_budget, strategy=strategy, time_limit_s=time_limit_s,
-                            workers=workers, progress=on_progress)
+        try:
+            schedule = make_plan(profile, signature_budget)
+        except BudgetError as error:
+            # the step was just measured within this budget: the measuring pass's schedule is a plan that fits
+            schedule = profiled.measuring.as_plan(profile, signature_budget) if profiled.measuring else None
+            if schedule is None:
+                raise
+            say(f"no plan found by {strategy!r} ({error}); the plan is the schedule the step was measured under, "
+                f"which fits")
         summary = schedule.summary
         if summary is not None:
             say(
@@ -281,12 +295,7 @@ def optimize(
 
     def replan(measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule:
         say("the planned step is more than 10% off the simulated one: re-planning on the measured node times")
-        if planner_url:
-            replanned = plan_remotely(planner_url, measured, schedule.budget_bytes, None, strategy, time_limit_s,
-                                      planner_token, say)
-        else:
-            replanned = plan(measured, schedule.budget_bytes, strategy=strategy, time_limit_s=time_limit_s,
-                             workers=workers)
+        replanned = make_plan(measured, schedule.budget_bytes)
         if store is not None and key is not None:
             store.update(key, measured, replanned, say)
         return replanned
