@@ -20,7 +20,7 @@ from planner.planning import InfeasibleBudget, plan  # noqa: E402
 from planner.schedule import Schedule  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
-from tests.zoo import ZOO  # noqa: E402
+from tests.zoo import ZOO, assert_trains_like_plain  # noqa: E402
 
 
 def _resident_bytes(model, args, kwargs, targets) -> int:
@@ -372,12 +372,6 @@ def test_a_budget_the_step_was_measured_within_is_planned_when_the_planner_finds
     assert summary.strategy.startswith("measuring pass (") and "keep-all" not in summary.strategy
     assert summary.peak_memory_bytes <= budget and trace.peak_bytes <= budget - resident
     assert any("the schedule the step was measured under" in message for message in said)
-    torch.manual_seed(1)
-    output = plain(*args, **kwargs)
-    plain_loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
-    plain_loss.backward()
-    assert torch.equal(loss, plain_loss)
-    for (name, mine), theirs in zip(model.named_parameters(), plain.parameters()):
-        assert torch.equal(mine.grad, theirs.grad), name
+    assert_trains_like_plain(model, plain, loss, args, kwargs, targets, loss_fn, seed=1)
     # a budget the measuring pass does not fit on the measured figures gets no such plan: the error stands
     assert planned._prepared.profiled.measuring.as_plan(planned.profile, budget // 2) is None

@@ -112,6 +112,7 @@ def test_the_per_block_plan_replays_bitwise():
     import torch
 
     from executor.plan.plugin import optimize
+    from tests.zoo import assert_trains_like_plain
 
     profile, (model, args, kwargs, targets, loss_fn) = _zoo_profile("gpt2")
     plain = copy.deepcopy(model)
@@ -121,10 +122,4 @@ def test_the_per_block_plan_replays_bitwise():
     torch.manual_seed(3)
     loss = planned(*args, targets=targets, **kwargs)
     loss.backward()
-    torch.manual_seed(3)
-    output = plain(*args, **kwargs)
-    plain_loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
-    plain_loss.backward()
-    assert torch.equal(loss, plain_loss)
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+    assert_trains_like_plain(model, plain, loss, args, kwargs, targets, loss_fn, seed=3)

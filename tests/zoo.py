@@ -210,3 +210,15 @@ def plannable_ratio(profile, ratio: float = 0.6) -> float:
 
     floor = minimum_budget_bytes(profile) / keep_all_peak_bytes(profile)
     return ratio if ratio >= floor else math.ceil(floor * 20 + 1e-9) / 20
+
+
+def assert_trains_like_plain(model, plain, loss, args, kwargs, targets, loss_fn, seed: int) -> None:
+    """`plain`, a copy of `model` before its planned step, stepped as plain PyTorch from `seed`: the same loss and
+    the same gradients, bit for bit, as `model`'s planned step gave."""
+    torch.manual_seed(seed)
+    output = plain(*args, **kwargs)
+    plain_loss = loss_fn(output, targets) if targets is not None else loss_fn(output)
+    plain_loss.backward()
+    assert torch.equal(loss, plain_loss)
+    for (name, mine), theirs in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(mine.grad, theirs.grad), name
