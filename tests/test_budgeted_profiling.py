@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import time
 
 import pytest
 
@@ -321,7 +322,7 @@ def test_a_budget_below_every_measuring_pass_is_told_the_smallest_the_greedy_pas
         measuring.measuring_schedule(provisional, floor, time_limit_s=4)
     named = raised.value.minimum_budget_bytes
     scanned = next(budget for budget in (int(floor * (1 + k / 100)) for k in range(200))
-                   if measuring._greedy(provisional, budget, 4) is not None)
+                   if measuring._greedy(provisional, budget, time.monotonic() + 1) is not None)
     assert floor < named <= scanned * 1.01, (floor, named, scanned)
     chosen = measuring.measuring_schedule(provisional, named, time_limit_s=4)
     assert chosen.peak_bytes <= named

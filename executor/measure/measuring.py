@@ -25,6 +25,7 @@ measured.
 from __future__ import annotations
 
 import operator
+import time
 from dataclasses import dataclass, field
 
 from planner.budget import minimum_budget_bytes
@@ -86,14 +87,16 @@ class MeasuringPlan:
         there: a plan known to run within the budget, for when the planner finds none (BERT of the frontier at
         108 MiB: measured under the greedy pass, while the solver's model, with its fixed compute order, proved
         none of its plans fits and named 140 MiB). None where it does not fit or names what the profile lacks."""
-        from planner.builder import certify
+        from planner.builder import summarize
 
         restamped = Schedule.model_validate(self.schedule.model_dump() | {
             "profile_digest": profile.digest(), "profile_name": profile.name, "budget_bytes": budget_bytes,
             "summary": None})
-        if _certified_peak(profile, restamped, budget_bytes) is None:
+        try:
+            replayed = simulate(profile, restamped, budget_bytes, keep_timeline=False)
+        except ScheduleRejected:
             return None
-        return certify(profile, restamped, f"measuring pass ({self.strategy})")
+        return restamped.model_copy(update={"summary": summarize(replayed, f"measuring pass ({self.strategy})")})
 
 
 def _certified_peak(profile: GraphProfile, schedule: Schedule, budget_bytes: int | None) -> int | None:
@@ -148,7 +151,7 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             # the greedy evict-and-recompute pass first: a measuring schedule only has to fit, and it takes
             # milliseconds where the solver takes its whole time limit to prove what it found
             tried.append("greedy recompute")
-            schedule = _greedy(provisional, budget_bytes, time_limit_s)
+            schedule = _greedy(provisional, budget_bytes, time.monotonic() + time_limit_s / 4)
             if schedule is not None:
                 return MeasuringPlan(schedule, "greedy recompute", schedule.summary.peak_memory_bytes, budget_bytes,
                                      tried)
@@ -179,12 +182,10 @@ def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_
     249 MiB named, where the greedy pass fits from 197 MiB, a floor of 187), and the greedy pass takes a tenth of
     a second. `named`: budgets the solver named but no pass was seen to fit, taken where the greedy pass fits them.
     The budget returned is one a measuring pass was seen to fit, so asking for it measures."""
-    import time
-
     deadline = time.monotonic() + time_limit_s
 
     def greedy_fits(budget_bytes: int) -> bool:
-        return _greedy(provisional, budget_bytes, max(0.0, deadline - time.monotonic()) * 4) is not None
+        return _greedy(provisional, budget_bytes, deadline) is not None
 
     failed, known = failed_bytes, known_bytes
     for budget_bytes in sorted(b for b in named if failed < b < known):
@@ -200,14 +201,12 @@ def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_
     return known
 
 
-def _greedy(provisional: GraphProfile, budget_bytes: int, time_limit_s: float) -> Schedule | None:
-    import time
-
+def _greedy(provisional: GraphProfile, budget_bytes: int, deadline: float) -> Schedule | None:
+    """The greedy evict-and-recompute pass, then the memory-aware order, until `deadline` (time.monotonic())."""
     from planner.builder import certify
     from planner.cpsat.greedy import greedy_recompute_schedule
     from planner.cpsat.reorder import reordered_schedule
 
-    deadline = time.monotonic() + time_limit_s / 4
     for make in (lambda: greedy_recompute_schedule(provisional, budget_bytes, deadline=deadline),
                  lambda: reordered_schedule(provisional, budget_bytes, deadline=deadline)):
         schedule = make()
