@@ -53,3 +53,27 @@ def test_capture_scale_counts_planning_nodes_in_a_fresh_process(tmp_path):
     result = capture_scale.run_child(f"{tmp_path / 'tiny.py'}:build")
     assert result["planning_nodes"] > 8 and result["operations"] >= result["planning_nodes"]
     assert result["seconds"] > 0 and result["rss_rise_bytes"] > 0
+
+
+def test_step_breakdown_sorts_each_configurations_kernel_time_by_kind():
+    import torch
+
+    step_breakdown = _load("step_breakdown")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+    work = {"model": model, "inputs": (torch.randn(8, 3, 8, 8),), "targets": torch.randint(0, 3, (8,)),
+            "loss_fn": torch.nn.functional.cross_entropy}
+    result = step_breakdown.run(work, rounds=1, threads=1, say=lambda line: None)
+    configurations = result["configurations"]
+    assert list(configurations) == ["eager", "torch.compile", "mosos compiled, keep-all"]
+    eager = configurations["eager"]["kinds_ms"]
+    for kind in ("convolution forward", "convolution backward", "batch norm", "pooling"):
+        assert eager[kind] > 0, kind
+    # the only convolution reads the input: its whole backward is the first layer's filter gradient
+    assert eager["  of which the first layer's filter gradient"] == pytest.approx(eager["convolution backward"])
+    assert configurations["torch.compile"]["kinds_ms"]["compiled code"] > 0
+    assert all(c["step_ms"] > 0 and c["ratio_to_eager"] > 0 for c in configurations.values())
+    rows = step_breakdown.table(result)
+    assert rows[0] == "| per step | eager | torch.compile | mosos compiled, keep-all |"
+    assert len(rows) == 2 + 2 + len(step_breakdown.KINDS) + 2
