@@ -288,7 +288,9 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
             loss.backward()
 
         step()
-        step()  # the timed first steps (and a re-plan, if one happens)
+        while planned.timing:  # the timed first steps run node by node, and as many again after a re-plan
+            step()
+        report = planned.report()
         summary = planned.schedule.summary
         row["simulated_ms"] = summary.predicted_step_time_ms
         row["simulated_peak_mib"] = summary.peak_memory_bytes / MIB
@@ -296,6 +298,8 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         row["note"] = f"{summary.strategy}, recompute {summary.recompute_time_ms:.0f} ms simulated"
         if asked_mib:
             row["note"] += f", budget {row['budget_mib']:.1f} MiB (asked {', '.join(asked_mib)})"
+        if report is not None and any(earlier.replanned for earlier in report.history or []):
+            row["note"] += ", re-planned on the timed steps"
         if summary.offloaded_bytes:
             row["note"] += f", offload {summary.offloaded_bytes / MIB:.0f} MiB, stall {summary.stall_time_ms:.1f} ms"
         if compiled:

@@ -28,7 +28,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "step_breakdown.md"
 INTRO = ("# Where a step's time goes\n\n`benchmarks/step_breakdown.py`: self CPU time per step by kind of kernel "
          "(torch.profiler), medians over paired rounds in one process; see the script's docstring.\n")
 KINDS = ("convolution forward", "convolution backward", "  of which the first layer's filter gradient",
-         "batch norm", "pooling", "copies", "compiled code", "other operations")
+         "matrix products", "attention", "batch norm", "pooling", "copies", "compiled code", "other operations")
+_MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
 def kind_of(name: str) -> str | None:
@@ -37,6 +38,10 @@ def kind_of(name: str) -> str | None:
         return "convolution forward"
     if name == "aten::convolution_backward":
         return "convolution backward"
+    if name in _MATRIX_PRODUCTS:
+        return "matrix products"
+    if "scaled_dot_product" in name or "_flash_attention" in name or "_efficient_attention" in name:
+        return "attention"
     if "batch_norm" in name:
         return "batch norm"
     if "pool" in name:
@@ -103,6 +108,8 @@ def run(work: dict, rounds: int, threads: int, say=print) -> dict:
     for step in steps.values():
         step()
         step()
+    while planned.timing:  # the timed first steps run node by node, and as many again after a re-plan
+        mosos_step()
     names = list(steps)
     wall: dict[str, list[float]] = {name: [] for name in names}
     kinds: dict[str, list[dict[str, float]]] = {name: [] for name in names}

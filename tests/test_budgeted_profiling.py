@@ -195,10 +195,12 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
 
     planned = PlannedModule(model, slow, schedule, loss_fn, profiled=profiled, timed_steps=2, replan=replan)
     optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    timing = []
     for step in range(6):
         for m, o in ((model, optimizer), (plain, plain_optimizer)):
             o.zero_grad(set_to_none=True)
         torch.manual_seed(step)
+        timing.append(planned.timing)
         loss = planned(*args, targets=targets, **kwargs)
         loss.backward()
         torch.manual_seed(step)
@@ -212,6 +214,8 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
         optimizer.step()
         plain_optimizer.step()
     assert len(asked) == 1  # re-planned once, not after the new plan's own timed steps
+    # node by node: the first two steps, and the new plan's first two (what a benchmark waits out)
+    assert timing == [True, True] + ([False] * 4 if replanning == "finds none" else [True, True, False, False])
     report = planned.report()
     if replanning == "finds none":
         assert report.off and not report.replanned and "UNKNOWN" in report.replan_failed

@@ -348,7 +348,7 @@ class PlannedModule(nn.Module):
         if self._prepared is None:
             self._prepared = _Prepared(self, plan_step(self.model, inputs, kwargs, targets, self.loss_fn))
         prepared = self._prepared
-        if self._steps_timed < self.timed_steps:
+        if self.timing:
             if self._timed is None:
                 self._timed = _Prepared(self, prepared.profiled, timed=True)
             prepared = self._timed
@@ -437,6 +437,12 @@ class PlannedModule(nn.Module):
         self.simulated_step_time_ms = simulated.step_time_ms
         self._timings = []
         self._prepared = _Prepared(self, profiled)
+
+    @property
+    def timing(self) -> bool:
+        """Whether the next step is a timed one, run node by node (the first `timed_steps` steps, and as many again
+        after a re-plan): a benchmark's steady state starts at the first step where this is False."""
+        return self._steps_timed < self.timed_steps
 
     @property
     def compiled_nodes(self) -> CompiledNodes | None:
