@@ -29,6 +29,7 @@ INTRO = ("# Where a step's time goes\n\n`benchmarks/step_breakdown.py`: self CPU
          "(torch.profiler), medians over paired rounds in one process; see the script's docstring.\n")
 KINDS = ("convolution forward", "convolution backward", "  of which the first layer's filter gradient",
          "matrix products", "attention", "batch norm", "pooling", "copies", "compiled code", "other operations")
+FIRST_FILTER_GRADIENT = KINDS[2]
 _MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
@@ -48,7 +49,7 @@ def kind_of(name: str) -> str | None:
         return "pooling"
     if name in ("aten::copy_", "aten::clone", "aten::contiguous"):
         return "copies"
-    if name.startswith("## Call CompiledFxGraph") or name.startswith("## Call "):
+    if name.startswith("## Call "):  # Inductor's generated code (## Call CompiledFxGraph ...)
         return "compiled code"
     if name.startswith("aten::"):
         return "other operations"
@@ -67,7 +68,7 @@ def breakdown(events, first_input_shape: list[int] | None) -> dict[str, float]:
         shapes = getattr(event, "input_shapes", None) or []
         if (kind == "convolution backward" and first_input_shape is not None and len(shapes) > 1
                 and list(shapes[1]) == first_input_shape):
-            totals["  of which the first layer's filter gradient"] += milliseconds
+            totals[FIRST_FILTER_GRADIENT] += milliseconds
     return totals
 
 

@@ -71,7 +71,7 @@ def test_step_breakdown_sorts_each_configurations_kernel_time_by_kind():
     for kind in ("convolution forward", "convolution backward", "batch norm", "pooling"):
         assert eager[kind] > 0, kind
     # the only convolution reads the input: its whole backward is the first layer's filter gradient
-    assert eager["  of which the first layer's filter gradient"] == pytest.approx(eager["convolution backward"])
+    assert eager[step_breakdown.FIRST_FILTER_GRADIENT] == pytest.approx(eager["convolution backward"])
     assert configurations["torch.compile"]["kinds_ms"]["compiled code"] > 0
     assert all(c["step_ms"] > 0 and c["ratio_to_eager"] > 0 for c in configurations.values())
     rows = step_breakdown.table(result)
