@@ -27,9 +27,11 @@ if str(ROOT) not in sys.path:
 RESULTS = ROOT / "benchmarks" / "results" / "step_breakdown.md"
 INTRO = ("# Where a step's time goes\n\n`benchmarks/step_breakdown.py`: self CPU time per step by kind of kernel "
          "(torch.profiler), medians over paired rounds in one process; see the script's docstring.\n")
-KINDS = ("convolution forward", "convolution backward", "  of which the first layer's filter gradient",
-         "matrix products", "attention", "batch norm", "pooling", "copies", "compiled code", "other operations")
-FIRST_FILTER_GRADIENT = KINDS[2]
+KINDS = ("convolution forward", "convolution backward", "matrix products", "attention", "batch norm",
+         "pooling", "copies", "compiled code", "other operations")
+# a part of "convolution backward", shown under it: the call that reads the step's input (a 3-channel image)
+FIRST_FILTER_GRADIENT = "of which the first layer's filter gradient"
+ROWS = KINDS[:2] + (FIRST_FILTER_GRADIENT,) + KINDS[2:]
 _MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
@@ -58,7 +60,7 @@ def kind_of(name: str) -> str | None:
 
 def breakdown(events, first_input_shape: list[int] | None) -> dict[str, float]:
     """Milliseconds of self CPU time by kind, for the events of one step."""
-    totals = dict.fromkeys(KINDS, 0.0)
+    totals = dict.fromkeys(ROWS, 0.0)
     for event in events:
         kind = kind_of(event.name)
         if kind is None:
@@ -128,7 +130,7 @@ def run(work: dict, rounds: int, threads: int, say=print) -> dict:
     result = {"rounds": rounds, "threads": threads, "configurations": {}}
     for name in names:
         ratios = [a / b for a, b in zip(wall[name], wall["eager"])]
-        median_kinds = {kind: statistics.median(k[kind] for k in kinds[name]) for kind in KINDS}
+        median_kinds = {kind: statistics.median(k[kind] for k in kinds[name]) for kind in ROWS}
         result["configurations"][name] = {"step_ms": statistics.median(wall[name]),
                                           "ratio_to_eager": statistics.median(ratios), "kinds_ms": median_kinds}
     return result
@@ -141,10 +143,11 @@ def table(result: dict) -> list[str]:
     rows.append("| step (unprofiled), ms | " + " | ".join(f"{configurations[n]['step_ms']:.1f}" for n in names) + " |")
     rows.append("| time / eager (paired) | "
                 + " | ".join(f"{configurations[n]['ratio_to_eager']:.3f}" for n in names) + " |")
-    for kind in KINDS:
-        rows.append(f"| {kind.strip() if not kind.startswith('  ') else '&nbsp;&nbsp;' + kind.strip()}, ms | "
-                    + " | ".join(f"{configurations[n]['kinds_ms'][kind]:.1f}" for n in names) + " |")
-    kernels = {n: sum(configurations[n]["kinds_ms"][k] for k in KINDS if not k.startswith("  ")) for n in names}
+    for kind in ROWS:
+        label = "&nbsp;&nbsp;" + kind if kind == FIRST_FILTER_GRADIENT else kind
+        rows.append(f"| {label}, ms | " + " | ".join(f"{configurations[n]['kinds_ms'][kind]:.1f}" for n in names)
+                    + " |")
+    kernels = {n: sum(configurations[n]["kinds_ms"][k] for k in KINDS) for n in names}
     rows.append("| kernels in all, ms | " + " | ".join(f"{kernels[n]:.1f}" for n in names) + " |")
     rows.append("| interpreter and rest, ms | "
                 + " | ".join(f"{configurations[n]['step_ms'] - kernels[n]:.1f}" for n in names) + " |")

@@ -76,4 +76,4 @@ def test_step_breakdown_sorts_each_configurations_kernel_time_by_kind():
     assert all(c["step_ms"] > 0 and c["ratio_to_eager"] > 0 for c in configurations.values())
     rows = step_breakdown.table(result)
     assert rows[0] == "| per step | eager | torch.compile | mosos compiled, keep-all |"
-    assert len(rows) == 2 + 2 + len(step_breakdown.KINDS) + 2
+    assert len(rows) == 2 + 2 + len(step_breakdown.ROWS) + 2
