@@ -231,12 +231,15 @@ def _build(profile: GraphProfile, graph: _Graph, stages, budget_bytes: int) -> S
 
 def greedy_recompute_schedule(
     profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None, order: list[str] | None = None,
-    deadline: float | None = None,
+    deadline: float | None = None, first_plan_deadline: float | None = None,
 ) -> Schedule | None:
     """The fastest plan of the variants, or None if every variant gets stuck or needs more than `max_evictions` frees.
 
     The limit is a count, not a clock, so that the answer does not depend on the machine's load; `deadline`
-    (time.monotonic()) is the caller's clock on top: the variants not finished by then are skipped.
+    (time.monotonic()) is the caller's clock on top: the variants not finished by then are skipped. Until one
+    variant has given a plan, they run on until `first_plan_deadline` instead (a caller's whole time limit, when
+    `deadline` is a phase's share of it): on a loaded machine a share can pass before the first plan, and a
+    strategy left with no plan that fits fails where a slower plan would have done.
     """
     graph = stage_graph(profile, order)
     limit = max_evictions if max_evictions is not None else 3 * len(graph.ids)
@@ -245,7 +248,10 @@ def greedy_recompute_schedule(
     seen: set[tuple] = set()
     for rule, order, keep_dead in VARIANTS:
         try:
-            stages = _run(graph, capacity, rule, order, limit, keep_dead, deadline)
+            clock = deadline
+            if best is None and deadline is not None and first_plan_deadline is not None:
+                clock = max(deadline, first_plan_deadline)
+            stages = _run(graph, capacity, rule, order, limit, keep_dead, clock)
         except _Stuck:
             continue
         except _OutOfTime:

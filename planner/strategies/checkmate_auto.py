@@ -45,7 +45,9 @@ def plan_then_auto(
     if deadline is not None and deadline < options.deadline:
         options = replace(options, deadline=deadline)
     if greedy is False:
-        greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE))
+        greedy = greedy_recompute_schedule(
+            profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE), first_plan_deadline=options.deadline,
+        )
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, strategy_name, features,
         hints=[s for s in (greedy, *hints) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],

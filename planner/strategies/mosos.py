@@ -174,7 +174,10 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     # The joint model keeps at least this share of the budget; the baselines and inner solves use the rest.
     reserve = (1 - sum(solved_inside_shares(profile).values())) * limit if baselines else limit
     reporter("memory-aware order", reordered)
-    greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE))
+    greedy = greedy_recompute_schedule(
+        profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE),
+        first_plan_deadline=options.deadline,
+    )
     reporter("greedy evict-and-recompute", greedy)
     inner_deadline = min(options.deadline, started + limit - 0.5 * reserve)
     others = baseline_plans(

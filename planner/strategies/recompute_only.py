@@ -78,7 +78,9 @@ def recompute_only_plan(
     if at_lower_bound(profile, reordered):
         return certify_lower_bound(profile, reordered, "recompute-only", options, started)
     if greedy is False:
-        greedy = greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE))
+        greedy = greedy_recompute_schedule(
+            profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE), first_plan_deadline=options.deadline,
+        )
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
         hints=[s for s in (greedy,) if s is not None],
