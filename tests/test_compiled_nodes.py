@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
+from executor.measure import conv_algorithms  # noqa: E402
 from executor.replay import compiled_nodes  # noqa: E402
 from executor.measure import profiler  # noqa: E402
 from executor.replay.compiled_nodes import EAGER  # noqa: E402
@@ -278,18 +279,19 @@ def test_optimize_compiles_measures_and_reports_the_compiled_step():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["channels-last", "batch-split"])
+@pytest.mark.parametrize("algorithm", ["channels-last", "batch-split", "batch-split-sum"])
 @pytest.mark.parametrize("name", ["resnet", "mobilenet"])
 def test_compiled_plans_may_run_convolutions_on_channels_last_or_split_within_rounding(name, algorithm):
     """optimize(compile=True) offers ATen's convolutions on channels-last copies and on parts of the batch beside
     native ones (and nothing else: im2col and winograd only when asked for); with every convolution on either,
     depthwise ones included, the step is plain PyTorch's within the compiled replay's tolerance, and the ledger is
     the simulator's. On channels-last the loss comes out bitwise (oneDNN's NHWC forward rounds as its NCHW one
-    here); batch-split is offered from a batch of 64."""
+    here); the batch splits are offered from a batch of 64."""
     from executor.measure.measuring import substituted
 
     model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
-    if algorithm == "batch-split":  # offered from a batch of 64 (parts of 16 samples)
+    split = algorithm in conv_algorithms.BATCH_SPLITS
+    if split:  # offered from a batch of 64 (parts of 16 samples)
         generator = torch.Generator().manual_seed(5)
         args, targets = (torch.randn(64, 3, 32, 32, generator=generator),), torch.randint(0, 4, (64,),
                                                                                          generator=generator)
@@ -298,13 +300,17 @@ def test_compiled_plans_may_run_convolutions_on_channels_last_or_split_within_ro
     profile = planned.profile
     convolutions = [n for n in profile.nodes if "convolution" in n.op_type]
     offered = {i.name for n in convolutions for i in n.implementations}
-    # batch-split from a batch of 64: the zoo's 16 images make channels-last the only other
-    assert offered == {"native", "channels-last"} | ({"batch-split"} if algorithm == "batch-split" else set())
+    # the batch splits from a batch of 64: the zoo's 16 images make channels-last the only other
+    assert offered == {"native", "channels-last"} | (set(conv_algorithms.BATCH_SPLITS) if split else set())
     on_algorithm = {n.id for n in convolutions if any(i.name == algorithm for i in n.implementations)}
     # batch-split where it is not native's very call: the forward and input-gradient nodes, not a filter gradient
-    # alone (the whole batch's call; the stem's backward is one, its input needing no gradient)
-    expected = [n for n in convolutions
-                if algorithm != "batch-split" or n.kind == "forward" or "convolution_backward.input" in n.id]
+    # alone (the whole batch's call; the stem's backward is one, its input needing no gradient); batch-split-sum
+    # where it is not batch-split's: the filter gradients
+    def splits(node):
+        return node.kind == "forward" or "convolution_backward.input" in node.id
+
+    expected = [n for n in convolutions if algorithm == "channels-last"
+                or (splits(n) if algorithm == "batch-split" else not splits(n))]
     assert on_algorithm == {n.id for n in expected}, sorted({n.id for n in expected} ^ on_algorithm)
     schedule = substituted(plan(profile, strategy="keep-all"), lambda node: algorithm, on_algorithm)
     planned_model = copy.deepcopy(model)
@@ -312,7 +318,8 @@ def test_compiled_plans_may_run_convolutions_on_channels_last_or_split_within_ro
                              targets=targets, compile=True)
     torch.manual_seed(3)
     loss = _planned_step(replayed, args, kwargs, targets)
-    assert "conv_forward" in replayed.code and "conv_backward" in replayed.code
+    assert "conv_backward" in replayed.code and repr(algorithm) in replayed.code
+    assert "conv_forward" in replayed.code or algorithm == "batch-split-sum"  # that one runs filter gradients alone
     assert replayed.peak_memory_bytes == replayed.simulated_peak_bytes
     plain_model = copy.deepcopy(model)
     torch.manual_seed(3)

@@ -180,6 +180,35 @@ def test_batch_split_is_natives_per_sample_and_holds_a_part_at_a_time(input_layo
     assert peaks["batch-split"] < peaks["native"] / 2, peaks
 
 
+def test_batch_split_sum_sums_the_filter_gradient_over_parts_within_a_quarter_of_natives_scratch():
+    """Its filter and bias gradients are the parts' sum, within rounding of native's (not bitwise: another order),
+    laid out as native's; its other results are batch-split's. On the stem of ResNet-18-small oneDNN reorders the
+    whole input for the filter gradient: summed over quarters, the peak is below half of native's."""
+    from executor.measure.allocations import AllocationTrace
+
+    _laid_out_as_natives_results("batch-split-sum", torch.contiguous_format, seed=12, batches=(7, 5, 9, 2))
+    assert "batch-split-sum needs a batch of at least 64" in why_not_applicable(
+        "batch-split-sum", ConvGeometry.of((63, 3, 8, 8), (4, 3, 3, 3)))
+    generator = torch.Generator().manual_seed(12)
+    x, w = torch.randn(256, 3, 32, 32, generator=generator), torch.randn(4, 3, 7, 7, generator=generator)
+    arguments = ([2, 2], [3, 3], [1, 1], False, [0, 0], 1)
+    out = ATEN.convolution(x, w, None, *arguments)
+    split_forward = forward("batch-split", x, w, None, *arguments)
+    assert torch.equal(forward("batch-split-sum", x, w, None, *arguments), split_forward)
+    grad = torch.randn(out.shape, generator=generator)
+    peaks, filters = {}, {}
+    for name in ("native", "batch-split", "batch-split-sum"):
+        with AllocationTrace() as trace:
+            result = (ATEN.convolution_backward(grad, x, w, [4], *arguments, [False, True, True]) if name == "native"
+                      else backward(name, grad, x, w, [4], *arguments, [False, True, True]))
+        peaks[name] = trace.peak_bytes - result[1].nbytes - result[2].nbytes
+        filters[name] = result[1:]
+    assert torch.equal(filters["batch-split"][0], filters["native"][0])  # native's whole-batch call
+    for got, expected in zip(filters["batch-split-sum"], filters["native"]):
+        assert _relative_error(got, expected) <= TOLERANCE[torch.float32]
+    assert peaks["batch-split-sum"] < peaks["native"] / 2, peaks
+
+
 def test_winograd_applies_only_to_3x3_stride_1():
     assert applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 3, 3), 1, 1))
     assert "3x3" in why_not_applicable("winograd", ConvGeometry.of((1, 2, 8, 8), (2, 2, 5, 5), 1, 1))
@@ -204,5 +233,8 @@ def test_workspace_formulas_differ_and_chunking_caps_them():
     # batch-split holds one part's result at a time: a quarter of the output, or of the input gradient
     assert sizes["batch-split"] == 2 * 32 * 32 * 32 * 4
     assert workspace_bytes("batch-split", geometry, 4, "backward") == 2 * 16 * 32 * 32 * 4
-    for name in set(ALGORITHMS) - {"batch-split"}:
+    # batch-split-sum: batch-split's, and one part's filter gradient beside their sum
+    assert sizes["batch-split-sum"] == sizes["batch-split"]
+    assert workspace_bytes("batch-split-sum", geometry, 4, "backward") == (2 * 16 * 32 * 32 + 32 * 16 * 9) * 4
+    for name in set(ALGORITHMS) - {"batch-split", "batch-split-sum"}:
         assert workspace_bytes(name, geometry, 4, "backward") >= sizes[name]

@@ -188,40 +188,43 @@ def test_transposed_and_one_dimensional_convolutions_are_left_alone():
 
 
 def test_batch_splits_estimate_covers_what_it_takes_and_is_below_natives_where_it_splits(threads):
-    """The provisional profile bounds what algorithm batch-split allocates beyond its result at the full batch
-    (parts' results, native's scratch for a quarter of the batch), as the measuring pass must stay within the
-    budget; split forward calls below native's own. A filter gradient alone is not offered it (the same call as
-    native's)."""
+    """The provisional profile bounds what algorithms batch-split and batch-split-sum allocate beyond their result
+    at the full batch (parts' results, native's scratch for a quarter of the batch), as the measuring pass must stay
+    within the budget; split forward calls and summed filter gradients below native's own. A filter gradient alone
+    is not offered batch-split (the same call as native's), and only it is offered batch-split-sum (elsewhere the
+    same calls as batch-split's)."""
     from executor.measure import conv_algorithms
 
     threads(2)
     torch.manual_seed(0)
     work, profiled = _captured("resnet18", 256, small=True)
     leaves = tree_flatten(((work.inputs, work.kwargs or {}, work.targets), {}))[0]
-    profile = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native", "batch-split"), None,
+    profile = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", conv_algorithms.BATCH_SPLITS, None,
                                   None)
     convolutions = [g for g in profiled.planning.groups if g.convolution is not None]
-    split_below_native = 0
+    below_native = {name: 0 for name in conv_algorithms.BATCH_SPLITS}
     for group in convolutions:
         node = group.convolution
         arguments = [_real(a.meta["val"]) if hasattr(a, "meta") and isinstance(a.meta.get("val"), torch.Tensor)
                      else a for a in node.args]
-        call = conv_algorithms.forward if node.target is torch.ops.aten.convolution.default else \
-            conv_algorithms.backward
-        call("batch-split", *arguments)
-        with memory_events() as trees:
-            with record_function("mosos-node:0"):
-                result = call("batch-split", *arguments)
-        del result
-        taken = cpu_workspace_bytes(trees[0], 1)[0]
+        forward = node.target is torch.ops.aten.convolution.default
+        call = conv_algorithms.forward if forward else conv_algorithms.backward
         estimates = {i.name: i.workspace_bytes for i in profile.node_by_id[group.id].implementations}
-        if "batch-split" not in estimates:  # a filter gradient alone: native's very call, not offered again
-            assert node.target is not torch.ops.aten.convolution.default and not node.args[10][0], group.id
-            continue
-        assert taken <= estimates["batch-split"], (group.id, taken, estimates)
-        if node.target is torch.ops.aten.convolution.default:
-            split_below_native += estimates["batch-split"] < estimates["native"]
-    assert split_below_native >= 3, split_below_native
+        filter_gradient_alone = not forward and not node.args[10][0]
+        assert ("batch-split" in estimates) == (not filter_gradient_alone), (group.id, estimates)
+        assert ("batch-split-sum" in estimates) == (not forward and any(node.args[10][1:])), (group.id, estimates)
+        for name in conv_algorithms.BATCH_SPLITS:
+            if name not in estimates:
+                continue
+            call(name, *arguments)
+            with memory_events() as trees:
+                with record_function("mosos-node:0"):
+                    result = call(name, *arguments)
+            del result
+            taken = cpu_workspace_bytes(trees[0], 1)[0]
+            assert taken <= estimates[name], (group.id, name, taken, estimates)
+            below_native[name] += estimates[name] < estimates["native"]
+    assert below_native["batch-split"] >= 3 and below_native["batch-split-sum"] >= 3, below_native
 
 
 def test_a_budget_too_small_to_probe_is_told_what_is_known_not_the_formulas_floor():

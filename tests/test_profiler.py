@@ -104,8 +104,8 @@ def test_the_convolution_backward_is_split_in_two_planning_nodes():
     order = [n.id for n in profile.nodes]
     assert order.index(weight.id) < order.index(data.id)
     assert "0/convolution+1" in weight.inputs and "0/convolution+1" not in data.inputs  # only the filter half reads x
-    # every algorithm but batch-split, which a batch of 2 is too small for
-    assert {i.name for i in data.implementations} == set(conv_algorithms.ALGORITHMS) - {"batch-split"}
+    # every algorithm but the batch splits, which a batch of 2 is too small for
+    assert {i.name for i in data.implementations} == set(conv_algorithms.ALGORITHMS) - set(conv_algorithms.BATCH_SPLITS)
     assert data.output_bytes == 2 * 8 * 8 * 8 * 4  # the input gradient
     assert weight.output_bytes == 0  # the weight and bias gradients are fixed memory
 
@@ -115,8 +115,8 @@ def test_sizes_fixed_memory_and_provenance(small_profile):
     nodes = profile.node_by_id
     assert nodes["conv/convolution"].output_bytes == 2 * 4 * 8 * 8 * 8
     assert nodes["pool/max_pool2d_with_indices"].output_bytes == 2 * 4 * 4 * 4 * 8
-    assert {i.name for i in nodes["conv/convolution"].implementations} == set(conv_algorithms.ALGORITHMS) - {
-        "batch-split"}  # from a batch of 64
+    assert {i.name for i in nodes["conv/convolution"].implementations} == set(conv_algorithms.ALGORITHMS) - set(
+        conv_algorithms.BATCH_SPLITS)  # from a batch of 64
     assert all(i.time_ms >= 0 for n in profile.nodes for i in n.implementations)
     assert sum(n.fastest.time_ms for n in profile.nodes) > 0
     params = sum(p.numel() * 8 for p in model.parameters())

@@ -41,7 +41,8 @@ from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
                                                   convolution_input, native_convolution_scratch_bytes,
-                                                  probe_native_scratch, splits_the_batch, unprobed_for_room)
+                                                  probe_native_scratch, splits_the_batch, sums_over_the_batch,
+                                                  unprobed_for_room)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
 from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
@@ -220,10 +221,12 @@ def implementations_of(planning: PlanningGraph, algorithms: tuple[str, ...]) -> 
         elif geometry is None:
             names.append(["native"])
         else:
-            # batch-split only where it is not native's very call (a filter gradient alone is)
+            # batch-split only where it is not native's very call (a filter gradient alone is), batch-split-sum
+            # only where it is not batch-split's (a forward or an input gradient alone is)
             names.append(["native"] + [a for a in algorithms
                                        if a != "native" and conv_algorithms.applicable(a, geometry)
-                                       and (a != "batch-split" or splits_the_batch(group))])
+                                       and (a != "batch-split" or splits_the_batch(group))
+                                       and (a != "batch-split-sum" or sums_over_the_batch(group))])
     return names
 
 
@@ -380,11 +383,12 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                              + profiled.convolution_scratch[group.index])
             elif geometry is not None and implementation == "native":
                 workspace += native_convolution_scratch_bytes(geometry, element_size)
-            elif geometry is not None and implementation == "batch-split":
+            elif geometry is not None and implementation in conv_algorithms.BATCH_SPLITS:
                 # its parts' results (and the whole one beside them), and native's scratch for what it calls
                 workspace += (2 * conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase)
                               + batch_split_scratch_bytes(group, element_size,
-                                                          profiled.convolution_scratch.get(group.index)))
+                                                          profiled.convolution_scratch.get(group.index),
+                                                          summed=implementation == "batch-split-sum"))
             elif geometry is not None:
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
