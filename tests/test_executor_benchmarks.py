@@ -77,3 +77,16 @@ def test_step_breakdown_sorts_each_configurations_kernel_time_by_kind():
     rows = step_breakdown.table(result)
     assert rows[0] == "| per step | eager | torch.compile | mosos compiled, keep-all |"
     assert len(rows) == 2 + 2 + len(step_breakdown.ROWS) + 2
+
+
+def test_batch_split_sum_benchmark_compares_the_stems_filter_gradient_both_ways():
+    batch_split_sum = _load("batch_split_sum")
+    result = batch_split_sum.run(batch=64, rounds=1, threads=1)
+    rows = {row["algorithm"]: row for row in result["rows"]}
+    assert list(rows) == ["native", "batch-split-sum"]
+    assert rows["native"]["from_native"] == 0
+    # a quarter of the batch at a time: less scratch than the whole batch's reorder
+    assert 0 <= rows["batch-split-sum"]["scratch_mib"] < rows["native"]["scratch_mib"]
+    assert all(row["from_float64"] < 1e-4 and row["time_ms"] > 0 for row in rows.values())
+    assert rows["batch-split-sum"]["from_native"] < 1e-4
+    assert len(batch_split_sum.table(result)) == 2 + 2

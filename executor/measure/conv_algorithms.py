@@ -19,9 +19,10 @@ planner picks one per planning node; the generated step calls the pick.
   batch (the results came out native's bit for bit), where on parts of one sample it took another.
 - batch-split-sum: batch-split with the filter and bias gradients summed over the parts too: a quarter of native's
   scratch there as well (ResNet-18-small's stem at batch 2048: 8 MiB where native's filter gradient takes 32, and
-  19 ms where it takes 32), in another summation order: on random operands of those shapes, 2.3e-5 of the largest
-  gradient from native's, which is itself 2.0e-5 from the float64 answer (the sum of parts: 0.7e-5 from it).
-  Offered for the nodes that compute a filter or bias gradient (elsewhere it is batch-split).
+  12.8 ms where it takes 20.5: benchmarks/batch_split_sum.py), in another summation order: there, on the model's
+  own gradient, 1.1e-5 of the largest value from native's, which is itself 1.3e-5 from the float64 answer where
+  the sum of parts is 0.5e-5 from it. Offered for the nodes that compute a filter or bias gradient (elsewhere it
+  is batch-split).
 - im2col: unfold the input into columns and multiply (GEMM); the columns are the workspace.
 - im2col-chunked: the same, a quarter of the batch at a time: a quarter of the workspace, more passes.
 - winograd: F(2x2, 3x3) for 3x3 kernels, stride 1: 16 element-wise products per 2x2 output tile
@@ -332,7 +333,7 @@ def _batch_split_forward(x, w, b, arguments):
 
 def _batch_split_backward(grad, x, w, bias_sizes, arguments, output_mask, summed: bool = False):
     """The input gradient part by part into its rows of one result; the filter and bias gradients by one call on
-    the whole batch, as native computes them (summed over parts they round otherwise: 2.3e-5 of the largest
+    the whole batch, as native computes them (summed over parts they round otherwise: 1.1e-5 of the largest
     gradient on ResNet-18-small's stem at batch 2048), or with `summed` part by part too, in the parts' order."""
     need_input, need_weight, need_bias = output_mask
     grad_input = grad_weight = grad_bias = None

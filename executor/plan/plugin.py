@@ -185,9 +185,10 @@ def optimize(
     CNNs the loss came out bitwise and the gradients within 3e-6 relative) or on a quarter of the batch at a time
     (a quarter of the scratch, which on the CPU also spares a large convolution glibc's fresh pages on every call;
     batch-split-sum sums the filter gradient over the quarters too, in another order than native's: on
-    ResNet-18-small's stem at batch 2048, 2.3e-5 of the largest gradient from native's, which is 2.0e-5 from the
-    float64 answer), each where the profile measures it faster or the budget needs its smaller workspace; like the
-    eager alternative beside each kernel, the pick follows the measured times.
+    ResNet-18-small's stem at batch 2048, 1.1e-5 of the largest gradient from native's, which is 1.3e-5 from the
+    float64 answer where the sum is 0.5e-5 from it), each where the profile measures it faster or the budget
+    needs its smaller workspace; like the eager alternative beside each kernel, the pick follows the measured
+    times.
     `algorithms="all"` (every one of executor.measure.conv_algorithms.ALGORITHMS) lets the plan pick per layer by
     measured time and workspace (a smaller budget may fit); the others agree with plain PyTorch to rounding only,
     and which one a run picks can change with the timings (and again at the re-plan) while the plan's memory
