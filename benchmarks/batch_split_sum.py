@@ -25,26 +25,27 @@ MIB = 1 << 20
 
 def stem_filter_gradient(batch: int):
     """(input, output gradient, weight) of the stem in one real step of ResNet-18-small at `batch`."""
-    import torch
-
     from models.workload import reference_workload
 
     work = reference_workload("resnet18", batch, small=True)
     model, images = work.model, work.inputs[0]
     captured = {}
-    stem = model.conv1(images)
-    stem.register_hook(lambda gradient: captured.setdefault("gradient", gradient))
-    hidden = model.maxpool(model.relu(model.bn1(stem)))
-    hidden = model.layer4(model.layer3(model.layer2(model.layer1(hidden))))
-    work.loss_fn(model.fc(model.flatten(model.avgpool(hidden))), work.targets).backward()
-    return images, captured["gradient"], model.conv1.weight.detach().clone(), torch
+
+    def keep_output_gradient(module, inputs, output):  # returns None: the output stays the module's
+        output.register_hook(lambda gradient: captured.setdefault("gradient", gradient))
+
+    model.conv1.register_forward_hook(keep_output_gradient)
+    work.loss_fn(model(images), work.targets).backward()
+    return images, captured["gradient"], model.conv1.weight.detach().clone()
 
 
 def run(batch: int, rounds: int, threads: int) -> dict:
+    import torch
+
     from executor.measure.allocations import AllocationTrace
     from executor.measure.conv_algorithms import backward
 
-    images, gradient, weight, torch = stem_filter_gradient(batch)
+    images, gradient, weight = stem_filter_gradient(batch)
     torch.set_num_threads(threads)
     arguments = ([2, 2], [3, 3], [1, 1], False, [0, 0], 1)
     calls = {

@@ -132,21 +132,16 @@ def workspace_bytes(name: str, geometry: ConvGeometry, element_size: int, phase:
         if phase == "forward":
             return (operands + n * o * ho * wo) * element_size
         return (2 * operands + n * o * ho * wo) * element_size
-    if name == "batch-split":
-        # one part's result before it is written into the whole (and native's own scratch for a part; the filter
-        # gradient is native's whole-batch call, whose scratch the profile measures)
+    if name in BATCH_SPLITS:
+        # one part's result before it is written into the whole (and native's own scratch for a part; batch-split's
+        # filter gradient is native's whole-batch call, whose scratch the profile measures); batch-split-sum's
+        # backward also holds one part's filter gradient beside their running sum
         _, _, h, w = geometry.input_shape
         part = math.ceil(n / CHUNKS)
         if phase == "forward":
             return part * o * ho * wo * element_size
-        return part * c * h * w * element_size
-    if name == "batch-split-sum":
-        # batch-split's, and one part's filter gradient beside their running sum
-        _, _, h, w = geometry.input_shape
-        part = math.ceil(n / CHUNKS)
-        if phase == "forward":
-            return part * o * ho * wo * element_size
-        return (part * c * h * w + o * (c // geometry.groups) * kh * kw) * element_size
+        summed = o * (c // geometry.groups) * kh * kw if name == "batch-split-sum" else 0
+        return (part * c * h * w + summed) * element_size
     if name == "im2col":
         if phase == "forward":
             return cols * element_size
@@ -337,11 +332,8 @@ def _batch_split_backward(grad, x, w, bias_sizes, arguments, output_mask, summed
     gradient on ResNet-18-small's stem at batch 2048), or with `summed` part by part too, in the parts' order."""
     need_input, need_weight, need_bias = output_mask
     grad_input = grad_weight = grad_bias = None
-    if (need_weight or need_bias) and not summed:
-        _, grad_weight, grad_bias = torch.ops.aten.convolution_backward(grad, x, w, bias_sizes, *arguments,
-                                                                        [False, need_weight, need_bias])
-    elif need_weight or need_bias:
-        for start, end in _chunks(x.shape[0]):
+    if need_weight or need_bias:
+        for start, end in (_chunks(x.shape[0]) if summed else [(0, x.shape[0])]):
             _, part_weight, part_bias = torch.ops.aten.convolution_backward(
                 grad[start:end], x[start:end], w, bias_sizes, *arguments, [False, need_weight, need_bias])
             grad_weight = part_weight if grad_weight is None else grad_weight.add_(part_weight)

@@ -12,12 +12,11 @@ from dataclasses import replace
 
 from planner.builder import certify
 from planner.cpsat.data import Features
-from planner.cpsat.greedy import greedy_recompute_schedule
 from planner.cpsat.run import best_plan, plan_with_model
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions, strategy
-from planner.strategies.recompute_only import HEURISTIC_SHARE, phase_deadline
+from planner.strategies.recompute_only import HEURISTIC_SHARE, greedy_phase
 
 CHECKMATE = Features(recompute=True, transfers=False, implementations="framework", max_recomputes=2)
 
@@ -45,9 +44,7 @@ def plan_then_auto(
     if deadline is not None and deadline < options.deadline:
         options = replace(options, deadline=deadline)
     if greedy is False:
-        greedy = greedy_recompute_schedule(
-            profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE), first_plan_deadline=options.deadline,
-        )
+        greedy = greedy_phase(profile, budget_bytes, options, HEURISTIC_SHARE)
     base, info, _ = plan_with_model(
         profile, budget_bytes, options, strategy_name, features,
         hints=[s for s in (greedy, *hints) if s is not None], fallbacks=[("greedy evict-and-recompute", greedy)],

@@ -18,14 +18,13 @@ from dataclasses import replace
 
 from planner.builder import certify
 from planner.cpsat.data import Features
-from planner.cpsat.greedy import greedy_recompute_schedule
 from planner.cpsat.reorder import in_profile_order, reordered_schedule
 from planner.cpsat.run import plan_with_model
 from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import SolveOptions, strategy
-from planner.strategies.recompute_only import at_lower_bound, certify_lower_bound, phase_deadline
+from planner.strategies.recompute_only import at_lower_bound, certify_lower_bound, greedy_phase, phase_deadline
 
 MOSOS = Features(recompute=True, transfers=True, implementations="all", max_recomputes=2, max_prefetches=1)
 
@@ -174,10 +173,7 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     # The joint model keeps at least this share of the budget; the baselines and inner solves use the rest.
     reserve = (1 - sum(solved_inside_shares(profile).values())) * limit if baselines else limit
     reporter("memory-aware order", reordered)
-    greedy = greedy_recompute_schedule(
-        profile, budget_bytes, deadline=phase_deadline(options, ORDER_AND_GREEDY_SHARE),
-        first_plan_deadline=options.deadline,
-    )
+    greedy = greedy_phase(profile, budget_bytes, options, ORDER_AND_GREEDY_SHARE)
     reporter("greedy evict-and-recompute", greedy)
     inner_deadline = min(options.deadline, started + limit - 0.5 * reserve)
     others = baseline_plans(

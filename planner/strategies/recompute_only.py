@@ -32,6 +32,13 @@ def phase_deadline(options: SolveOptions, share: float) -> float:
     return min(options.deadline, time.monotonic() + share * options.time_limit_s)
 
 
+def greedy_phase(profile: GraphProfile, budget_bytes: int, options: SolveOptions, share: float) -> Schedule | None:
+    """The greedy evict-and-recompute plan within `share` of the time limit, or longer, to the deadline, until its
+    first plan (a strategy left with no plan that fits fails where a slower one would have done)."""
+    return greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, share),
+                                     first_plan_deadline=options.started().deadline)
+
+
 RECOMPUTE_ONLY = Features(recompute=True, transfers=False, implementations="fastest", max_recomputes=2)
 
 
@@ -78,9 +85,7 @@ def recompute_only_plan(
     if at_lower_bound(profile, reordered):
         return certify_lower_bound(profile, reordered, "recompute-only", options, started)
     if greedy is False:
-        greedy = greedy_recompute_schedule(
-            profile, budget_bytes, deadline=phase_deadline(options, HEURISTIC_SHARE), first_plan_deadline=options.deadline,
-        )
+        greedy = greedy_phase(profile, budget_bytes, options, HEURISTIC_SHARE)
     schedule, info, _ = plan_with_model(
         profile, budget_bytes, options, "recompute-only", RECOMPUTE_ONLY,
         hints=[s for s in (greedy,) if s is not None],
