@@ -536,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--jobs is at least 1")
     command = "python benchmarks/frontier.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     results_dir = Path(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
     rerun = [c for c in args.rerun.split(",") if c]
     configs = [c for c in args.configs.split(",") if c]
     began = time.monotonic()
