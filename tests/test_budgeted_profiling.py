@@ -308,8 +308,8 @@ def test_a_bfloat16_model_is_measured_within_its_budget():
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_a_budget_below_every_measuring_pass_is_told_the_smallest_the_greedy_pass_fits(name):
     """The strategies' own figures named budgets 1.2-1.7x the floor on the zoo's transformers, where the greedy
-    pass fits from 1.05-1.25x: the error names a budget within 0.5% of where the greedy pass first fits (a scan in
-    1% steps here), and asking for it measures."""
+    pass fits from 1.05-1.25x: the error names a budget within 1% of where the greedy pass first fits (a scan in
+    1% steps here; it fits at some budgets and not at some above them), and asking for it measures."""
     from torch.utils._pytree import tree_flatten
 
     from executor.measure import measuring
@@ -323,7 +323,7 @@ def test_a_budget_below_every_measuring_pass_is_told_the_smallest_the_greedy_pas
                                       None, lambda message: None)
     floor = minimum_budget_bytes(provisional)
     with pytest.raises(BudgetError) as raised:
-        measuring.measuring_schedule(provisional, floor, time_limit_s=4)
+        measuring.measuring_schedule(provisional, floor)  # the profiler's time limit: its search has 5 s
     named = raised.value.minimum_budget_bytes
     scanned = next(budget for budget in (int(floor * (1 + k / 100)) for k in range(200))
                    if measuring._greedy(provisional, budget, time.monotonic() + 1) is not None)
@@ -380,3 +380,40 @@ def test_a_budget_the_step_was_measured_within_is_planned_when_the_planner_finds
     assert_trains_like_plain(model, plain, loss, args, kwargs, targets, loss_fn, seed=1)
     # a budget the measuring pass does not fit on the measured figures gets no such plan: the error stands
     assert planned._prepared.profiled.measuring.as_plan(planned.profile, budget // 2) is None
+
+
+def test_a_convolution_measured_on_its_smallest_workspace_where_natives_scratch_leaves_no_room():
+    """ResNet-18-small with the batch-split algorithms offered (as `compile=True` offers them): below the budget
+    the stem's native scratch needs, the greedy pass on every node's fastest implementation finds nothing, and the
+    measuring pass runs on the smallest workspaces instead (native back wherever it fits). The budget holds."""
+    from torch.utils._pytree import tree_flatten
+
+    from benchmarks.workloads import resnet18_small
+    from executor.measure import measuring
+    from executor.measure.profiler import plan_step, provisional_profile
+    from planner.cpsat.greedy import greedy_recompute_schedule
+
+    torch.set_num_threads(2)
+    work = resnet18_small(batch_size=256)
+    algorithms = ("native", "batch-split", "batch-split-sum")
+    args, kwargs = tuple(work.inputs), dict(work.kwargs or {})
+    leaves = tree_flatten(((args, kwargs, work.targets), {}))[0]
+    profiled = plan_step(work.model, args, kwargs, work.targets, work.loss_fn)
+    provisional = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", algorithms, None, None)
+    scan = [int(provisional.fixed_bytes + (keep_all_peak_bytes(provisional) - provisional.fixed_bytes) * k / 100)
+            for k in range(40, 101)]
+    fastest = next(b for b in scan if greedy_recompute_schedule(provisional, b) is not None)
+    smallest = next(b for b in scan
+                    if greedy_recompute_schedule(provisional, b, implementation="smallest-workspace") is not None)
+    assert smallest < fastest, (smallest, fastest)
+    chosen = measuring.measuring_schedule(provisional, smallest, time_limit_s=4)
+    assert chosen.peak_bytes <= smallest
+    with AllocationTrace() as trace:
+        profile, profiled = profile_step(work.model, args, work.loss_fn, work.targets, kwargs=kwargs,
+                                         budget_bytes=smallest, repeats=1, warmup=0, algorithms=algorithms,
+                                         profiled=profiled)
+    assert profiled.measuring.measured_peak_bytes <= smallest
+    assert trace.peak_bytes + _resident_bytes(work.model, args, kwargs, work.targets) <= smallest
+    # the stem's filter gradient was measured only on what fits: a batch split
+    stem = profile.node_by_id["conv1/convolution_backward:bwd"]
+    assert "native" not in {impl.name for impl in stem.implementations}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from planner.budget import budget_from_ratio
 from planner.cpsat.data import Features, _done_stage, _memory_unit, build_data
 from planner.cpsat.solve import solve_model
@@ -117,6 +119,45 @@ def test_greedy_recompute_runs_past_a_phase_share_until_its_first_plan():
     assert schedule is not None
     assert simulate(profile, schedule, budget).peak_memory_bytes <= budget
     assert greedy_recompute_schedule(profile, budget, deadline=past, first_plan_deadline=past) is None
+
+
+def test_greedy_recompute_on_smallest_workspaces_fits_where_the_fastest_implementations_cannot():
+    """A measuring pass only has to fit: where a convolution's fastest algorithm needs more scratch than the budget
+    leaves (ResNet-18-small's stem under native's), the greedy pass may run every node on its smallest workspace."""
+    from planner.budget import minimum_budget_bytes
+    from planner.cpsat.greedy import greedy_recompute_schedule
+    from planner.strategies.keep_all import keep_all_peak_bytes
+
+    two_ways = [{"name": "native", "time_ms": 1.0, "workspace_bytes": 4000},
+                {"name": "batch-split", "time_ms": 2.0, "workspace_bytes": 500}]
+    profile = make_profile([
+        node("a", output_bytes=1000),
+        node("b", inputs=["a"], output_bytes=1000, implementations=two_ways),
+        node("c", inputs=["b"], output_bytes=1000),
+        node("loss", kind="loss", inputs=["c"], output_bytes=10),
+        node("c:bwd", kind="backward", inputs=["loss", "b"], output_bytes=1000, forward_node="c"),
+        node("b:bwd", kind="backward", inputs=["c:bwd", "a"], output_bytes=1000, forward_node="b",
+             implementations=two_ways),
+        node("a:bwd", kind="backward", inputs=["b:bwd"], output_bytes=1000),
+    ], fixed_bytes=100)
+    budget = minimum_budget_bytes(profile) + 1000
+    assert budget < keep_all_peak_bytes(profile)
+    assert greedy_recompute_schedule(profile, budget) is None
+    schedule = greedy_recompute_schedule(profile, budget, implementation="smallest-workspace")
+    assert schedule is not None
+    assert simulate(profile, schedule, budget).peak_memory_bytes <= budget
+    ran = {(op.node, op.implementation) for _, _, op in schedule.operations() if isinstance(op, Compute)}
+    assert {name for node_id, name in ran if node_id in ("b", "b:bwd")} == {"batch-split"}
+    with pytest.raises(ValueError, match="implementation is one of fastest, smallest-workspace"):
+        greedy_recompute_schedule(profile, budget, implementation="smallest")
+    # mosos starts its joint model from that plan when the fastest algorithms leave no room
+    from planner.planning import plan
+
+    phases = []
+    planned = plan(profile, budget, strategy="mosos", time_limit_s=5, workers=1,
+                   progress=lambda event: phases.append(event["phase"]))
+    assert "greedy on the smallest workspaces" in phases
+    assert planned.summary.peak_memory_bytes <= budget
 
 
 def test_greedy_recompute_plan_on_a_random_layered_graph_at_0_8():

@@ -39,7 +39,7 @@ def test_every_solver_strategy_plan_validates_in_the_simulator(make, ratio, stra
     assert schedule.summary.solver is not None and schedule.summary.solver.workers == 1
 
 
-@pytest.mark.parametrize(("make", "ratio"), [(small_cnn, 0.8), (small_cnn, 0.6), (branchy, 0.9), (branchy, 0.8)])
+@pytest.mark.parametrize(("make", "ratio"), [(small_cnn, 0.8), (small_cnn, 0.6), (branchy, 0.9), (branchy, 0.85)])
 def test_mosos_is_never_slower_than_any_other_strategy(make, ratio):
     profile = make()
     budget = budget_from_ratio(profile, ratio)
@@ -82,13 +82,43 @@ def test_infeasible_budget_gives_a_minimum_that_is_feasible_and_tight():
 
 
 def test_mosos_reports_its_minimum_when_nothing_fits():
-    profile = small_cnn(layers=6, bandwidth_gb_per_s=None)
-    budget = budget_from_ratio(profile, 0.55)
+    """Two branches from one input, each with a large workspace, joined: whichever runs second does so beside the
+    first's result, so no plan fits the floor (the largest single node) or less than a tensor above it."""
+    from planner.budget import minimum_budget_bytes
+    from tests.conftest import make_profile, node
+
+    two_ways = [{"name": "native", "time_ms": 1.0, "workspace_bytes": 5000},
+                {"name": "batch-split", "time_ms": 2.0, "workspace_bytes": 4000}]
+    profile = make_profile([
+        node("a", output_bytes=1000),
+        node("p", inputs=["a"], output_bytes=1000, implementations=two_ways),
+        node("q", inputs=["a"], output_bytes=1000, implementations=two_ways),
+        node("x", inputs=["p", "q"], output_bytes=1000),
+        node("loss", kind="loss", inputs=["x"], output_bytes=10),
+        node("x:bwd", kind="backward", inputs=["loss", "p", "q"], output_bytes=1000, forward_node="x"),
+        node("a:bwd", kind="backward", inputs=["x:bwd"], output_bytes=1000),
+    ], fixed_bytes=100)
+    budget = minimum_budget_bytes(profile) + 500
     with pytest.raises(InfeasibleBudget) as caught:
         plan(profile, budget, strategy="mosos", **FAST)
     minimum = caught.value.minimum_budget_bytes
+    assert minimum == minimum_budget_bytes(profile) + 1000
     schedule = plan(profile, minimum, strategy="mosos", **FAST)
     assert simulate(profile, schedule, minimum).peak_memory_bytes <= minimum
+
+
+@pytest.mark.parametrize(("make", "ratio"), [(branchy, 0.8), (small_cnn, None)])
+def test_mosos_plans_on_the_smallest_workspaces_where_the_fastest_leave_no_room(make, ratio):
+    """At its floor, small_cnn's convolutions fit only on their smallest workspaces, and branchy at 0.8 has no
+    plan from any other strategy: mosos' greedy start on the smallest workspaces gives its joint model one."""
+    from planner.budget import minimum_budget_bytes
+
+    profile = make(bandwidth_gb_per_s=None) if make is small_cnn else make()
+    budget = budget_from_ratio(profile, ratio) if ratio else minimum_budget_bytes(profile)
+    phases = []
+    schedule = plan(profile, budget, strategy="mosos", progress=lambda event: phases.append(event["phase"]), **FAST)
+    assert simulate(profile, schedule, budget).peak_memory_bytes <= budget
+    assert "greedy on the smallest workspaces" in phases
 
 
 @pytest.mark.parametrize("strategy", ["mosos", "str-auto"])

@@ -39,16 +39,24 @@ class _Graph:
     inputs: list[list[int]]
     users: list[list[int]]
     size: list[int]
+    implementation: list[str]
     workspace: list[int]
     cost: list[float]
     recomputable: list[bool]
 
 
-def stage_graph(profile: GraphProfile, order: list[str] | None = None) -> _Graph:
-    """Stage t computes ids[t]: the profile's order, or another topological order (`planner.cpsat.reorder`)."""
+IMPLEMENTATION_CHOICES = ("fastest", "smallest-workspace")
+
+
+def stage_graph(profile: GraphProfile, order: list[str] | None = None, implementation: str = "fastest") -> _Graph:
+    """Stage t computes ids[t]: the profile's order, or another topological order (`planner.cpsat.reorder`); each
+    node by its fastest implementation, or by the one with the smallest workspace."""
+    if implementation not in IMPLEMENTATION_CHOICES:
+        raise ValueError(f"implementation is one of {', '.join(IMPLEMENTATION_CHOICES)}, not {implementation!r}")
     ids = list(profile.order if order is None else order)
     index = {node_id: i for i, node_id in enumerate(ids)}
     nodes = [profile.node_by_id[node_id] for node_id in ids]
+    chosen = [node.fastest if implementation == "fastest" else node.smallest_workspace for node in nodes]
     inputs = [sorted({index[s] for s in node.inputs}) for node in nodes]
     users: list[list[int]] = [[] for _ in ids]
     for k, sources in enumerate(inputs):
@@ -59,8 +67,9 @@ def stage_graph(profile: GraphProfile, order: list[str] | None = None) -> _Graph
         inputs=inputs,
         users=users,
         size=[node.size_bytes for node in nodes],
-        workspace=[node.fastest.workspace_bytes for node in nodes],
-        cost=[node.fastest.time_ms for node in nodes],
+        implementation=[impl.name for impl in chosen],
+        workspace=[impl.workspace_bytes for impl in chosen],
+        cost=[impl.time_ms for impl in chosen],
         # the simulator lets any node run again (backward ones too) while its inputs are resident
         recomputable=[bool(users[k]) for k in range(len(nodes))],
     )
@@ -223,7 +232,7 @@ def _build(profile: GraphProfile, graph: _Graph, stages, budget_bytes: int) -> S
         builder.stage(graph.ids[t])
         for kind, j in ops:
             if kind == "compute":
-                builder.compute(graph.ids[j])
+                builder.compute(graph.ids[j], graph.implementation[j])
             else:
                 builder.free(graph.ids[j])
     return builder.build(budget_bytes)
@@ -231,7 +240,7 @@ def _build(profile: GraphProfile, graph: _Graph, stages, budget_bytes: int) -> S
 
 def greedy_recompute_schedule(
     profile: GraphProfile, budget_bytes: int, max_evictions: int | None = None, order: list[str] | None = None,
-    deadline: float | None = None, first_plan_deadline: float | None = None,
+    deadline: float | None = None, first_plan_deadline: float | None = None, implementation: str = "fastest",
 ) -> Schedule | None:
     """The fastest plan of the variants, or None if every variant gets stuck or needs more than `max_evictions` frees.
 
@@ -239,9 +248,10 @@ def greedy_recompute_schedule(
     (time.monotonic()) is the caller's clock on top: the variants not finished by then are skipped. Until one
     variant has given a plan, they run on until `first_plan_deadline` instead (a caller's whole time limit, when
     `deadline` is a phase's share of it): on a loaded machine a share can pass before the first plan, and a
-    strategy left with no plan that fits fails where a slower plan would have done.
+    strategy left with no plan that fits fails where a slower plan would have done. `implementation`: every node
+    runs its fastest implementation, or the one with the smallest workspace (a schedule that only has to fit).
     """
-    graph = stage_graph(profile, order)
+    graph = stage_graph(profile, order, implementation)
     limit = max_evictions if max_evictions is not None else 3 * len(graph.ids)
     capacity = budget_bytes - profile.fixed_bytes
     best: tuple[float, Schedule] | None = None

@@ -175,12 +175,19 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     reporter("memory-aware order", reordered)
     greedy = greedy_phase(profile, budget_bytes, options, ORDER_AND_GREEDY_SHARE)
     reporter("greedy evict-and-recompute", greedy)
+    frugal = None
+    if greedy is None and any(node.smallest_workspace.name != node.fastest.name for node in profile.nodes):
+        # the fastest algorithms' workspaces leave no room: a start for the joint model, which chooses algorithms
+        frugal = greedy_phase(profile, budget_bytes, options, ORDER_AND_GREEDY_SHARE, "smallest-workspace")
+        reporter("greedy on the smallest workspaces", frugal)
     inner_deadline = min(options.deadline, started + limit - 0.5 * reserve)
     others = baseline_plans(
         profile, budget_bytes, options, deadline=inner_deadline, greedy=greedy, reordered=reordered, on_plan=reporter,
     ) if baselines else []
     if greedy is not None:
         others.append(("greedy evict-and-recompute", greedy))
+    if frugal is not None:
+        others.append(("greedy on the smallest workspaces", frugal))
     if reordered is not None:
         others.append(("memory-aware order", reordered))
     remaining = reserve

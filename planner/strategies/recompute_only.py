@@ -32,11 +32,12 @@ def phase_deadline(options: SolveOptions, share: float) -> float:
     return min(options.deadline, time.monotonic() + share * options.time_limit_s)
 
 
-def greedy_phase(profile: GraphProfile, budget_bytes: int, options: SolveOptions, share: float) -> Schedule | None:
+def greedy_phase(profile: GraphProfile, budget_bytes: int, options: SolveOptions, share: float,
+                 implementation: str = "fastest") -> Schedule | None:
     """The greedy evict-and-recompute plan within `share` of the time limit, or longer, to the deadline, until its
     first plan (a strategy left with no plan that fits fails where a slower one would have done)."""
     return greedy_recompute_schedule(profile, budget_bytes, deadline=phase_deadline(options, share),
-                                     first_plan_deadline=options.started().deadline)
+                                     first_plan_deadline=options.started().deadline, implementation=implementation)
 
 
 RECOMPUTE_ONLY = Features(recompute=True, transfers=False, implementations="fastest", max_recomputes=2)
