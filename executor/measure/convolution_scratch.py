@@ -76,14 +76,14 @@ def sums_over_the_batch(group) -> bool:
     return node.target is not CONVOLUTION and any(node.args[10][1:])
 
 
-def batch_split_scratch_bytes(group, element_size: int, probed_bytes: int | None = None, summed: bool = False) -> int:
-    """Native's scratch within algorithm batch-split (or, `summed`, batch-split-sum): its calls on a quarter of the
+def batch_split_scratch_bytes(group, algorithm: str, element_size: int, probed_bytes: int | None = None) -> int:
+    """Native's scratch within `algorithm` (one of conv_algorithms.BATCH_SPLITS): its calls on a quarter of the
     batch (the scratch grows linearly with the batch, above), and for a backward node that computes the filter or
     bias gradient, batch-split's is native's own call on the whole batch. `probed_bytes`: the whole call's bound as
     probed, if it was."""
     geometry = convolution_geometry(group)
     whole = probed_bytes if probed_bytes is not None else native_convolution_scratch_bytes(geometry, element_size)
-    if sums_over_the_batch(group) and not summed:
+    if sums_over_the_batch(group) and algorithm != "batch-split-sum":
         return whole
     batch = geometry.input_shape[0]
     part = math.ceil(batch / conv_algorithms.CHUNKS)

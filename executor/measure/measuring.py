@@ -241,12 +241,12 @@ def _greedy(provisional: GraphProfile, budget_bytes: int, deadline: float) -> Sc
     its implementation of smallest workspace (a batch-split convolution where native's scratch leaves no room:
     the passes put native back wherever it fits), until `deadline` (time.monotonic())."""
     from planner.builder import certify
-    from planner.cpsat.greedy import greedy_recompute_schedule
+    from planner.cpsat.greedy import greedy_recompute_schedule, smallest_workspaces_differ
     from planner.cpsat.reorder import reordered_schedule
 
     makers = [lambda: greedy_recompute_schedule(provisional, budget_bytes, deadline=deadline),
               lambda: reordered_schedule(provisional, budget_bytes, deadline=deadline)]
-    if any(node.smallest_workspace.name != node.fastest.name for node in provisional.nodes):
+    if smallest_workspaces_differ(provisional):
         makers.append(lambda: greedy_recompute_schedule(provisional, budget_bytes, deadline=deadline,
                                                         implementation="smallest-workspace"))
     for make in makers:

@@ -386,9 +386,8 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
             elif geometry is not None and implementation in conv_algorithms.BATCH_SPLITS:
                 # its parts' results (and the whole one beside them), and native's scratch for what it calls
                 workspace += (2 * conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase)
-                              + batch_split_scratch_bytes(group, element_size,
-                                                          profiled.convolution_scratch.get(group.index),
-                                                          summed=implementation == "batch-split-sum"))
+                              + batch_split_scratch_bytes(group, implementation, element_size,
+                                                          profiled.convolution_scratch.get(group.index)))
             elif geometry is not None:
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)

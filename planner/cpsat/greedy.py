@@ -48,6 +48,12 @@ class _Graph:
 IMPLEMENTATION_CHOICES = ("fastest", "smallest-workspace")
 
 
+def smallest_workspaces_differ(profile: GraphProfile) -> bool:
+    """Whether the greedy pass on the smallest workspaces would run another step than on the fastest
+    implementations (worth a try where that one finds nothing)."""
+    return any(node.smallest_workspace.name != node.fastest.name for node in profile.nodes)
+
+
 def stage_graph(profile: GraphProfile, order: list[str] | None = None, implementation: str = "fastest") -> _Graph:
     """Stage t computes ids[t]: the profile's order, or another topological order (`planner.cpsat.reorder`); each
     node by its fastest implementation, or by the one with the smallest workspace."""

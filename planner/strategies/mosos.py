@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from planner.builder import certify
 from planner.cpsat.data import Features
+from planner.cpsat.greedy import smallest_workspaces_differ
 from planner.cpsat.reorder import in_profile_order, reordered_schedule
 from planner.cpsat.run import plan_with_model
 from planner.errors import MososError
@@ -176,7 +177,7 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
     greedy = greedy_phase(profile, budget_bytes, options, ORDER_AND_GREEDY_SHARE)
     reporter("greedy evict-and-recompute", greedy)
     frugal = None
-    if greedy is None and any(node.smallest_workspace.name != node.fastest.name for node in profile.nodes):
+    if greedy is None and smallest_workspaces_differ(profile):
         # the fastest algorithms' workspaces leave no room: a start for the joint model, which chooses algorithms
         frugal = greedy_phase(profile, budget_bytes, options, ORDER_AND_GREEDY_SHARE, "smallest-workspace")
         reporter("greedy on the smallest workspaces", frugal)
