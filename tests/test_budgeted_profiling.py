@@ -164,7 +164,7 @@ def test_a_budget_below_every_measuring_pass_names_the_smallest_that_works():
 
 @pytest.mark.parametrize("replanning", ["finds a plan", "finds none"])
 def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is_off(replanning):
-    """A profile whose times are three times what the step takes: the report says so, names the nodes, the module
+    """A profile whose times are ten times what the step takes: the report says so, names the nodes, the module
     re-plans once on what it measured, and every step stays plain PyTorch's, bit for bit. A re-plan that finds no
     plan (a solver's time limit on a loaded machine) fails no step: the current plan stays, and the report says
     why."""
@@ -179,10 +179,10 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
     document = profile.model_dump(mode="json")
     for node in document["nodes"]:
         for implementation in node["implementations"]:
-            implementation["time_ms"] *= 3
+            implementation["time_ms"] *= 10
     from planner.profile import parse_profile
 
-    slow = parse_profile(document, "three times too slow")
+    slow = parse_profile(document, "ten times too slow")
     budget = int(keep_all_peak_bytes(slow) * 0.7)
     schedule = plan(slow, budget, strategy="recompute-only", time_limit_s=5, workers=1)
     asked: list = []
@@ -222,7 +222,7 @@ def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is
         assert planned.schedule is schedule and "the current one stays" in report.describe()
         return
     first = report.history[0]
-    assert first.off and first.replanned and first.ratio < 0.6
+    assert first.off and first.replanned and first.ratio < 0.5  # about 0.1; a loaded machine stretched 1/3 to 0.6
     assert first.nodes and abs(first.nodes[0].difference_ms) >= abs(first.nodes[-1].difference_ms)
     assert planned.profile is asked[0] and planned.schedule.profile_digest == asked[0].digest()
     assert report.steps_timed == 2 and not report.replanned
