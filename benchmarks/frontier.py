@@ -35,7 +35,9 @@ On a GPU (`--device cuda`): larger workloads (GPT-2 and BERT at hidden 768, sequ
 `torch.cuda.synchronize()`; mosos plans offloading as well as recomputation. `--jobs` prepares that many
 configurations at once (torch.compile's compiling), while mosos' profiling and solving and every configuration's
 peaks and timed rounds take turns (a lock file), so that nothing timed shares the GPU.
-Writes benchmarks/results/frontier_gpu.md and frontier_gpu_<model>_<precision>.json/.png.
+Writes benchmarks/results/frontier_gpu.md and frontier_gpu_<model>_<precision>.json/.png. A run on a borrowed
+machine can write its rows to a log (`--rows-log`) and nothing else; `--merge-rows LOG --merge-command "how it was
+measured"` then folds them into the results files here, keeping the other rows.
 """
 
 from __future__ import annotations
@@ -500,6 +502,52 @@ def _names(model: str, precision: str, device: str, results_dir: Path) -> tuple[
             f"{model}, {precision}")
 
 
+def merged_rows(path: str, measured_by: str | None, measured_when: str | None, groups: list[tuple[str, str]],
+                configs: list[str]) -> dict[tuple[str, str], list[dict]]:
+    """The rows of a --rows-log for these models, precisions and configurations, each naming what measured it."""
+    if not measured_by:
+        raise SystemExit("--merge-rows needs --merge-command: the command and run that measured the rows")
+    found: dict[tuple[str, str], list[dict]] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            group = (row["model"], row.get("precision", "fp32"))
+            config = row["config"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise SystemExit(f"{path}:{number}: not a frontier row ({error})") from None
+        if group in groups and config in configs:
+            row["command"] = measured_by
+            row.pop("measured", None)
+            if measured_when:
+                row["measured"] = measured_when
+            found.setdefault(group, []).append(row)
+    if not found:
+        raise SystemExit(f"{path}: no rows for {groups} among the configurations asked for")
+    return found
+
+
+def provenance(rows: list[dict], results: Path, heading: str, device_name: str) -> list[str]:
+    """One paragraph per command that measured some of these rows, naming them; rows from before rows named their
+    command keep the lines their section had."""
+    lines: list[str] = []
+    if any("command" not in row for row in rows) and results.exists():
+        section = results.read_text().partition(f"\n## {heading}\n")[2].split("\n## ")[0]
+        lines += [(line if line.startswith("Earlier rows") else f"Earlier rows: {line}") + "\n"
+                  for line in section.split("\n|")[0].strip().split("\n")
+                  if line.startswith("`") or line.startswith("Earlier rows")]
+    by_command: dict[str, list[dict]] = {}
+    for row in rows:
+        if "command" in row:
+            by_command.setdefault(row["command"], []).append(row)
+    for command, measured in by_command.items():
+        named = ", ".join(row["config"] for row in measured)
+        when = f"{measured[0]['measured']}; " if measured[0].get("measured") else ""
+        lines.append(f"`{command}` ({when}{device_name}) measured {named}.\n")
+    return lines
+
+
 def _shown(row: dict) -> str:
     if "error" in row:
         return _error_line(row)
@@ -524,6 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-log", default=None, help="also append each row to this JSON-lines file as it ends")
     parser.add_argument("--rerun", default="", help="configurations to measure (again); the model's other rows are "
                         "kept from its results file (a row disturbed by other load on the machine, a new ratio)")
+    parser.add_argument("--merge-rows", default=None, help="measure nothing: take the rows of this JSON-lines file "
+                        "(a --rows-log written elsewhere) in place of the same configurations' rows in the results")
+    parser.add_argument("--merge-command", default=None, help="with --merge-rows: the command and run that "
+                        "measured them, for the results' headings")
+    parser.add_argument("--merge-when", default=None, help="with --merge-rows: when and at which commit")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     precisions = [p for p in args.precisions.split(",") if p]
@@ -540,17 +593,30 @@ def main(argv: list[str] | None = None) -> int:
     rerun = [c for c in args.rerun.split(",") if c]
     configs = [c for c in args.configs.split(",") if c]
     began = time.monotonic()
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     groups = [(model, precision) for model in args.models.split(",") for precision in precisions]
+    merged = (merged_rows(args.merge_rows, args.merge_command, args.merge_when, groups, configs) if args.merge_rows
+              else {})
     rows: dict[tuple[str, str], dict[str, dict]] = {}
+    kept_order: dict[tuple[str, str], list[str]] = {}
     for model, precision in groups:
         kept: dict[str, dict] = {}
-        if rerun:
+        replaced = set(rerun) | {row["config"] for row in merged.get((model, precision), [])}
+        if replaced:
             kept_file = _names(model, precision, args.device, results_dir)[1]
             kept = {row["config"]: row for row in json.loads(kept_file.read_text())} if kept_file.exists() else {}
-        rows[(model, precision)] = {c: kept[c] for c in configs if c in kept and c not in rerun}
+        kept_order[(model, precision)] = list(kept)
+        if args.merge_rows:  # every row the file has, in its order, the merged ones in place of theirs
+            rows[(model, precision)] = {c: kept[c] for c in kept if c not in replaced}
+        else:
+            rows[(model, precision)] = {c: kept[c] for c in configs if c in kept and c not in replaced}
     # configuration-major: with a --deadline, every model and precision gets the first configurations
     tasks = [(model, precision, config) for config in configs for model, precision in groups
-             if not rerun or config in rerun]
+             if (not rerun or config in rerun) and not args.merge_rows]
+    for group, group_rows in merged.items():
+        rows[group].update({row["config"]: row for row in group_rows})
+        order = list(kept_order.get(group, [])) + [c for c in configs if c not in kept_order.get(group, [])]
+        rows[group] = {c: rows[group][c] for c in order if c in rows[group]}
     printing = threading.Lock()
 
     def measure(task):
@@ -561,8 +627,7 @@ def main(argv: list[str] | None = None) -> int:
             row = failed_row(model, config, args.device, precision, "not started: the run's --deadline had passed")
         else:
             row = run_one(model, config, args, precision, timeout if left is None else min(timeout or left, left))
-        if rerun:
-            row["note"] = "; ".join(filter(None, [row.get("note"), "measured in a later run (--rerun)"]))
+        row.update(command=command.strip(), measured=when)
         with printing:
             print(f"{model:7s} {precision:5s} {config:22s} {_shown(row)}", flush=True)
             if args.rows_log:
@@ -574,19 +639,19 @@ def main(argv: list[str] | None = None) -> int:
         for (model, precision, config), row in pool.map(measure, tasks):
             rows[(model, precision)][config] = row
     for model, precision in groups:
-        ordered = [rows[(model, precision)][c] for c in configs if c in rows[(model, precision)]]
+        ordered = (list(rows[(model, precision)].values()) if args.merge_rows
+                   else [rows[(model, precision)][c] for c in configs if c in rows[(model, precision)]])
         results, rows_file, picture, heading = _names(model, precision, args.device, results_dir)
         device_name = next((r.get("device_name") for r in ordered if r.get("device_name")), args.device)
         lines = table(heading, ordered)
         print("\n".join(lines))
         plot(heading, ordered, picture, "the CPU" if args.device == "cpu" else f"{device_name} ({precision})",
              gpu=args.device != "cpu")
-        when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        section = "\n".join([f"## {heading}", "", f"`{command.strip()}` ({when}; {args.rounds} paired rounds, "
-                             f"{args.threads} torch threads; {device_name}; plot: {picture.name})", "", *lines[1:]])
+        section = "\n".join([f"## {heading}", "", *provenance(ordered, results, heading, device_name),
+                             f"Plot: {picture.name}.", "", *lines[1:]])
         intro_title = "Memory-time frontier (CPU)" if args.device == "cpu" else "Memory-time frontier (GPU)"
         paragraphs = __doc__.split("\n\n")  # how it is measured (the CPU's or the GPU's), then the gradients
-        intro = (paragraphs[2] if args.device == "cpu" else paragraphs[5]) + "\n\n" + paragraphs[4]
+        intro = (paragraphs[2] if args.device == "cpu" else paragraphs[5]).strip() + "\n\n" + paragraphs[4].strip()
         write_section(results, f"# {intro_title}\n\n" + intro + "\n", section + "\n")
         rows_file.write_text(json.dumps(ordered, indent=1))
     return 0
