@@ -688,3 +688,41 @@ def test_kernels_holding_a_batch_norm_compile_with_ci_set_in_the_environment():
     result = subprocess.run([sys.executable, "-c", _UNDER_CI], cwd=repo, env=environment, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+_AS_TORCH_2_11 = """
+import torch._inductor.graph as graph
+from executor.replay import compiled_nodes
+checked_by_table_given = graph.make_fallback
+
+
+def make_fallback(op, *args, get_decomp_fn=None, **kwargs):  # torch 2.11: checked against Inductor's own table
+    return checked_by_table_given(op, *args, **kwargs)
+
+
+graph.make_fallback = make_fallback
+if WITHOUT_REGISTERING:
+    compiled_nodes._register_kept_whole_fallbacks = lambda: None
+"""
+
+
+@pytest.mark.parametrize("registering", [True, False], ids=["fallbacks registered up front", "as before"])
+def test_kernels_holding_a_batch_norm_compile_where_inductor_checks_fallbacks_against_its_own_table(registering):
+    """torch 2.11's Inductor (the GPU machines' image) checked an implicit fallback against its own decomposition
+    table, not the one it was given, and refused every kernel holding a batch norm: on the GPU, ResNet's 37 batch
+    norm regions ran node by node. Emulated here in a fresh process: as before, the refusal; with the kept-whole
+    operations registered as fallbacks up front, they compile, and into regions."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    script = f"WITHOUT_REGISTERING = {not registering}\n" + _AS_TORCH_2_11 + _UNDER_CI
+    result = subprocess.run([sys.executable, "-c", script], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
+                            capture_output=True, text=True, timeout=600)
+    if registering:
+        assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    else:
+        assert result.returncode != 0 and "both a fallback and a decomp for same op" in result.stderr, \
+            result.stderr[-3000:]

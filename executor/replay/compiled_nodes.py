@@ -399,6 +399,33 @@ def _decompositions() -> dict:
     return {op: rule for op, rule in select_decomp_table().items() if op not in _KEPT_WHOLE}
 
 
+_fallbacks_registered = False
+
+
+def _register_kept_whole_fallbacks() -> None:
+    """Make the operations kept whole Inductor's fallbacks to ATen's kernels up front, as torch 2.13 makes them
+    when it first meets one. Before (torch 2.11, the GPU machines' image) Inductor checked a new fallback against
+    its own decomposition table instead of the one `compile_fx` was given, found batch norm and an embedding's
+    backward there, and refused every kernel holding one ("both a fallback and a decomp for same op"): ResNet's
+    regions ran node by node. The layout constraint is the one Inductor's implicit fallback takes."""
+    global _fallbacks_registered
+    if _fallbacks_registered:
+        return
+    from torch._inductor import lowering
+
+    for op in sorted(_KEPT_WHOLE, key=str):
+        if op in lowering.lowerings:
+            continue
+        try:
+            from torch._library.utils import get_layout_constraint_tag
+
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        except (ImportError, AttributeError):  # a torch without layout tags: its implicit fallback had none
+            constraint = None
+        lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
+    _fallbacks_registered = True
+
+
 @contextlib.contextmanager
 def _ci_unset():
     """Inductor falls back to ATen's own kernel for an operation it has no lowering for, and with `CI` set in the
@@ -432,6 +459,7 @@ def _compile(module: fx.GraphModule, examples: list) -> Callable:
         # the graph carries autocast's casts: traced under an ambient autocast (a region compiled when the user's
         # `with torch.autocast(...)` calls the planned module), a float32 matmul would come out in bfloat16
         with torch._inductor.config.patch(options), torch.no_grad(), autocast.disabled(), _ci_unset():
+            _register_kept_whole_fallbacks()
             return compile_fx(copy.deepcopy(module), examples, decompositions=_decompositions())
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
