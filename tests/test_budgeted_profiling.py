@@ -417,3 +417,36 @@ def test_a_convolution_measured_on_its_smallest_workspace_where_natives_scratch_
     # the stem's filter gradient was measured only on what fits: a batch split
     stem = profile.node_by_id["conv1/convolution_backward:bwd"]
     assert "native" not in {impl.name for impl in stem.implementations}
+
+
+def test_a_floor_set_by_a_whole_batch_convolution_names_the_algorithms_that_lower_it():
+    """optimize()'s eager replay offers native convolutions alone (bitwise eager's), so ResNet-18-small's stem sets
+    a floor that the batch-split algorithms lower (on an H200 at batch 32768 every budget below keep-all failed
+    there). The error keeps its own minimum and says which algorithms lower the floor and to what; offered them,
+    the budget that failed profiles within itself. Where they are offered already, it says nothing of them."""
+    import re
+
+    from benchmarks.workloads import resnet18_small
+
+    torch.set_num_threads(2)
+    work = resnet18_small(batch_size=2048)
+    args = tuple(work.inputs)
+    with pytest.raises(BudgetError) as failed:
+        profile_step(copy.deepcopy(work.model), args, work.loss_fn, work.targets, budget_bytes=60 << 20,
+                     repeats=1, warmup=0, algorithms=("native",))
+    message = str(failed.value)
+    assert "node 'conv1/convolution_backward:bwd'" in message, message
+    offered = ("native", "batch-split", "batch-split-sum")
+    assert f"algorithms={offered!r}" in message, message
+    floor = failed.value.minimum_budget_bytes
+    split_floor = int(re.search(r"to [\d.]+ [KMG]iB \((\d+) bytes\)", message).group(1))
+    assert split_floor < 0.95 * floor, (split_floor, floor)
+    budget = floor - 1
+    with AllocationTrace() as trace:
+        profile_step(work.model, args, work.loss_fn, work.targets, budget_bytes=budget, repeats=1, warmup=0,
+                     algorithms=offered)
+    assert trace.peak_bytes + _resident_bytes(work.model, args, {}, work.targets) <= budget
+    with pytest.raises(BudgetError) as offered_already:
+        profile_step(copy.deepcopy(work.model), args, work.loss_fn, work.targets, budget_bytes=split_floor - 1,
+                     repeats=1, warmup=0, algorithms=offered)
+    assert "algorithms=" not in str(offered_already.value), str(offered_already.value)

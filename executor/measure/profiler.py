@@ -479,8 +479,10 @@ def profile_step(
         try:
             chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
         except BudgetError as error:
-            raise _with_unprobed_scratch(error, profiled, provisional, leaves, device, optimizer, algorithms) \
-                from None
+            told = _with_unprobed_scratch(error, profiled, provisional, leaves, device, optimizer, algorithms)
+            if told is error:  # a measured floor (not a formula's ceiling the budget left no room to probe)
+                told = _with_batch_splits_offered(error, profiled, provisional, leaves, device, optimizer, algorithms)
+            raise told from None
         profiled.measuring = chosen
         say(f"measuring under {chosen.describe()}")
         compiler = NodeCompiler(say) if compile else None
@@ -577,6 +579,27 @@ def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provision
         f"({lower} bytes), and from {format_bytes(probing)} ({probing} bytes) the probes run; ask for "
         f"{format_bytes(worth_asking)} ({worth_asking} bytes) or more and the floor is measured",
         minimum_budget_bytes=worth_asking)
+
+
+def _with_batch_splits_offered(error: BudgetError, profiled: ProfiledStep, provisional: GraphProfile, leaves,
+                               device, optimizer, algorithms) -> BudgetError:
+    """A floor a whole-batch convolution sets, where the algorithms that run it on quarters of the batch were not
+    offered (optimize()'s eager replay offers native alone, to be bitwise eager's): say how far they lower it,
+    since that is the one change that lets such a model plan below it (ResNet-18-small at batch 32768 on an H200:
+    every budget below keep-all failed at the stem's 2.94 GiB, compiled plans with them ran at 870 MiB)."""
+    missing = tuple(name for name in conv_algorithms.BATCH_SPLITS if name not in algorithms)
+    if not missing or not error.minimum_budget_bytes:
+        return error
+    offered = tuple(algorithms) + missing
+    floor = minimum_budget_bytes(provisional)
+    split_floor = minimum_budget_bytes(provisional_profile(profiled, leaves, device, optimizer, offered, None, None))
+    if split_floor > 0.95 * floor:
+        return error
+    return BudgetError(
+        f"{error}. Convolutions run on quarters of the batch would lower the floor any plan needs from "
+        f"{format_bytes(floor)} to {format_bytes(split_floor)} ({split_floor} bytes): offer them with "
+        f"algorithms={offered!r} (rounding apart from eager's, about 1e-5 of a filter gradient, not bitwise) or "
+        f"compile=True, which offers them", minimum_budget_bytes=error.minimum_budget_bytes)
 
 
 def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int) -> dict:
