@@ -34,7 +34,8 @@ On a GPU (`--device cuda`): larger workloads (GPT-2 and BERT at hidden 768, sequ
 `torch.cuda.max_memory_allocated` less the memory allocated before the step; each step is timed between two
 `torch.cuda.synchronize()`; mosos plans offloading as well as recomputation. `--jobs` prepares that many
 configurations at once (torch.compile's compiling), while mosos' profiling and solving and every configuration's
-peaks and timed rounds take turns (a lock file), so that nothing timed shares the GPU.
+peaks and timed rounds take turns (a lock file), so that nothing timed shares the GPU, and none of them runs
+while torch.compile compiles for another (its threads slowed a step's kernel launches).
 Writes benchmarks/results/frontier_gpu.md and frontier_gpu_<model>_<precision>.json/.png. A run on a borrowed
 machine can write its rows to a log (`--rows-log`) and nothing else; `--merge-rows LOG --merge-command "how it was
 measured"` then folds them into the results files here, keeping the other rows.
@@ -141,19 +142,34 @@ def autocast_for(device: str, precision: str):
 
 
 @contextlib.contextmanager
-def gpu_turn():
-    """Exclusive use of the device while a configuration profiles (mosos) and is measured (the lock file that
-    `--jobs` shares between its children); nothing where there is none."""
-    path = os.environ.get("FRONTIER_GPU_LOCK")
+def _locked(variable: str, mode: int):
+    path = os.environ.get(variable)
     if not path:
         yield
         return
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, mode)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """Exclusive use of the device while a configuration profiles (mosos) and is measured (the lock file that
+    `--jobs` shares between its children), and a quiet CPU: no torch.compile compiling beside it (`compiling()`),
+    whose threads slowed the launches of a step of a few hundred kernels (on an H200, an eager GPT-2 step timed at
+    57 ms beside others' compiles against 44 alone). Nothing where there is no lock file."""
+    with _locked("FRONTIER_GPU_LOCK", fcntl.LOCK_EX), _locked("FRONTIER_QUIET_LOCK", fcntl.LOCK_EX):
+        yield
+
+
+@contextlib.contextmanager
+def compiling():
+    """torch.compile's compiling, beside other configurations' compiling but never beside a `gpu_turn()`."""
+    with _locked("FRONTIER_QUIET_LOCK", fcntl.LOCK_SH):
+        yield
 
 
 def gradient_error(params, reference_params) -> float:
@@ -258,10 +274,11 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
             functorch_config.activation_memory_budget = float(config.rsplit("-", 1)[1])
         model = torch.compile(model)
         step = plain_step(model)
-        began = time.perf_counter()
-        step()  # compiles forward and backward
-        sync()
-        row["compile_s"] = time.perf_counter() - began
+        with compiling():
+            began = time.perf_counter()
+            step()  # compiles forward and backward
+            sync()
+            row["compile_s"] = time.perf_counter() - began
         step()
     elif config.startswith("mosos"):
         import executor
@@ -391,7 +408,9 @@ def run_one(model: str, config: str, args, precision: str = "fp32", timeout_s: f
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if args.jobs > 1:
         # children share the GPU's timed phases through a lock, and the machine's cores for Inductor's workers
-        env.update(FRONTIER_GPU_LOCK=str(Path(tempfile.gettempdir()) / f"frontier-gpu-{os.getpid()}.lock"),
+        locks = Path(tempfile.gettempdir())
+        env.update(FRONTIER_GPU_LOCK=str(locks / f"frontier-gpu-{os.getpid()}.lock"),
+                   FRONTIER_QUIET_LOCK=str(locks / f"frontier-quiet-{os.getpid()}.lock"),
                    TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 2) // args.jobs)))
     # Inductor's caches of its own, empty: every configuration compiles as on a user's first run (a warm cache
     # left by an earlier configuration of the same model made torch.compile's 23 s compile take 2.5 s)

@@ -1,5 +1,6 @@
-"""Rows measured on a borrowed GPU come back as a JSON-lines log; merging them must replace only their own
-configurations' rows, keep the rest in place, and say in each section which command measured which rows."""
+"""The frontier benchmark's bookkeeping, which runs with no model: rows measured on a borrowed GPU come back as a
+JSON-lines log, and merging them must replace only their own configurations' rows, keep the rest in place, and say
+in each section which command measured which rows; `--jobs` children take turns on the device and the CPU."""
 
 import json
 
@@ -45,3 +46,30 @@ def test_merging_needs_the_command_that_measured_the_rows_and_rows_it_can_read(t
     with pytest.raises(SystemExit, match="rows.jsonl:2: not a frontier row"):
         frontier.main(["--device", "cuda", "--models", "gpt2", "--results-dir", str(tmp_path),
                        "--merge-rows", str(log), "--merge-command", "x"])
+
+
+def test_a_gpu_turn_waits_for_torch_compile_compiling_elsewhere_and_compiles_share(tmp_path, monkeypatch):
+    """With `--jobs`, a configuration's timed rounds never run beside another's torch.compile compiling (its
+    threads slowed a launch-bound step by a third), while compiles run beside each other."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    monkeypatch.setenv("FRONTIER_GPU_LOCK", str(tmp_path / "gpu.lock"))
+    monkeypatch.setenv("FRONTIER_QUIET_LOCK", str(tmp_path / "quiet.lock"))
+    holder = ("import sys, time\nfrom benchmarks import frontier\nwith frontier.compiling():\n"
+              "    print('holding', flush=True)\n    time.sleep(1.5)\n    print(time.time(), flush=True)\n")
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-c", holder], cwd=repo, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert child.stdout.readline().strip() == "holding"
+    began = time.time()
+    with frontier.compiling():  # a second compile does not wait
+        assert time.time() - began < 1.0
+    with frontier.gpu_turn():
+        entered = time.time()
+    released = float(child.stdout.readline())
+    child.wait(timeout=30)
+    assert entered >= released, (entered, released)
