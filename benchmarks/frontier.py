@@ -526,8 +526,13 @@ def merged_rows(path: str, measured_by: str | None, measured_when: str | None, g
     """The rows of a --rows-log for these models, precisions and configurations, each naming what measured it."""
     if not measured_by:
         raise SystemExit("--merge-rows needs --merge-command: the command and run that measured the rows")
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise SystemExit(f"--merge-rows {path}: {error.strerror or error}") from None
     found: dict[tuple[str, str], list[dict]] = {}
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    skipped = 0
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -542,6 +547,10 @@ def merged_rows(path: str, measured_by: str | None, measured_when: str | None, g
             if measured_when:
                 row["measured"] = measured_when
             found.setdefault(group, []).append(row)
+        else:
+            skipped += 1
+    if skipped:
+        print(f"{path}: left out {skipped} row(s) of other models, precisions or configurations than asked for")
     if not found:
         raise SystemExit(f"{path}: no rows for {groups} among the configurations asked for")
     return found

@@ -43,6 +43,9 @@ def test_merging_needs_the_command_that_measured_the_rows_and_rows_it_can_read(t
     with pytest.raises(SystemExit, match="needs --merge-command"):
         frontier.main(["--device", "cuda", "--models", "gpt2", "--results-dir", str(tmp_path),
                        "--merge-rows", str(log)])
+    with pytest.raises(SystemExit, match="--merge-rows .*missing.jsonl: No such file"):
+        frontier.main(["--device", "cuda", "--models", "gpt2", "--results-dir", str(tmp_path),
+                       "--merge-rows", str(tmp_path / "missing.jsonl"), "--merge-command", "x"])
     with pytest.raises(SystemExit, match="rows.jsonl:2: not a frontier row"):
         frontier.main(["--device", "cuda", "--models", "gpt2", "--results-dir", str(tmp_path),
                        "--merge-rows", str(log), "--merge-command", "x"])

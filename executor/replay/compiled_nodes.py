@@ -411,8 +411,13 @@ def _register_kept_whole_fallbacks() -> None:
     global _fallbacks_registered
     if _fallbacks_registered:
         return
+    import inspect
+
     from torch._inductor import lowering
 
+    _fallbacks_registered = True
+    if "override_decomp" not in inspect.signature(lowering.make_fallback).parameters:
+        return  # an Inductor older still: its fallbacks are made as they are met, as before
     for op in sorted(_KEPT_WHOLE, key=str):
         if op in lowering.lowerings:
             continue
@@ -423,7 +428,6 @@ def _register_kept_whole_fallbacks() -> None:
         except (ImportError, AttributeError):  # a torch without layout tags: its implicit fallback had none
             constraint = None
         lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
-    _fallbacks_registered = True
 
 
 @contextlib.contextmanager
