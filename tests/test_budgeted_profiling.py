@@ -109,8 +109,9 @@ def _profiles_measured_in_turn(rounds: int = 3) -> dict:
 
 @pytest.mark.slow
 def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
-    """Measured under a frugal schedule although keep-all would fit, each frugal pass against the keep-all passes
-    on either side of it (the machine drifts between passes), median over three.
+    """Measured under a frugal schedule although keep-all would fit, the frugal passes against the keep-all passes
+    taken in turn with them (the machine drifts between passes): median against median, so that one pass a loaded
+    machine stretched (a keep-all pass at 437 ms among 302-342, CI) moves neither.
 
     In a fresh process whose C allocator keeps what is freed, as a GPU's caching allocator does: glibc hands large
     freed blocks back to the kernel, and the keep-all pass, whose memory only grows, then pays a page fault per
@@ -126,8 +127,7 @@ def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(completed.stdout.split("RESULT ", 1)[1])
     keep_all_ms, frugal_ms = result["keep_all_ms"], result["frugal_ms"]
-    ratios = [frugal / statistics.mean(keep_all_ms[i:i + 2]) for i, frugal in enumerate(frugal_ms)]
-    assert abs(statistics.median(ratios) - 1) <= 0.10, result
+    assert abs(statistics.median(frugal_ms) / statistics.median(keep_all_ms) - 1) <= 0.10, result
     assert result["transplanted_ms"] <= result["keep_all_plan_ms"] * 1.02, result
 
 
