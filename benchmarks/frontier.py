@@ -623,28 +623,24 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     groups = [(model, precision) for model in args.models.split(",") for precision in precisions]
-    merged = (merged_rows(args.merge_rows, args.merge_command, args.merge_when, groups, configs) if args.merge_rows
-              else {})
+    merged: dict[tuple[str, str], dict[str, dict]] = {}
+    if args.merge_rows:  # only the models and precisions the log has rows for: the others' files stay as they are
+        merged = {group: {row["config"]: row for row in group_rows} for group, group_rows
+                  in merged_rows(args.merge_rows, args.merge_command, args.merge_when, groups, configs).items()}
+        groups = [group for group in groups if group in merged]
     rows: dict[tuple[str, str], dict[str, dict]] = {}
-    kept_order: dict[tuple[str, str], list[str]] = {}
     for model, precision in groups:
         kept: dict[str, dict] = {}
-        replaced = set(rerun) | {row["config"] for row in merged.get((model, precision), [])}
-        if replaced:
+        if rerun or args.merge_rows:
             kept_file = _names(model, precision, args.device, results_dir)[1]
             kept = {row["config"]: row for row in json.loads(kept_file.read_text())} if kept_file.exists() else {}
-        kept_order[(model, precision)] = list(kept)
-        if args.merge_rows:  # every row the file has, in its order, the merged ones in place of theirs
-            rows[(model, precision)] = {c: kept[c] for c in kept if c not in replaced}
+        if args.merge_rows:  # every row the file has, in its order, the merged ones in place of theirs, new ones after
+            rows[(model, precision)] = kept | merged[(model, precision)]
         else:
-            rows[(model, precision)] = {c: kept[c] for c in configs if c in kept and c not in replaced}
+            rows[(model, precision)] = {c: kept[c] for c in configs if c in kept and c not in rerun}
     # configuration-major: with a --deadline, every model and precision gets the first configurations
     tasks = [(model, precision, config) for config in configs for model, precision in groups
              if (not rerun or config in rerun) and not args.merge_rows]
-    for group, group_rows in merged.items():
-        rows[group].update({row["config"]: row for row in group_rows})
-        order = list(kept_order.get(group, [])) + [c for c in configs if c not in kept_order.get(group, [])]
-        rows[group] = {c: rows[group][c] for c in order if c in rows[group]}
     printing = threading.Lock()
 
     def measure(task):

@@ -673,20 +673,25 @@ print("ok")
 """
 
 
-def test_kernels_holding_a_batch_norm_compile_with_ci_set_in_the_environment():
-    """With `CI` set (a user's CI job, ours), Inductor refuses a fallback to ATen's kernel for an operation that has
-    a decomposition, which is how batch norm, dropout and an embedding's backward stay eager's inside a kernel: every
-    kernel holding one ran eagerly ("Inductor refused it ... add a decomposition to core_aten_decompositions").
-    A fresh process, since a fallback once made stays Inductor's for the process."""
+def _in_a_fresh_process(script: str, **environment: str):
+    """Run `script` in a fresh interpreter at the repository's root: a fallback Inductor makes stays its own for
+    the process."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    environment = dict(os.environ, CI="true", PYTHONPATH=str(repo))
-    result = subprocess.run([sys.executable, "-c", _UNDER_CI], cwd=repo, env=environment, capture_output=True,
-                            text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(repo), **environment))
+
+
+def test_kernels_holding_a_batch_norm_compile_with_ci_set_in_the_environment():
+    """With `CI` set (a user's CI job, ours), Inductor refuses a fallback to ATen's kernel for an operation that has
+    a decomposition, which is how batch norm, dropout and an embedding's backward stay eager's inside a kernel: every
+    kernel holding one ran eagerly ("Inductor refused it ... add a decomposition to core_aten_decompositions").
+    A fresh process, since a fallback once made stays Inductor's for the process."""
+    result = _in_a_fresh_process(_UNDER_CI, CI="true")
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
@@ -712,15 +717,7 @@ def test_kernels_holding_a_batch_norm_compile_where_inductor_checks_fallbacks_ag
     table, not the one it was given, and refused every kernel holding a batch norm: on the GPU, ResNet's 37 batch
     norm regions ran node by node. Emulated here in a fresh process: as before, the refusal; with the kept-whole
     operations registered as fallbacks up front, they compile, and into regions."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    script = f"WITHOUT_REGISTERING = {not registering}\n" + _AS_TORCH_2_11 + _UNDER_CI
-    result = subprocess.run([sys.executable, "-c", script], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
-                            capture_output=True, text=True, timeout=600)
+    result = _in_a_fresh_process(f"WITHOUT_REGISTERING = {not registering}\n" + _AS_TORCH_2_11 + _UNDER_CI)
     if registering:
         assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     else:

@@ -76,3 +76,17 @@ def test_a_gpu_turn_waits_for_torch_compile_compiling_elsewhere_and_compiles_sha
     released = float(child.stdout.readline())
     child.wait(timeout=30)
     assert entered >= released, (entered, released)
+
+
+def test_merging_leaves_the_files_of_models_and_precisions_the_log_has_no_rows_for(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    untouched = json.dumps([_row("eager", 1.0, "bf16")])
+    (results / "frontier_gpu_gpt2_bf16.json").write_text(untouched)
+    log = tmp_path / "rows.jsonl"
+    log.write_text(json.dumps(_row("compile", 0.8)) + "\n")
+    assert frontier.main(["--device", "cuda", "--models", "gpt2", "--precisions", "fp32,bf16",
+                          "--results-dir", str(results), "--merge-rows", str(log), "--merge-command", "x"]) == 0
+    assert (results / "frontier_gpu_gpt2_bf16.json").read_text() == untouched
+    assert "## gpt2, bf16" not in (results / "frontier_gpu.md").read_text()
+    assert [r["config"] for r in json.loads((results / "frontier_gpu_gpt2_fp32.json").read_text())] == ["compile"]

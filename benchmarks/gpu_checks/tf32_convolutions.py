@@ -78,7 +78,6 @@ def main() -> None:
         b = step(plain, work)
         print(f"tf32={tf32} batch {args.batch}: plain vs plain {distance(b, a)}", flush=True)
         for replay in args.replays.split(","):
-            kind, ratio = replay.rsplit("-", 1)
             started = time.time()
             if replay == "torch-compile":  # torch.compile's own distance: fusion's rounding, for scale
                 compiled = torch.compile(copy.deepcopy(model))
@@ -86,6 +85,7 @@ def main() -> None:
                 print(f"  {replay}: compiled and ran in {time.time() - started:.1f} s; vs plain {distance(c, a)}; "
                       f"vs itself {distance(d, c)}", flush=True)
                 continue
+            kind, ratio = replay.rsplit("-", 1)
             planned = executor.optimize(copy.deepcopy(model), work.inputs, work.loss_fn, targets=work.targets,
                                         memory_ratio=float(ratio), time_limit_s=10, progress=False, cache=False,
                                         compile=kind == "compiled")

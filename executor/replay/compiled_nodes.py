@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import operator
 import os
 import threading
@@ -411,22 +412,18 @@ def _register_kept_whole_fallbacks() -> None:
     global _fallbacks_registered
     if _fallbacks_registered:
         return
-    import inspect
-
     from torch._inductor import lowering
 
     _fallbacks_registered = True
     if "override_decomp" not in inspect.signature(lowering.make_fallback).parameters:
         return  # an Inductor older still: its fallbacks are made as they are met, as before
-    for op in sorted(_KEPT_WHOLE, key=str):
-        if op in lowering.lowerings:
-            continue
-        try:
-            from torch._library.utils import get_layout_constraint_tag
-
-            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
-        except (ImportError, AttributeError):  # a torch without layout tags: its implicit fallback had none
-            constraint = None
+    try:
+        from torch._library.utils import get_layout_constraint_tag
+    except ImportError:  # a torch without layout tags: its implicit fallback had no constraint
+        get_layout_constraint_tag = None
+    for op in sorted(_KEPT_WHOLE - lowering.lowerings.keys(), key=str):
+        constraint = (lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+                      if get_layout_constraint_tag is not None else None)
         lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
 
 
