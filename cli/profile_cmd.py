@@ -11,12 +11,14 @@ planner stays importable without them.
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import typer
 
 from cli.app import app, console, error_console, friendly
 from cli.checks import positive_finite, whole_number_in, writable_output, write_output
+from cli.time_limit import time_limited
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
 
@@ -54,10 +56,15 @@ def profile_command(
                                   "(a frugal schedule even then) or keep-all"),
     compile: bool = typer.Option(False, "--compile", help="measure the planning nodes as Inductor kernels (what "
                                  "optimize(compile=True) runs): fusion changes their times and workspaces"),
+    time_limit: float = typer.Option(
+        None, "--time-limit", help="time limit of the whole command, seconds (loading, capture, compiling, "
+        "measuring): at the limit it stops, says what it was doing and writes nothing (exit code 4)"),
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
     """Profile one training step of your model (or a reference network), planning node by node, on this machine."""
+    started = time.monotonic()  # --time-limit counts from here
     writable_output(output, "-o")
+    positive_finite(time_limit, "--time-limit")
     if batch is not None and batch < 1:
         raise MososError(f"--batch must be at least 1, got {batch}")
     whole_number_in(image_size, "--image-size", 1, 1 << 16)
@@ -69,8 +76,13 @@ def profile_command(
     budget_bytes = parse_bytes(budget) if budget is not None else None
     if measuring not in ("auto", "frugal", "keep-all"):
         raise MososError(f"--measuring is auto, frugal or keep-all, not {measuring!r}")
-    reference = _load()
-    with console.status(f"loading {workload or model}") as status:
+    with time_limited(time_limit, started) as watch, console.status(f"loading {workload or model}") as status:
+        def progress(message: str) -> None:
+            watch.note(message)
+            status.update(message)
+
+        progress(f"loading {workload or model}")
+        reference = _load()
         loaded = reference.load(model, workload, batch, device=device, small=small, image_size=image_size,
                                 tokens=tokens, dtype=dtype, seed=seed)
         if model is not None:
@@ -78,7 +90,7 @@ def profile_command(
         measured = reference.profile_workload(
             loaded, optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
             h2d_gb_per_s=h2d_gb_per_s, threads=threads, budget_bytes=budget_bytes, measuring=measuring,
-            progress=status.update, compile=compile,
+            progress=progress, compile=compile, deadline=watch.deadline,
         )
     profile, label, nodes_ms, plain_ms, ratio = (
         measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio

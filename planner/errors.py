@@ -50,6 +50,13 @@ class BudgetError(MososError):
         super().__init__(message)
 
 
+class TimeLimitReached(MososError):
+    """A command's time limit ran out before it finished: the message says what it was doing; nothing was
+    written."""
+
+    exit_code = 4
+
+
 class ScheduleRejected(MososError):
     """The simulator found a schedule that cannot run as written.
 

@@ -248,7 +248,7 @@ def test_mosos_profile_within_a_budget_measures_frugally_and_refuses_a_budget_to
 
     out = tmp_path / "tanh.json"
     done = _fresh("-m", "cli", "profile", "benchmarks/workloads.py:elementwise", "--budget", "256MiB",
-                  "--repeats", "1", "--warmup", "0", "-o", str(out))
+                  "--repeats", "1", "--warmup", "0", "--time-limit", "600", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "measured under greedy recompute" in done.stdout.replace("\n", " ")
     assert "no plain step was timed" in done.stdout.replace("\n", " ")
@@ -259,6 +259,45 @@ def test_mosos_profile_within_a_budget_measures_frugally_and_refuses_a_budget_to
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "below what any plan needs" in refused.stderr and "smallest" not in refused.stdout
     assert not (tmp_path / "no.json").exists()
+
+
+def test_mosos_profile_stops_at_its_time_limit_says_where_and_writes_nothing(tmp_path):
+    """Profiling ResNet-18-small at batch 8 takes a minute or more here (seven timing passes, a plain step); with
+    --time-limit 10 the command ends soon after 10 s (its own start-up before the clock, a kernel running)."""
+    out = tmp_path / "resnet.json"
+    started = time.monotonic()
+    stopped = _fresh("-m", "cli", "profile", "--model", "resnet18", "--small", "--batch", "8", "--time-limit", "10",
+                     "-o", str(out))
+    took_s = time.monotonic() - started
+    assert stopped.returncode == 4, stopped.stderr
+    message = " ".join(stopped.stderr.split())
+    assert "--time-limit 10 s ran out after 10" in message and "stopped while" in message, message
+    assert "nothing was written" in message and "Traceback" not in stopped.stderr
+    assert not out.exists()
+    assert took_s < 10 + 8, took_s
+
+
+def test_the_search_for_a_measuring_pass_keeps_to_a_deadline():
+    """At a budget no measuring pass fits, the searches take their whole time limits (the solver 20 s); with a
+    deadline (mosos profile --time-limit) a second away, TimeLimitReached comes within it and says what was tried,
+    never a BudgetError that a search cut short cannot back."""
+    from torch.utils._pytree import tree_flatten
+
+    from executor.measure import measuring
+    from executor.measure.profiler import plan_step, provisional_profile
+    from planner.budget import minimum_budget_bytes
+    from planner.errors import TimeLimitReached
+
+    model, args, kwargs, targets, loss_fn = ZOO["gpt2"]()
+    leaves = tree_flatten(((args, kwargs, targets), {}))[0]
+    profiled = plan_step(model, args, kwargs, targets, loss_fn)
+    provisional = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None, "gpt2",
+                                      None, lambda message: None)
+    floor = minimum_budget_bytes(provisional)
+    started = time.monotonic()
+    with pytest.raises(TimeLimitReached, match="in the time left [(]tried keep-all, "):
+        measuring.measuring_schedule(provisional, floor, deadline=started + 1)
+    assert time.monotonic() - started < 2
 
 
 @pytest.mark.slow

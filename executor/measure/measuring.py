@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from planner.budget import minimum_budget_bytes
-from planner.errors import BudgetError
+from planner.errors import BudgetError, TimeLimitReached
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Schedule
 from planner.simulator import ScheduleRejected, simulate
@@ -129,14 +129,17 @@ def _certified_peak(profile: GraphProfile, schedule: Schedule, budget_bytes: int
 
 
 def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode: str = "auto",
-                       time_limit_s: float = 20.0) -> MeasuringPlan:
-    """The schedule to measure under (see the module's docstring); BudgetError if none fits."""
+                       time_limit_s: float = 20.0, deadline: float | None = None) -> MeasuringPlan:
+    """The schedule to measure under (see the module's docstring); BudgetError if none fits. `deadline` (a
+    `time.monotonic()` instant, a command's time limit): no search runs past it, and TimeLimitReached says which
+    were tried when it comes first, rather than a BudgetError the cut searches could not back."""
     from planner.planning import InfeasibleBudget, plan
     from planner.strategies.keep_all import keep_all_schedule
 
     if mode not in MODES:
         raise ValueError(f"measuring mode is one of {', '.join(MODES)}, not {mode!r}")
     tried: list[str] = []
+    clock = _Clock(deadline, tried)
     if budget_bytes is not None:
         floor = minimum_budget_bytes(provisional)
         if budget_bytes < provisional.fixed_bytes:
@@ -173,13 +176,14 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             # the greedy evict-and-recompute pass first: a measuring schedule only has to fit, and it takes
             # milliseconds where the solver takes its whole time limit to prove what it found
             tried.append("greedy recompute")
-            schedule = _greedy(provisional, budget_bytes, time.monotonic() + time_limit_s / 4)
+            schedule = _greedy(provisional, budget_bytes, time.monotonic() + clock.allow(time_limit_s / 4))
             if schedule is not None:
                 return MeasuringPlan(schedule, "greedy recompute", schedule.summary.peak_memory_bytes, budget_bytes,
                                      tried)
         tried.append(strategy)
         try:
-            schedule = plan(provisional, budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=1)
+            schedule = plan(provisional, budget_bytes, strategy=strategy,
+                            time_limit_s=clock.allow(time_limit_s), workers=1)
         except InfeasibleBudget as error:
             if error.minimum_budget_bytes:
                 # a heuristic's figure is its own plan's peak, met again when asked for; the solver's is what its
@@ -190,11 +194,36 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             raise BudgetError(f"no measuring pass fits: {error}", minimum_budget_bytes=error.minimum_budget_bytes) \
                 from None
         return MeasuringPlan(schedule, strategy, schedule.summary.peak_memory_bytes, budget_bytes, tried)
-    minimum = _smallest_greedy_budget(provisional, budget_bytes, min(smallest), unverified, time_limit_s / 4)
+    if clock.cut:  # a search the deadline cut short backs no "no pass fits"
+        clock.stop()
+    minimum = _smallest_greedy_budget(provisional, budget_bytes, min(smallest), unverified,
+                                      clock.allow(time_limit_s / 4))
     raise BudgetError(
         f"no measuring pass fits in {format_bytes(budget_bytes)} ({budget_bytes} bytes): tried {', '.join(tried)}; "
         f"the smallest budget known to work is {format_bytes(minimum)} ({minimum} bytes)",
         minimum_budget_bytes=minimum)
+
+
+class _Clock:
+    """The searches' time limits within a command's deadline (a `time.monotonic()` instant, or None)."""
+
+    def __init__(self, deadline: float | None, tried: list[str]):
+        self.deadline, self.tried = deadline, tried
+        self.cut = False  # a search was given less than its own time limit
+
+    def allow(self, time_limit_s: float) -> float:
+        """`time_limit_s`, or what is left before the deadline if less; TimeLimitReached once nothing is."""
+        if self.deadline is None:
+            return time_limit_s
+        left_s = self.deadline - time.monotonic()
+        if left_s <= 0:
+            self.stop()
+        self.cut |= left_s < time_limit_s
+        return min(time_limit_s, left_s)
+
+    def stop(self):
+        done = f" (tried {', '.join(self.tried)})" if self.tried else ""
+        raise TimeLimitReached(f"no measuring schedule within the budget was found in the time left{done}")
 
 
 def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_bytes: int, named: list[int],

@@ -436,6 +436,7 @@ def profile_step(
     profiled: ProfiledStep | None = None,
     progress: Callable[[str], None] | None = None,
     compile: bool = False,
+    deadline: float | None = None,
 ) -> tuple[GraphProfile, ProfiledStep]:
     """The profile and the captured step it was measured on.
 
@@ -447,6 +448,8 @@ def profile_step(
     on the CPU it is taken from the arguments or left out (no offloading).
     With `compile`, the planning nodes run as Inductor kernels (executor.replay.compiled_nodes) and are measured so:
     the profile is of the step that will run.
+    `deadline` (a `time.monotonic()` instant, a command's time limit) bounds the search for the measuring schedule
+    (TimeLimitReached when it comes first); the command stops the rest (cli/time_limit.py).
     """
     if repeats < 1 or warmup < 0:
         raise MososError(f"repeats must be at least 1 and warmup at least 0, not {repeats} and {warmup}")
@@ -477,7 +480,8 @@ def profile_step(
         provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,
                                           h2d_gb_per_s, name, budget_bytes, say)
         try:
-            chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring)
+            chosen = measuring_schedule(provisional, budget_bytes, "keep-all" if budget_bytes is None else measuring,
+                                        deadline=deadline)
         except BudgetError as error:
             told = _with_unprobed_scratch(error, profiled, provisional, leaves, device, optimizer, algorithms)
             if told is error:  # a measured floor (not a formula's ceiling the budget left no room to probe)

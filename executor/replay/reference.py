@@ -108,6 +108,7 @@ def profile_workload(
     measuring: str = "auto",
     progress: Callable[[str], None] | None = None,
     compile: bool = False,
+    deadline: float | None = None,
 ) -> ReferenceProfile:
     """Measure one training step of a workload and check the node times against a plain step; within
     `budget_bytes` the plain step is run only where keep-all fits (executor.measure.measuring)."""
@@ -121,7 +122,7 @@ def profile_workload(
         workload.model, workload.inputs, workload.loss_fn, workload.targets, kwargs=workload.kwargs,
         name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
-        progress=lambda message: say(f"profiling {label}: {message}"), compile=compile,
+        progress=lambda message: say(f"profiling {label}: {message}"), compile=compile, deadline=deadline,
     )
     measured_under = profiled.measuring.describe() if profiled.measuring else "keep-all"
     nodes_ms = profiler.plain_equivalent_time_ms(profile)

@@ -1,0 +1,62 @@
+"""A command's `--time-limit` over work that cannot take a deadline all the way down (a capture, an Inductor
+compile, a measuring pass): at the limit the command stops where it is, says what it was doing, and has written
+nothing.
+
+The stop is SIGALRM's handler raising in the main thread, between two Python bytecodes: so a kernel or a solver
+call that is running finishes first (the searches that can take a deadline get it as well, and end in time), and
+it repeats every half second after the limit, because code that catches every exception (an Inductor refusal runs
+the node eagerly) would otherwise swallow it and go on."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from planner.errors import MososError, TimeLimitReached
+
+REPEAT_S = 0.5
+
+
+class Stopwatch:
+    """What the command is doing, for the message at the limit, and the limit as a `time.monotonic()` instant."""
+
+    def __init__(self, started: float, seconds: float | None):
+        self.started, self.seconds = started, seconds
+        self.doing = "starting"
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.seconds is None else self.started + self.seconds
+
+    def note(self, doing: str) -> None:
+        self.doing = doing
+
+
+@contextmanager
+def time_limited(seconds: float | None, started: float, option: str = "--time-limit") -> Iterator[Stopwatch]:
+    """Run the block within `seconds` counted from `started` (`time.monotonic()`); None: no limit. At the limit,
+    TimeLimitReached names the option, the time taken and what the block was doing."""
+    watch = Stopwatch(started, seconds)
+    if seconds is None:
+        yield watch
+        return
+    if threading.current_thread() is not threading.main_thread():
+        raise MososError(f"{option} works only in a program's main thread (it stops the work with SIGALRM)")
+
+    def stop(signum, frame):
+        raise TimeLimitReached(f"stopped while {watch.doing}")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, max(1e-3, watch.deadline - time.monotonic()), REPEAT_S)
+    try:
+        yield watch
+    except TimeLimitReached as error:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        raise TimeLimitReached(f"{option} {seconds:g} s ran out after {time.monotonic() - started:.1f} s: {error}; "
+                               "nothing was written") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
