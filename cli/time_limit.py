@@ -2,10 +2,12 @@
 compile, a measuring pass): at the limit the command stops where it is, says what it was doing, and has written
 nothing.
 
-The stop is SIGALRM's handler raising in the main thread, between two Python bytecodes: so a kernel or a solver
-call that is running finishes first (the searches that can take a deadline get it as well, and end in time), and
-it repeats every half second after the limit, because code that catches every exception (an Inductor refusal runs
-the node eagerly) would otherwise swallow it and go on."""
+The stop is SIGALRM's handler raising in the main thread, between two Python bytecodes, so a kernel or a solver
+call that is running finishes first (the searches that can take a deadline get it as well, and end in time). What
+it raises is a BaseException, as KeyboardInterrupt is: code that catches every Exception (an export failure made a
+message, an Inductor refusal run eagerly) lets it through; and it repeats every half second after the limit, for
+code that catches even that.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ from typing import Iterator
 from planner.errors import MososError, TimeLimitReached
 
 REPEAT_S = 0.5
+
+
+class _TimeUp(BaseException):
+    pass
 
 
 class Stopwatch:
@@ -47,15 +53,16 @@ def time_limited(seconds: float | None, started: float, option: str = "--time-li
         raise MososError(f"{option} works only in a program's main thread (it stops the work with SIGALRM)")
 
     def stop(signum, frame):
-        raise TimeLimitReached(f"stopped while {watch.doing}")
+        raise _TimeUp()
 
     previous = signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, max(1e-3, watch.deadline - time.monotonic()), REPEAT_S)
     try:
         yield watch
-    except TimeLimitReached as error:
+    except (_TimeUp, TimeLimitReached) as error:  # the alarm's, or a search's that kept to the deadline
         signal.setitimer(signal.ITIMER_REAL, 0)
-        raise TimeLimitReached(f"{option} {seconds:g} s ran out after {time.monotonic() - started:.1f} s: {error}; "
+        what = f"stopped while {watch.doing}" if isinstance(error, _TimeUp) else str(error)
+        raise TimeLimitReached(f"{option} {seconds:g} s ran out after {time.monotonic() - started:.1f} s: {what}; "
                                "nothing was written") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
