@@ -49,6 +49,8 @@ def time_limited(seconds: float | None, started: float, option: str = "--time-li
     if seconds is None:
         yield watch
         return
+    if not hasattr(signal, "SIGALRM"):
+        raise MososError(f"{option} needs SIGALRM, which this system does not have (Windows): leave it out")
     if threading.current_thread() is not threading.main_thread():
         raise MososError(f"{option} works only in a program's main thread (it stops the work with SIGALRM)")
 
