@@ -26,7 +26,6 @@ import copy
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +135,7 @@ def table(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.results_file import write_section
+    from benchmarks.results_file import publish_section
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=2048, help="ResNet-18-small's batch (the frontier's: 2048)")
@@ -146,15 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     result = run(args.batch, args.rounds, args.threads, compiled=not args.no_compile)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = (f"python benchmarks/layout_rounding.py --batch {args.batch} --rounds {args.rounds}"
                + (" --no-compile" if args.no_compile else ""))
-    lines = [f"## resnet18-small, batch {args.batch}", "", f"`{command}` ({stamp}; {args.threads} torch threads, cpu)",
-             "", *table(result), ""]
-    print("\n".join(lines))
-    if not args.no_write:
-        write_section(RESULTS, INTRO, "\n".join(lines))
-        print(f"wrote {RESULTS.relative_to(ROOT)}")
+    publish_section(RESULTS, INTRO, f"resnet18-small, batch {args.batch}", command,
+                    f"{args.threads} torch threads, cpu", table(result), write=not args.no_write)
     return 0
 
 

@@ -17,7 +17,6 @@ import copy
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +154,7 @@ def table(result: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.results_file import write_section
+    from benchmarks.results_file import publish_section
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="resnet", help="gpt2, bert or resnet (benchmarks/frontier.py's sizes)")
@@ -166,14 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.frontier import workload
 
     result = run(workload(args.model), args.rounds, args.threads)
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = f"python benchmarks/step_breakdown.py --model {args.model} --rounds {args.rounds}"
-    lines = [f"## {args.model}", "", f"`{command}` ({stamp}; {args.threads} torch threads, cpu)", "",
-             *table(result), ""]
-    print("\n".join(lines))
-    if not args.no_write:
-        write_section(RESULTS, INTRO, "\n".join(lines))
-        print(f"wrote {RESULTS.relative_to(ROOT)}")
+    publish_section(RESULTS, INTRO, args.model, command, f"{args.threads} torch threads, cpu", table(result),
+                    write=not args.no_write)
     return 0
 
 

@@ -81,7 +81,7 @@ def profile_command(
             watch.note(message)
             status.update(message)
 
-        progress(f"loading {workload or model}")
+        watch.note(f"loading {workload or model}")
         reference = _load()
         loaded = reference.load(model, workload, batch, device=device, small=small, image_size=image_size,
                                 tokens=tokens, dtype=dtype, seed=seed)

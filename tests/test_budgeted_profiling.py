@@ -34,6 +34,19 @@ def _resident_bytes(model, args, kwargs, targets) -> int:
     return sum(seen.values())
 
 
+def _zoo_provisional(name: str):
+    """The provisional profile (sizes from the capture, workspaces from above) a zoo model is measured from."""
+    from torch.utils._pytree import tree_flatten
+
+    from executor.measure.profiler import plan_step, provisional_profile
+
+    model, args, kwargs, targets, loss_fn = ZOO[name]()
+    leaves = tree_flatten(((args, kwargs, targets), {}))[0]
+    profiled = plan_step(model, args, kwargs, targets, loss_fn)
+    return provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None, name, None,
+                               lambda message: None)
+
+
 def _step(planned, args, kwargs, targets):
     loss = planned(*args, targets=targets, **kwargs)
     loss.backward()
@@ -282,18 +295,11 @@ def test_the_search_for_a_measuring_pass_keeps_to_a_deadline():
     """At a budget no measuring pass fits, the searches take their whole time limits (the solver 20 s); with a
     deadline (mosos profile --time-limit) a second away, TimeLimitReached comes within it and says what was tried,
     never a BudgetError that a search cut short cannot back."""
-    from torch.utils._pytree import tree_flatten
-
     from executor.measure import measuring
-    from executor.measure.profiler import plan_step, provisional_profile
     from planner.budget import minimum_budget_bytes
     from planner.errors import TimeLimitReached
 
-    model, args, kwargs, targets, loss_fn = ZOO["gpt2"]()
-    leaves = tree_flatten(((args, kwargs, targets), {}))[0]
-    profiled = plan_step(model, args, kwargs, targets, loss_fn)
-    provisional = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None, "gpt2",
-                                      None, lambda message: None)
+    provisional = _zoo_provisional("gpt2")
     floor = minimum_budget_bytes(provisional)
     started = time.monotonic()
     with pytest.raises(TimeLimitReached, match="in the time left [(]tried keep-all, "):
@@ -350,17 +356,10 @@ def test_a_budget_below_every_measuring_pass_is_told_the_smallest_the_greedy_pas
     """The strategies' own figures named budgets 1.2-1.7x the floor on the zoo's transformers, where the greedy
     pass fits from 1.05-1.25x: the error names a budget within 1% of where the greedy pass first fits (a scan in
     1% steps here; it fits at some budgets and not at some above them), and asking for it measures."""
-    from torch.utils._pytree import tree_flatten
-
     from executor.measure import measuring
-    from executor.measure.profiler import plan_step, provisional_profile
     from planner.budget import minimum_budget_bytes
 
-    model, args, kwargs, targets, loss_fn = ZOO[name]()
-    leaves = tree_flatten(((args, kwargs, targets), {}))[0]
-    profiled = plan_step(model, args, kwargs, targets, loss_fn)
-    provisional = provisional_profile(profiled, leaves, torch.device("cpu"), "sgd", ("native",), None, None, name,
-                                      None, lambda message: None)
+    provisional = _zoo_provisional(name)
     floor = minimum_budget_bytes(provisional)
     with pytest.raises(BudgetError) as raised:
         measuring.measuring_schedule(provisional, floor)  # the profiler's time limit: its search has 5 s
