@@ -5,7 +5,6 @@ measured within a budget agrees with the keep-all one where keep-all fits."""
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 
 import pytest
@@ -80,14 +79,19 @@ def test_live_storage_stays_within_the_budget_from_capture_to_the_first_step(nam
     assert planned.peak_memory_bytes <= budget
 
 
-def _total_ms(profile) -> float:
-    return sum(next(i for i in node.implementations if i.name in ("native", "default")).time_ms
-               for node in profile.nodes)
+def _node_times_ms(profile) -> list[float]:
+    return [next(i for i in node.implementations if i.name in ("native", "default")).time_ms for node in profile.nodes]
 
 
-def _profiles_measured_in_turn(rounds: int = 3) -> dict:
+def _lower_envelope_ms(passes: list[list[float]]) -> float:
+    """Each node's fastest time over the passes, summed: a loaded machine only ever slows a pass, and it slows
+    passes, not nodes, so the envelope of several passes is the least disturbed estimate of the step."""
+    return sum(min(times) for times in zip(*passes))
+
+
+def _profiles_measured_in_turn(rounds: int = 4) -> dict:
     """BERT-small: keep-all and frugal (at 0.5 of keep-all's peak) measuring passes in turn, K F K F ... K, on one
-    capture; the totals, and the first pair's plans compared on the keep-all profile."""
+    capture; each pass's node times, and the first pair's plans compared on the keep-all profile."""
     from models.workload import load_workload
 
     torch.set_num_threads(1)
@@ -99,7 +103,7 @@ def _profiles_measured_in_turn(rounds: int = 3) -> dict:
 
     keep_all, profiled = measure()
     budget = int(keep_all_peak_bytes(keep_all) * 0.5)
-    keep_all_ms, frugal_ms, frugal = [_total_ms(keep_all)], [], None
+    keep_all_ms, frugal_ms, frugal = [_node_times_ms(keep_all)], [], None
     for _ in range(rounds):
         measured, _ = measure(budget_bytes=budget, measuring="frugal", profiled=profiled)
         measured_under = profiled.measuring  # the capture is shared: the next measurement replaces it
@@ -107,8 +111,8 @@ def _profiles_measured_in_turn(rounds: int = 3) -> dict:
         assert measured_under.measured_peak_bytes <= budget
         assert [n.size_bytes for n in measured.nodes] == [n.size_bytes for n in keep_all.nodes]
         frugal = frugal or measured
-        frugal_ms.append(_total_ms(measured))
-        keep_all_ms.append(_total_ms(measure(profiled=profiled)[0]))
+        frugal_ms.append(_node_times_ms(measured))
+        keep_all_ms.append(_node_times_ms(measure(profiled=profiled)[0]))
     # the plan made from the frugal profile, replayed on the keep-all one, against the keep-all profile's own plan
     plan_budget = int(keep_all_peak_bytes(keep_all) * 0.6)
     from_keep_all = plan(keep_all, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
@@ -123,8 +127,10 @@ def _profiles_measured_in_turn(rounds: int = 3) -> dict:
 @pytest.mark.slow
 def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
     """Measured under a frugal schedule although keep-all would fit, the frugal passes against the keep-all passes
-    taken in turn with them (the machine drifts between passes): median against median, so that one pass a loaded
-    machine stretched (a keep-all pass at 437 ms among 302-342, CI) moves neither.
+    taken in turn with them: each kind's lower envelope (each node's fastest time over its passes, summed). Within
+    one process on the 2-core CI machine whole passes drift by 15-30% (keep-all passes at 303-396 ms, and a median
+    of four against a median of three came out at 0.900); the envelopes of four passes each agreed within 4% in
+    every run taken to choose this measure.
 
     In a fresh process whose C allocator keeps what is freed, as a GPU's caching allocator does: glibc hands large
     freed blocks back to the kernel, and the keep-all pass, whose memory only grows, then pays a page fault per
@@ -139,8 +145,9 @@ def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
     completed = _fresh("-c", code, env=env)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(completed.stdout.split("RESULT ", 1)[1])
-    keep_all_ms, frugal_ms = result["keep_all_ms"], result["frugal_ms"]
-    assert abs(statistics.median(frugal_ms) / statistics.median(keep_all_ms) - 1) <= 0.10, result
+    keep_all_ms, frugal_ms = _lower_envelope_ms(result["keep_all_ms"]), _lower_envelope_ms(result["frugal_ms"])
+    passes = {kind: [round(sum(times), 1) for times in result[kind]] for kind in ("keep_all_ms", "frugal_ms")}
+    assert abs(frugal_ms / keep_all_ms - 1) <= 0.10, (frugal_ms, keep_all_ms, passes)
     assert result["transplanted_ms"] <= result["keep_all_plan_ms"] * 1.02, result
 
 
