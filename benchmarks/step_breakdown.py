@@ -6,6 +6,7 @@ of every configuration (a rotating order, as the frontier pairs them) and then r
 torch.profiler; a step's kernel time is the self CPU time of its ATen operations (and of Inductor's generated code,
 "compiled code"), summed by kind. The table gives medians over the rounds, per step; "interpreter and rest" is the
 unprofiled step's time less its kernels' (Python, autograd's or the replay's own code, allocations between kernels).
+A second eager copy of the weights is timed the same way: its ratio to eager is the run's noise.
 
     python benchmarks/step_breakdown.py --model resnet    # writes a section of benchmarks/results/step_breakdown.md
 """
@@ -31,6 +32,9 @@ KINDS = ("convolution forward", "convolution backward", "matrix products", "atte
 # a part of "convolution backward", shown under it: the call that reads the step's input (a 3-channel image)
 FIRST_FILTER_GRADIENT = "of which the first layer's filter gradient"
 ROWS = KINDS[:2] + (FIRST_FILTER_GRADIENT,) + KINDS[2:]
+# the control: the same eager step on a second copy of the weights; its paired ratio, 1.00 on a steady machine,
+# is how far this run can be trusted (two eager copies read 0.98-1.06 of each other over 12 rounds, ResNet)
+EAGER_AGAIN = "eager, second copy"
 _MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
@@ -105,8 +109,8 @@ def run(work: dict, rounds: int, threads: int, say=print) -> dict:
             p.grad = None
         planned(*inputs, targets=targets, **kwargs).backward()
 
-    steps = {"eager": plain(copy.deepcopy(model)), "torch.compile": plain(compiled),
-             "mosos compiled, keep-all": mosos_step}
+    steps = {"eager": plain(copy.deepcopy(model)), EAGER_AGAIN: plain(copy.deepcopy(model)),
+             "torch.compile": plain(compiled), "mosos compiled, keep-all": mosos_step}
     for step in steps.values():
         step()
         step()

@@ -66,7 +66,7 @@ def test_step_breakdown_sorts_each_configurations_kernel_time_by_kind():
             "loss_fn": torch.nn.functional.cross_entropy}
     result = step_breakdown.run(work, rounds=1, threads=1, say=lambda line: None)
     configurations = result["configurations"]
-    assert list(configurations) == ["eager", "torch.compile", "mosos compiled, keep-all"]
+    assert list(configurations) == ["eager", "eager, second copy", "torch.compile", "mosos compiled, keep-all"]
     eager = configurations["eager"]["kinds_ms"]
     for kind in ("convolution forward", "convolution backward", "batch norm", "pooling"):
         assert eager[kind] > 0, kind
@@ -75,7 +75,7 @@ def test_step_breakdown_sorts_each_configurations_kernel_time_by_kind():
     assert configurations["torch.compile"]["kinds_ms"]["compiled code"] > 0
     assert all(c["step_ms"] > 0 and c["ratio_to_eager"] > 0 for c in configurations.values())
     rows = step_breakdown.table(result)
-    assert rows[0] == "| per step | eager | torch.compile | mosos compiled, keep-all |"
+    assert rows[0] == "| per step | eager | eager, second copy | torch.compile | mosos compiled, keep-all |"
     assert len(rows) == 2 + 2 + len(step_breakdown.ROWS) + 2
 
 
