@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import tempfile
 from pathlib import Path
+from typing import Iterator
 
 from planner.errors import MososError
 
@@ -21,15 +25,71 @@ def writable_output(path: Path | None, option: str, suffixes: tuple[str, ...] | 
         raise MososError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
 
 
-def write_output(path: Path, content: str | bytes, option: str) -> None:
-    """Write a result; a failure (disk full, permissions) is a message that names the option, not a traceback."""
+def distinct_files(inputs: dict[str, Path | None], outputs: dict[str, Path | None]) -> None:
+    """Refuse, up front, an output that would overwrite one of the command's inputs or another of its outputs: the
+    command would read a file it then destroys, or write one result over another."""
+    seen: list[tuple[str, Path, Path]] = []
+    for option, path in [*inputs.items(), *outputs.items()]:
+        if path is not None:
+            seen.append((option, path, Path(os.path.realpath(path))))
+    for index, (option, path, real) in enumerate(seen):
+        if option not in outputs:
+            continue
+        for other_option, other_path, other_real in seen[:index]:
+            if real == other_real:
+                role = "the input" if other_option in inputs else "the output"
+                raise MososError(f"{option} {path} is {role} {other_option} ({other_path}): give another file name")
+
+
+def workload_file(spec: str | None) -> Path | None:
+    """The user's code file in a workload spec `path/to/file.py:build` (None for a module path or a network)."""
+    if spec is None or ":" not in spec:
+        return None
+    path = spec.rsplit(":", 1)[0]
+    return Path(path) if path.endswith(".py") else None
+
+
+@contextlib.contextmanager
+def replacing(path: Path, option: str) -> Iterator[Path]:
+    """A file to write in place of `path`, which replaces it only once written whole: a write that fails (a full
+    disk, no permission) leaves the old file as it was and no part of the new one, and says which file failed.
+    The name keeps `path`'s suffix, from which a plot takes its format."""
+    target = Path(os.path.realpath(path))
+    temporary: Path | None = None
     try:
-        if isinstance(content, bytes):
-            path.write_bytes(content)
-        else:
-            path.write_text(content)
+        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
+        os.close(handle)
+        temporary = Path(name)
+        yield temporary
+        _take_mode(temporary, target)
+        os.replace(temporary, target)
+        temporary = None
     except OSError as error:
         raise MososError(f"cannot write {option} {path}: {error.strerror or error}") from None
+    finally:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+
+
+def _take_mode(temporary: Path, target: Path) -> None:
+    """The replaced file's permissions, or a new file's (mkstemp makes it private to its owner)."""
+    if target.exists():
+        os.chmod(temporary, target.stat().st_mode & 0o7777)
+        return
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temporary, 0o666 & ~umask)
+
+
+def write_output(path: Path, content: str | bytes, option: str) -> None:
+    """Write a result; a failure (disk full, permissions) is a message that names the option, not a traceback,
+    and loses nothing (see `replacing`)."""
+    with replacing(path, option) as temporary:
+        if isinstance(content, bytes):
+            temporary.write_bytes(content)
+        else:
+            temporary.write_text(content)
 
 
 def positive_finite(value: float | None, option: str) -> None:

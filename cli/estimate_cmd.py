@@ -18,7 +18,7 @@ import typer
 from rich.table import Table
 
 from cli.app import app, console, friendly
-from cli.checks import whole_number_in, writable_output, write_output
+from cli.checks import distinct_files, whole_number_in, workload_file, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
 
@@ -112,6 +112,7 @@ def estimate_command(
             if value is not None:
                 raise MososError(f"{flag} is for reference networks; your build() sets its own inputs")
         writable_output(output, "-o")
+        distinct_files({"the workload's file": workload_file(spec)}, {"-o": output})
         memory_bytes = parse_bytes(memory) if memory else None
         if memory_bytes == 0:
             raise MososError("--memory must be more than 0 bytes")

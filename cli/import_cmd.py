@@ -8,7 +8,7 @@ import typer
 
 from cli.app import app, console, friendly
 from planner.errors import MososError
-from cli.checks import positive_finite, writable_output, write_output
+from cli.checks import distinct_files, positive_finite, writable_output, write_output
 from planner.importer import import_graph
 from planner.units import format_bytes, parse_bytes
 
@@ -26,6 +26,7 @@ def import_graph_command(
 ) -> None:
     """Turn a published training graph into a profile with one implementation per node."""
     writable_output(output, "-o")
+    distinct_files({"GRAPH": graph}, {"-o": output})
     positive_finite(time_unit_ms, "--time-unit-ms")
     positive_finite(d2h_gb_per_s, "--d2h-gb-per-s")
     positive_finite(h2d_gb_per_s, "--h2d-gb-per-s")

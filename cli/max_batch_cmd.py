@@ -20,7 +20,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
-from cli.checks import positive_finite, whole_number_in, writable_output, write_output
+from cli.checks import (distinct_files, positive_finite, replacing, whole_number_in, workload_file,
+                        writable_output, write_output)
 from planner.errors import MososError
 from planner.max_batch import DEFAULT_STRATEGIES, MAX_BATCH_LIMIT, MaxBatchResult, max_batch, parse_overhead
 from planner.planning import strategy_names
@@ -194,6 +195,7 @@ def max_batch_command(
     """The largest batch whose plan fits the budget, for each strategy, and the batch with the best throughput."""
     started = time.monotonic()
     writable_output(plot, "--plot", (".png", ".svg", ".pdf"))
+    distinct_files({"the workload's file": workload_file(model)}, {"--plot": plot})
     positive_finite(time_limit, "--time-limit")
     whole_number_in(workers, "--workers", 1, 1024)
     whole_number_in(seed, "--seed", 0, 2**31 - 1)
@@ -234,8 +236,9 @@ def max_batch_command(
     if plot:
         from planner.max_batch_plot import plot_max_batch
 
-        plot_max_batch(result, plot, title=f"{result.profile_name.replace('batch 1 ', '')}: "
-                       f"budget {format_bytes(result.budget_bytes)}, {result.overhead_description}")
+        with replacing(plot, "--plot") as temporary:
+            plot_max_batch(result, temporary, title=f"{result.profile_name.replace('batch 1 ', '')}: "
+                           f"budget {format_bytes(result.budget_bytes)}, {result.overhead_description}")
     found = any(answer.max_batch_size is not None for answer in result.strategies)
     if as_json:
         document = {**result.model_dump(mode="json"), "profiles": profiles_text,

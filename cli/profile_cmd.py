@@ -17,7 +17,8 @@ from pathlib import Path
 import typer
 
 from cli.app import app, console, error_console, friendly
-from cli.checks import positive_finite, whole_number_in, writable_output, write_output
+from cli.checks import (distinct_files, positive_finite, whole_number_in, workload_file, writable_output,
+                        write_output)
 from cli.time_limit import time_limited
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
@@ -64,6 +65,7 @@ def profile_command(
     """Profile one training step of your model (or a reference network), planning node by node, on this machine."""
     started = time.monotonic()  # --time-limit counts from here
     writable_output(output, "-o")
+    distinct_files({"the workload's file": workload_file(workload)}, {"-o": output})
     positive_finite(time_limit, "--time-limit")
     if batch is not None and batch < 1:
         raise MososError(f"--batch must be at least 1, got {batch}")

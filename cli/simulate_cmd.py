@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from cli.app import app, console, error_console, friendly
-from cli.checks import writable_output, write_output
+from cli.checks import distinct_files, replacing, writable_output, write_output
 from planner.errors import ScheduleRejected
 from planner.profile import load_profile
 from planner.schedule import load_schedule
@@ -34,6 +34,8 @@ def simulate_command(
     writable_output(trace, "--trace")
     writable_output(plot, "--plot", (".png", ".svg", ".pdf"))
     writable_output(html, "--html", (".html", ".htm"))
+    distinct_files({"PROFILE": profile_path, "SCHEDULE": schedule_path},
+                   {"--trace": trace, "--plot": plot, "--html": html})
     profile = load_profile(profile_path)
     schedule = load_schedule(schedule_path)
     try:
@@ -47,11 +49,13 @@ def simulate_command(
     if trace:
         from planner.trace import write_chrome_trace
 
-        write_chrome_trace(result, trace, title=f"{profile.name}")
+        with replacing(trace, "--trace") as temporary:
+            write_chrome_trace(result, temporary, title=f"{profile.name}")
     if plot:
         from planner.plot import plot_memory
 
-        plot_memory(result, plot, title=f"{profile.name}: device memory")
+        with replacing(plot, "--plot") as temporary:
+            plot_memory(result, temporary, title=f"{profile.name}: device memory")
     if html:
         from planner.viewer import plan_view_html
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
 
 import pytest
 from typer.testing import CliRunner
@@ -123,6 +126,79 @@ def test_output_mistakes_are_refused_before_any_work(tmp_path, offload_profile, 
     assert result.exit_code == 2 and "does not exist" in result.output
     result = invoke("import-graph", good, "-o", tmp_path / "nowhere" / "p.json")
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_an_output_over_an_input_or_another_output_is_refused_and_nothing_is_touched(tmp_path, offload_profile,
+                                                                                       monkeypatch):
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(offload_profile.to_json())
+    schedule = tmp_path / "s.json"
+    schedule.write_text(keep_all_schedule(offload_profile).to_json())
+    before = {path: path.read_bytes() for path in (profile_path, schedule)}
+    import cli.plan_cmd as plan_cmd
+
+    def must_not_plan(*args, **kwargs):
+        raise AssertionError("planned although an output would overwrite an input")
+
+    monkeypatch.setattr(plan_cmd, "plan", must_not_plan)
+    result = invoke("plan", profile_path, "--budget", "1GiB", "-o", profile_path)
+    assert result.exit_code == 2 and "-o" in result.output and "is the input PROFILE" in result.output
+    (tmp_path / "link.json").symlink_to(profile_path)  # the same file by another name
+    result = invoke("plan", tmp_path / "link.json", "--budget", "1GiB", "-o", profile_path)
+    assert result.exit_code == 2 and "is the input PROFILE" in result.output
+    result = invoke("plan", profile_path, "--budget", "1GiB", "-o", tmp_path / "same.html", "--html",
+                    tmp_path / "same.html")
+    assert result.exit_code == 2 and "is the output -o" in result.output
+    result = invoke("simulate", profile_path, schedule, "--trace", schedule)
+    assert result.exit_code == 2 and "--trace" in result.output and "is the input SCHEDULE" in result.output
+    result = invoke("import-graph", profile_path, "-o", profile_path)
+    assert result.exit_code == 2 and "is the input GRAPH" in result.output
+    workload = tmp_path / "mine.py"
+    workload.write_text("def build():\n    raise AssertionError('must not run')\n")
+    result = invoke("estimate", f"{workload}:build", "--gpu", "v100", "-o", workload)
+    assert result.exit_code == 2 and "is the input the workload's file" in result.output
+    assert {path: path.read_bytes() for path in (profile_path, schedule)} == before
+    assert "must not run" in workload.read_text()
+
+
+def _run_with_file_size_limit(limit_bytes: int, *args) -> subprocess.CompletedProcess:
+    """The CLI in a process whose writes stop at `limit_bytes` per file (EFBIG, as a full disk stops them)."""
+    import resource
+    import signal
+    import sys
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], capture_output=True, text=True,
+                          preexec_fn=limited, timeout=120)
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_leaves_no_part_of_the_new_one(tmp_path, offload_profile):
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(offload_profile.to_json())
+    schedule = tmp_path / "s.json"
+    invoke("plan", profile_path, "--strategy", "keep-all", "-o", schedule)
+    old_schedule = schedule.read_bytes()
+    viewer = tmp_path / "v.html"
+    viewer.write_text("an old viewer page")
+    os.chmod(viewer, 0o640)
+    # the new viewer page is far larger than 4 KiB: its write fails part way
+    completed = _run_with_file_size_limit(4096, "plan", profile_path, "--strategy", "keep-all", "-o", schedule,
+                                          "--html", viewer)
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    assert "cannot write --html" in completed.stderr and str(viewer) in completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert viewer.read_text() == "an old viewer page" and schedule.read_bytes() == old_schedule
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json", "s.json", "v.html"]  # no part left
+    trace = tmp_path / "t.json"
+    completed = _run_with_file_size_limit(512, "simulate", profile_path, schedule, "--trace", trace)
+    assert completed.returncode == 2 and "cannot write --trace" in completed.stderr, completed.stderr
+    assert not trace.exists()
+    # and a write that succeeds replaces the file, keeping its permissions
+    assert invoke("plan", profile_path, "--strategy", "keep-all", "--html", viewer).exit_code == 0
+    assert viewer.read_text().startswith("<!") and stat.S_IMODE(viewer.stat().st_mode) == 0o640
 
 
 @pytest.mark.parametrize(
