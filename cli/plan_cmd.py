@@ -62,12 +62,38 @@ class _Progress:
         self.live.update("  ".join(parts))
 
 
+def _title(profile_name: str, budget_bytes: int | None, memory_ratio: float | None) -> str:
+    budget_text = f"budget {format_bytes(budget_bytes)}" if budget_bytes is not None else "no budget"
+    if memory_ratio is not None:
+        budget_text += f" ({memory_ratio:g} of the keep-all peak)"
+    return f"{profile_name}: {budget_text}"
+
+
+def _report_infeasible(error: InfeasibleBudget, compared: list[dict], as_json: bool) -> None:
+    """The chosen strategy found no plan: say why (and, with --compare, how the others did), exit 3."""
+    if as_json:
+        document = {"feasible": False, "error": str(error), "minimum_budget_bytes": error.minimum_budget_bytes}
+        if compared:
+            document["strategies"] = compared
+        typer.echo(json.dumps(document, indent=2 if compared else None))
+    else:
+        error_console.print(f"[bold red]infeasible:[/] {error}", highlight=False)
+    raise typer.Exit(EXIT_INFEASIBLE)
+
+
 def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: float, budget: int | None) -> Table:
     table = Table(title=title)
     for header in ("strategy", "step time", "overhead", "peak memory", "fits", "offloaded", "recompute", "algos changed", "solver"):
         table.add_column(header, justify="left" if header in ("strategy", "solver") else "right")
     for row in rows:
         summary = row.schedule.summary if row.schedule is not None else None
+        if row.not_run:
+            table.add_row(row.strategy, "not run", "", "", "", "", "", "", "time limit spent")
+            continue
+        if row.out_of_time:  # no plan found in its share of the time, none proven impossible either
+            known = f"; {format_bytes(row.minimum_budget_bytes)} fits" if row.minimum_budget_bytes else ""
+            table.add_row(row.strategy, "none in time", "", "", f"unknown{known}", "", "", "", "time limit")
+            continue
         if summary is None and row.minimum_budget_bytes:
             table.add_row(row.strategy, "infeasible", "", "", f"no: needs {format_bytes(row.minimum_budget_bytes)}",
                           "", "", "", "")
@@ -143,21 +169,27 @@ def plan_command(
     limit = max(1e-3, time_limit - FINISH_S)
     with _Progress(enabled=not as_json and error_console.is_terminal) as progress:
         options = dict(workers=workers, seed=seed, progress=progress)
+        infeasible: InfeasibleBudget | None = None
         try:
             chosen = plan(
                 profile, budget_bytes, strategy=strategy, time_limit_s=time_share_s(order, 0, limit),
                 started_at=started, **options,
             )
+            rows = [ComparisonRow(strategy, chosen)]
         except InfeasibleBudget as error:
-            if as_json:
-                typer.echo(json.dumps({"feasible": False, "error": str(error), "minimum_budget_bytes": error.minimum_budget_bytes}))
-            else:
-                error_console.print(f"[bold red]infeasible:[/] {error}", highlight=False)
-            raise typer.Exit(EXIT_INFEASIBLE) from None
-        rows = [ComparisonRow(strategy, chosen)] + compare(
+            if not order[1:]:
+                _report_infeasible(error, [], as_json)
+            infeasible, chosen, rows = error, None, [ComparisonRow.failed(strategy, error)]
+        # the comparison asked for is made even when the chosen strategy finds no plan: it says which one does
+        rows += compare(
             profile, budget_bytes, order[1:], time_limit_s=limit, started_at=started, shared=True, **options
         )
     lower_bound_ms = simulate(profile, keep_all_schedule(profile), keep_timeline=False).step_time_ms
+    if infeasible is not None:
+        if not as_json:
+            console.print(_comparison_table(_title(profile.name, budget_bytes, memory_ratio), rows, lower_bound_ms,
+                                            budget_bytes))
+        _report_infeasible(infeasible, [row.as_dict(lower_bound_ms) for row in rows], as_json)
     if output:
         write_output(output, chosen.to_json(), "-o")
     if html:
@@ -179,10 +211,8 @@ def plan_command(
             )
         )
         return
-    budget_text = f"budget {format_bytes(budget_bytes)}" if budget_bytes is not None else "no budget"
-    if memory_ratio is not None:
-        budget_text += f" ({memory_ratio:g} of the keep-all peak)"
-    console.print(_comparison_table(f"{profile.name}: {budget_text}", rows, lower_bound_ms, budget_bytes))
+    console.print(_comparison_table(_title(profile.name, budget_bytes, memory_ratio), rows, lower_bound_ms,
+                                    budget_bytes))
     console.print(f"lower bound (keep-all, fastest algorithms, no budget): {lower_bound_ms:.2f} ms")
     for path in (output, html):
         if path:

@@ -17,6 +17,18 @@ class ComparisonRow:
     schedule: Schedule | None
     error: str | None = None
     minimum_budget_bytes: int | None = None
+    # a solver strategy with no plan: whether it proved that none fits (False: its time ran out first)
+    proven: bool | None = None
+    not_run: bool = False  # its turn came after the shared time limit
+
+    @classmethod
+    def failed(cls, strategy: str, error: BudgetError) -> "ComparisonRow":
+        return cls(strategy, None, str(error), error.minimum_budget_bytes, getattr(error, "proven", None))
+
+    @property
+    def out_of_time(self) -> bool:
+        """No plan, and no proof that none fits: the search ran out of time (a plan at this budget may exist)."""
+        return self.schedule is None and self.proven is False
 
     def as_dict(self, lower_bound_ms: float | None) -> dict:
         row: dict = {"strategy": self.strategy, "feasible": self.schedule is not None}
@@ -30,6 +42,8 @@ class ComparisonRow:
         else:
             row["error"] = self.error
             row["minimum_budget_bytes"] = self.minimum_budget_bytes
+            row["out_of_time"] = self.out_of_time
+            row["not_run"] = self.not_run
         return row
 
 
@@ -56,11 +70,16 @@ def compare(
     for index, name in enumerate(strategies):
         limit = time_limit_s
         if shared:
-            limit = max(1e-3, time_share_s(strategies, index, time_limit_s - (time.monotonic() - clock)))
+            remaining_s = time_limit_s - (time.monotonic() - clock)
+            if remaining_s <= 0:  # the limit bounds the whole comparison: what is left is not started
+                rows.append(ComparisonRow(name, None, f"not run: the {time_limit_s:g} s time limit was spent before "
+                                          "its turn", not_run=True))
+                continue
+            limit = max(1e-3, time_share_s(strategies, index, remaining_s))
         try:
             rows.append(ComparisonRow(name, plan(profile, budget_bytes, strategy=name, time_limit_s=limit, **options)))
         except BudgetError as error:
-            rows.append(ComparisonRow(name, None, str(error), error.minimum_budget_bytes))
+            rows.append(ComparisonRow.failed(name, error))
         except MososError as error:  # a strategy that cannot run on this profile (no bandwidth, ...): its row says why
             rows.append(ComparisonRow(name, None, str(error)))
     return rows

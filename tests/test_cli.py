@@ -257,3 +257,70 @@ def test_an_empty_budget_is_named_and_a_budget_past_the_device_is_noted(tmp_path
     capacity = offload_profile.hardware.memory_capacity_bytes
     result = invoke("plan", good, "--strategy", "keep-all", "--budget", str(capacity + 1))
     assert result.exit_code == 0 and "more than the device's memory" in result.output
+
+
+VGG19_P40 = "models/profiles/vgg19-b144-227-p40.json"
+VGG416 = "models/profiles/vgg416-b32-titanx.json"
+
+
+def test_a_chosen_strategy_without_a_plan_still_shows_the_comparison_asked_for(tmp_path):
+    """chen-sqrt needs 8.76 GiB where the budget is 7.84: the command fails (exit 3, nothing written), and the
+    table and the JSON still say that mosos plans within it."""
+    output = tmp_path / "s.json"
+    result = invoke("plan", VGG19_P40, "--memory-ratio", "0.6", "--strategy", "chen-sqrt", "--compare", "mosos",
+                    "--time-limit", "6", "--json", "-o", output)
+    assert result.exit_code == 3, result.output
+    document = json.loads(result.output)
+    assert document["feasible"] is False and "chen-sqrt" in document["error"]
+    rows = {row["strategy"]: row for row in document["strategies"]}
+    assert not rows["chen-sqrt"]["feasible"] and rows["mosos"]["feasible"]
+    assert not output.exists()
+    result = invoke("plan", VGG19_P40, "--memory-ratio", "0.6", "--strategy", "chen-sqrt", "--compare", "mosos",
+                    "--time-limit", "6")
+    assert result.exit_code == 3 and "infeasible:" in result.output
+    assert any(line.split("│")[1].strip() == "mosos" and "yes" in line for line in result.output.splitlines()
+               if line.count("│") > 2)
+
+
+def test_a_shared_time_limit_spent_leaves_the_other_strategies_not_run_and_says_so():
+    import time
+
+    from planner.comparison import compare
+    from planner.profile import load_profile
+
+    profile = load_profile(VGG19_P40)
+    rows = compare(profile, 8 << 30, ["chen-sqrt", "mosos"], time_limit_s=1.0, started_at=time.monotonic() - 2,
+                   shared=True)
+    assert [row.not_run for row in rows] == [True, True]
+    assert all(row.as_dict(None)["not_run"] and "time limit was spent" in row.error for row in rows)
+
+
+def test_a_solver_that_ran_out_of_time_is_not_reported_as_needing_more_memory():
+    from planner.comparison import compare
+    from planner.profile import load_profile
+
+    profile = load_profile(VGG416)
+    [row] = compare(profile, 36038036336, ["checkmate-auto"], time_limit_s=0.05)
+    assert row.schedule is None and row.out_of_time and row.as_dict(None)["out_of_time"]
+    from cli.plan_cmd import _comparison_table
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(_comparison_table("t", [row], 1.0, 36038036336))
+    text = console.export_text()
+    assert "none in time" in text and "needs" not in text
+
+
+def test_checkpoint_all_stops_its_search_for_the_smallest_budget_at_the_time_limit():
+    """On a 416-layer VGG at half its keep-all peak checkpoint-all fits nothing; its search for the budget it can
+    meet took 5.7 s whatever the limit before it kept the deadline."""
+    import time
+
+    from planner.planning import InfeasibleBudget, plan
+    from planner.profile import load_profile
+
+    profile = load_profile(VGG416)
+    started = time.monotonic()
+    with pytest.raises(InfeasibleBudget):
+        plan(profile, memory_ratio=0.5, strategy="checkpoint-all", time_limit_s=0.5)
+    assert time.monotonic() - started < 3.0

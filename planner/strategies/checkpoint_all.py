@@ -72,4 +72,4 @@ def plan_checkpoint_all(profile: GraphProfile, budget_bytes: int | None, options
         return auto if fitting(profile, auto, budget, NAME) else None
 
     # Nothing moves, so memory does not depend on timing: Auto fits wherever the smallest workspaces do.
-    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME))
+    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME), options.started())
