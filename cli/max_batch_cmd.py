@@ -22,6 +22,7 @@ from rich.table import Table
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
 from cli.checks import (distinct_files, positive_finite, replacing, whole_number_in, workload_file,
                         writable_output, write_output)
+from cli.time_limit import time_limited
 from planner.errors import MososError
 from planner.max_batch import DEFAULT_STRATEGIES, MAX_BATCH_LIMIT, MaxBatchResult, max_batch, parse_overhead
 from planner.planning import strategy_names
@@ -218,12 +219,19 @@ def max_batch_command(
         raise MososError("--memory must be more than 0 bytes")
     measures = _batches(measure_batches, "--measure-batches")
     with _Progress(not as_json and error_console.is_terminal, time_limit) as progress:
-        source = _profile_source(
-            model, gpu, image_size=image_size, tokens=tokens, small=small, math=math,
-            optimizer=optimizer or ("sgd" if ":" in model and gpu is None else "sgd-momentum"), memory=memory_bytes, device=device,
-            measure_batches=measures, validate_batch=validate_batch or None, repeats=repeats, threads=threads,
-            d2h=d2h_gb_per_s, h2d=h2d_gb_per_s, say=progress.say,
-        )
+        # making the profiles (torch, a capture, measuring) takes no deadline of its own: the alarm stops it
+        with time_limited(time_limit, started) as watch:
+            def say(message: str) -> None:
+                watch.note(message)
+                progress.say(message)
+
+            watch.note(f"making the profiles of {model}")
+            source = _profile_source(
+                model, gpu, image_size=image_size, tokens=tokens, small=small, math=math,
+                optimizer=optimizer or ("sgd" if ":" in model and gpu is None else "sgd-momentum"),
+                memory=memory_bytes, device=device, measure_batches=measures, validate_batch=validate_batch or None,
+                repeats=repeats, threads=threads, d2h=d2h_gb_per_s, h2d=h2d_gb_per_s, say=say,
+            )
         prepared_s = time.monotonic() - started
         search_s = time_limit - prepared_s - FINISH_S
         if search_s < MIN_SEARCH_S:

@@ -211,3 +211,15 @@ def test_the_cli_measures_a_workload(workload):
     report = json.loads(result.output)
     assert report["scaling"]["measured_batches"] == [4, 8] and report["scaling"]["validate_batch"] is None
     assert report["strategies"][0]["max_batch_size"] > 8
+
+
+def test_the_time_limit_stops_the_making_of_the_profiles_too(workload):
+    """Measuring a workload at its batches takes no deadline of its own: at the limit the command stops there (exit
+    4, saying what it was doing), where it once measured on and only then said that no time was left."""
+    import time
+
+    started = time.monotonic()
+    result = invoke("max-batch", "--model", f"{workload}:build", "--repeats", "1000", "--time-limit", "1.5")
+    assert result.exit_code == 4, result.output
+    assert "--time-limit 1.5 s ran out" in result.output and "stopped while" in result.output
+    assert time.monotonic() - started < 5
