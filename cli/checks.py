@@ -23,6 +23,14 @@ def writable_output(path: Path | None, option: str, suffixes: tuple[str, ...] | 
         raise MososError(f"{option} {path}: the folder {parent} does not exist")
     if suffixes is not None and path.suffix.lower() not in suffixes:
         raise MososError(f"{option} {path}: the file name must end in {' or '.join(suffixes)}")
+    if os.path.exists(path) and not os.path.isfile(path):
+        return  # a device or a pipe (/dev/null, /dev/stdout): written in place, as it is
+    try:  # a file can be made there (a read-only folder, /proc), as the write will need
+        handle, probe = tempfile.mkstemp(dir=os.path.realpath(parent), prefix=f".{path.name}.", suffix=".probe")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise MososError(f"{option} {path}: cannot write in the folder {parent}: {error.strerror or error}") from None
 
 
 def distinct_files(inputs: dict[str, Path | None], outputs: dict[str, Path | None]) -> None:
@@ -55,6 +63,12 @@ def replacing(path: Path, option: str) -> Iterator[Path]:
     disk, no permission) leaves the old file as it was and no part of the new one, and says which file failed.
     The name keeps `path`'s suffix, from which a plot takes its format."""
     target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_file():  # a device or a pipe: nothing to keep, and never to replace
+        try:
+            yield target
+        except OSError as error:
+            raise MososError(f"cannot write {option} {path}: {error.strerror or error}") from None
+        return
     temporary: Path | None = None
     try:
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)

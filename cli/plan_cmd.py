@@ -16,6 +16,7 @@ from cli.checks import distinct_files, positive_finite, whole_number_in, writabl
 from planner.comparison import ComparisonRow, compare, time_share_s
 from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
+from planner.strategies import load_all
 from planner.profile import load_profile
 from planner.strategies.keep_all import keep_all_schedule
 from planner.simulator import simulate
@@ -156,12 +157,17 @@ def plan_command(
             f"({format_bytes(capacity)}, {profile.hardware.name}); plans are checked against the budget only",
             highlight=False,
         )
-    if compare_with:
+    if strategy in names and budget_bytes is None and load_all()[strategy].uses_budget:
+        raise MososError(f"strategy {strategy!r} needs a budget: give --budget or --memory-ratio")
+    if compare_with is not None:
         listed = [s.strip() for s in compare_with.split(",") if s.strip()]
+        if not listed:
+            raise MososError(f"--compare takes 'all' or strategies separated by commas, not {compare_with!r}")
         wanted = [s for s in listed if s != "all"] + (names if "all" in listed else [])
         unknown = [s for s in wanted if s not in names]
         if unknown:
             raise MososError(f"unknown strategy {unknown[0]!r} in --compare; known: {', '.join(names)}")
+        wanted = list(dict.fromkeys(wanted))  # each once, in the order given
     else:
         wanted = []
     order = [strategy] + [s for s in wanted if s != strategy]

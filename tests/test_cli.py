@@ -126,6 +126,19 @@ def test_output_mistakes_are_refused_before_any_work(tmp_path, offload_profile, 
     assert result.exit_code == 2 and "does not exist" in result.output
     result = invoke("import-graph", good, "-o", tmp_path / "nowhere" / "p.json")
     assert result.exit_code == 2 and "does not exist" in result.output
+    if os.path.isdir("/proc/self"):  # a folder where no file can be made
+        result = invoke("plan", good, "--budget", "1GiB", "-o", "/proc/x.json")
+        assert result.exit_code == 2 and "cannot write in the folder /proc" in result.output
+
+
+def test_an_output_to_a_device_is_written_in_place_never_replaced(tmp_path, offload_profile):
+    """-o /dev/null: written into, as any program does; replacing it by a regular file (the way files are made
+    whole before they replace the old one) would break the system for every other program."""
+    profile_path = tmp_path / "profile.json"
+    profile_path.write_text(offload_profile.to_json())
+    result = invoke("plan", profile_path, "--strategy", "keep-all", "-o", os.devnull)
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
 
 
 def test_an_output_over_an_input_or_another_output_is_refused_and_nothing_is_touched(tmp_path, offload_profile,
