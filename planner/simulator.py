@@ -180,8 +180,17 @@ def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | No
         profile, budget, tensors={node_id: _TensorState() for node_id in profile.order}, keep_spans=keep_timeline
     )
     handlers = {Compute: _compute, Offload: _offload, Prefetch: _prefetch, Wait: _wait, Free: _free}
-    for stage, index, operation in schedule.operations():
-        handlers[type(operation)](replay, stage, index, operation)
+    try:
+        for stage, index, operation in schedule.operations():
+            handlers[type(operation)](replay, stage, index, operation)
+        _check_complete(profile, schedule, replay)
+    except ScheduleRejected as rejection:
+        # an earlier operation may already have passed the budget: that is the first violation
+        raise _over_budget_so_far(replay) or rejection from None
+    return _finish(replay, keep_timeline)
+
+
+def _check_complete(profile: GraphProfile, schedule: Schedule, replay: _Replay) -> None:
     never = [node_id for node_id in profile.order if not replay.tensors[node_id].computed]
     if never:
         raise ScheduleRejected(f"node {never[0]!r} is never computed ({len(never)} node(s) missing)")
@@ -202,7 +211,6 @@ def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | No
             f"{at(replay.computed_order)} there, compute_order lists {at(schedule.compute_order)} "
             f"({len(replay.computed_order)} computations against {len(schedule.compute_order)})"
         )
-    return _finish(replay, keep_timeline)
 
 
 def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> None:
@@ -334,15 +342,52 @@ def _free(replay: _Replay, stage: int, index: int, operation: Free) -> None:
     state.on_device = False
 
 
+def _fixed_over_budget(fixed: int, budget: int | None) -> ScheduleRejected | None:
+    if budget is None or fixed <= budget:
+        return None
+    return ScheduleRejected(
+        f"fixed memory alone ({fixed} bytes) is {fixed - budget} bytes over the budget ({budget} bytes)",
+        over_budget_bytes=fixed - budget,
+        time_ms=0.0,
+    )
+
+
+def _event_over_budget(event: _MemoryEvent, used: int, budget: int) -> ScheduleRejected:
+    return ScheduleRejected(
+        f"memory reaches {used} bytes at {event.time_ms:.6g} ms, {used - budget} bytes over the budget "
+        f"of {budget} bytes",
+        stage=event.stage,
+        operation_index=event.operation_index,
+        operation=event.operation,
+        tensor=event.tensor,
+        over_budget_bytes=used - budget,
+        time_ms=event.time_ms,
+    )
+
+
+def _over_budget_so_far(replay: _Replay) -> ScheduleRejected | None:
+    """The budget passed by the operations replayed so far. Final: whatever comes later in the schedule releases
+    memory no earlier than the compute stream's time when it is issued, so it can undo no moment already passed."""
+    budget = replay.budget_bytes
+    if budget is None:
+        return None
+    used = replay.profile.fixed_bytes
+    if (fixed := _fixed_over_budget(used, budget)) is not None:
+        return fixed
+    for event in sorted(replay.events, key=lambda e: (e.time_ms, e.sequence)):
+        if event.time_ms > replay.compute_ms:
+            break  # a workspace's release at the end of the computation that was running
+        used += event.delta_bytes
+        if event.delta_bytes > 0 and used > budget:
+            return _event_over_budget(event, used, budget)
+    return None
+
+
 def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
     fixed = replay.profile.fixed_bytes
     budget = replay.budget_bytes
-    if budget is not None and fixed > budget:
-        raise ScheduleRejected(
-            f"fixed memory alone ({fixed} bytes) is {fixed - budget} bytes over the budget ({budget} bytes)",
-            over_budget_bytes=fixed - budget,
-            time_ms=0.0,
-        )
+    if (rejection := _fixed_over_budget(fixed, budget)) is not None:
+        raise rejection
     replay.events.sort(key=lambda e: (e.time_ms, e.sequence))
     used = fixed
     peak, peak_time = fixed, 0.0
@@ -350,16 +395,7 @@ def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
     for event in replay.events:
         used += event.delta_bytes
         if event.delta_bytes > 0 and budget is not None and used > budget:
-            raise ScheduleRejected(
-                f"memory reaches {used} bytes at {event.time_ms:.6g} ms, {used - budget} bytes over the budget "
-                f"of {budget} bytes",
-                stage=event.stage,
-                operation_index=event.operation_index,
-                operation=event.operation,
-                tensor=event.tensor,
-                over_budget_bytes=used - budget,
-                time_ms=event.time_ms,
-            )
+            raise _event_over_budget(event, used, budget)
         if used > peak:
             peak, peak_time = used, event.time_ms
         if keep_timeline:

@@ -106,6 +106,26 @@ def test_recomputation_is_counted(offload_profile):
     assert result.step_time_ms == 9.0 and result.stall_time_ms == 0.0
 
 
+def test_the_first_violation_is_reported_even_when_a_later_operation_is_malformed(offload_profile):
+    """Over the budget at stage 1, a free of a tensor the profile does not have at the last stage: the budget is
+    the first violation (before, the malformed free hid it)."""
+    from planner.schedule import Schedule
+
+    schedule = offload_schedule(offload_profile)
+    document = schedule.model_dump(mode="json")
+    document["stages"][-1]["operations"].append({"op": "free", "tensor": "ghost"})
+    malformed = Schedule.model_validate(document)
+    with pytest.raises(ScheduleRejected) as caught:
+        simulate(offload_profile, malformed, budget_bytes=3_500_099)
+    assert caught.value.over_budget_bytes == 1 and caught.value.stage == 1
+    with pytest.raises(ScheduleRejected, match="'ghost' is not a node"):  # within the budget: the malformed free
+        simulate(offload_profile, malformed, budget_bytes=3_500_100)
+    truncated = schedule.model_copy(update={"stages": schedule.stages[:-1], "compute_order": schedule.compute_order[:-1]})
+    with pytest.raises(ScheduleRejected) as caught:
+        simulate(offload_profile, truncated, budget_bytes=3_500_099)
+    assert caught.value.over_budget_bytes == 1
+
+
 def test_missing_node_and_order_mismatch(offload_profile):
     schedule = keep_all_schedule(offload_profile)
     truncated = schedule.model_copy(update={"stages": schedule.stages[:-1], "compute_order": schedule.compute_order[:-1]})
