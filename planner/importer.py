@@ -8,6 +8,8 @@ milliseconds through `time_unit_ms`; a graph whose costs would exceed the
 profile's bound on one operation (FLOP counts, say) is refused with one issue
 that names a unit that fits. Backward nodes stay as published (one per layer,
 one cost): a convolution's filter/data split would have to invent their shares.
+
+The graph is checked in its own terms first (`planner.graph_checks`).
 """
 
 from __future__ import annotations
@@ -16,51 +18,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-from planner.errors import Issue, ProfileError
-from planner.profile import MAX_TIME_MS, PROFILE_SCHEMA_VERSION, GraphProfile, parse_profile, read_json
-
-
-class GraphImportError(ProfileError):
-    document = "graph to import"
-
-
-def _dialect(data: dict, source: str | None) -> str:
-    nodes = data.get("nodes") or []
-    strays = [Issue(f"nodes[{i}]", f"a node is a JSON object, not {type(node).__name__}")
-              for i, node in enumerate(nodes) if not isinstance(node, dict)]
-    if strays:
-        raise GraphImportError(strays, source)
-    if nodes and all("cost_ram" in node for node in nodes):
-        return "checkmate"
-    if nodes and all("out_cost" in node for node in nodes):
-        return "random-layered"
-    raise GraphImportError(
-        [Issue("nodes", "not a known graph dialect: expected every node to have 'cost_ram' (Checkmate) "
-                        "or 'out_cost' (random layered)")],
-        source,
-    )
-
-
-def _node_key(node: dict, index: int, issues: list[Issue]) -> str | None:
-    key = node.get("id", node.get("name"))
-    if key is None:
-        issues.append(Issue(f"nodes[{index}]", "node has neither 'id' nor 'name'"))
-        return None
-    return str(key)
-
-
-def _number(node: dict, field: str, index: int, issues: list[Issue], default=None):
-    value = node.get(field, default)
-    if value is None:
-        issues.append(Issue(f"nodes[{index}].{field}", "required field is missing"))
-        return 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        issues.append(Issue(f"nodes[{index}].{field}", f"must be a finite number, got {value!r}"))
-        return 0
-    if value < 0:
-        issues.append(Issue(f"nodes[{index}].{field}", f"must not be negative, got {value!r}"))
-        return 0
-    return value
+from planner.errors import Issue
+from planner.graph_checks import (  # noqa: F401 - GraphImportError and ImportOptionError: the importer's errors
+    DIALECTS,
+    OPTIONS,
+    GraphImportError,
+    ImportOptionError,
+    check_options,
+    validate_graph,
+)
+from planner.profile import MAX_BYTES, MAX_TIME_MS, PROFILE_SCHEMA_VERSION, GraphProfile, parse_profile, read_json
+from planner.units import format_bytes
 
 
 def graph_to_profile_data(
@@ -73,66 +41,52 @@ def graph_to_profile_data(
     h2d_bandwidth_gb_per_s: float | None = None,
     source: str | None = None,
 ) -> dict:
-    """Translate a node-link document into a profile document (not yet validated)."""
-    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list) or not isinstance(data.get("links"), list):
-        raise GraphImportError([Issue("", "expected a networkx node-link object with 'nodes' and 'links' lists")], source)
-    if data.get("graph") is not None and not isinstance(data["graph"], dict):
-        raise GraphImportError([Issue("graph", f"'graph' is a JSON object, not {type(data['graph']).__name__}")], source)
-    dialect = _dialect(data, source)
-    issues: list[Issue] = []
-    size_field, time_field = ("cost_ram", "cost_cpu") if dialect == "checkmate" else ("out_cost", "duration")
-    keys: list[str | None] = [_node_key(node, i, issues) for i, node in enumerate(data["nodes"])]
-    first_index: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        if key is not None and key in first_index:
-            issues.append(Issue(f"nodes[{i}]", f"duplicate node id {key!r} (also nodes[{first_index[key]}])"))
-        elif key is not None:
-            first_index[key] = i
-    inputs: dict[str, list[str]] = {key: [] for key in keys if key is not None}
-    source_key, target_key = ("source", "target") if dialect == "checkmate" else ("0", "1")
-    for i, link in enumerate(data["links"]):
-        if not isinstance(link, dict) or source_key not in link or target_key not in link:
-            issues.append(Issue(f"links[{i}]", f"a link needs {source_key!r} and {target_key!r}"))
-            continue
-        src, dst = str(link[source_key]), str(link[target_key])
-        if dst not in inputs:
-            issues.append(Issue(f"links[{i}].{target_key}", f"link to {dst!r}, which is not a node"))
-            continue
-        inputs[dst].append(src)
-    if issues:
-        raise GraphImportError(issues, source)
-    backward = {key: bool(node.get("backward", False)) for key, node in zip(keys, data["nodes"])}
+    """Translate a node-link document into a profile document (validated as a graph; `parse_profile` checks the
+    result). Raises ImportOptionError for an option out of range, GraphImportError for a bad graph."""
+    check_options(name, time_unit_ms, memory_capacity_bytes, d2h_bandwidth_gb_per_s, h2d_bandwidth_gb_per_s)
+    dialect, graph = validate_graph(data, source)
+    _, size_field, time_field, _, _ = DIALECTS[dialect]
+    keys = [str(node.key) for node in graph.nodes]
+    inputs: dict[str, list[str]] = {key: [] for key in keys}
+    index_of = {node.key: i for i, node in enumerate(graph.nodes)}
+    for link in graph.links:
+        inputs[keys[index_of[link.target]]].append(keys[index_of[link.source]])
+    backward = {key: node.backward for key, node in zip(keys, graph.nodes)}
     nodes, costs = [], []
-    for i, (key, node) in enumerate(zip(keys, data["nodes"])):
+    for key, node in zip(keys, graph.nodes):
         kind = "forward"
-        if backward[key]:
-            reads_backward = any(backward.get(src, False) for src in inputs[key])
-            kind = "backward" if reads_backward else "loss"
-        time = _number(node, time_field, i, issues)
+        if node.backward:
+            kind = "backward" if any(backward[src] for src in inputs[key]) else "loss"
+        time = getattr(node, time_field)
         costs.append(time)
         nodes.append(
             {
                 "id": key,
-                "name": str(node.get("name", key)),
+                "name": str(node.name if node.name is not None else key),
                 "kind": kind,
-                "op_type": str(node.get("op_type", "imported")),
-                "output_bytes": _number(node, size_field, i, issues),
+                "op_type": node.op_type or "imported",
+                "output_bytes": getattr(node, size_field),
                 "inputs": inputs[key],
                 "implementations": [{"name": "default", "time_ms": time * time_unit_ms, "workspace_bytes": 0}],
             }
         )
-    if issues:
-        raise GraphImportError(issues, source)
     _check_time_unit(nodes, costs, time_field, time_unit_ms, source)
-    order = (data.get("graph") or {}).get("order")
-    if isinstance(order, list) and sorted(map(str, order)) == sorted(inputs):
-        rank = {str(key): i for i, key in enumerate(order)}
-        nodes.sort(key=lambda node: rank[node["id"]])
-    graph_name = (data.get("graph") or {}).get("name")
     total_bytes = sum(node["output_bytes"] for node in nodes)
+    if memory_capacity_bytes is None and total_bytes > MAX_BYTES:
+        raise GraphImportError(
+            [Issue("nodes", f"the nodes' {size_field} add up to {total_bytes} bytes ({format_bytes(total_bytes)}), "
+                            f"more than the {format_bytes(MAX_BYTES)} a profile's device memory may be, which is what "
+                            "the memory capacity is by default (every tensor at once): give the device's memory "
+                            f"with {OPTIONS['memory_capacity_bytes']} (memory_capacity_bytes in Python)")],
+            source,
+        )
+    if graph.graph.order is not None:
+        rank = {str(key): i for i, key in enumerate(graph.graph.order)}
+        nodes.sort(key=lambda node: rank[node["id"]])
+    graph_name = graph.graph.name
     return {
         "schema_version": PROFILE_SCHEMA_VERSION,
-        "name": name or str(graph_name or (Path(source).stem if source else "imported graph")),
+        "name": name or (graph_name or (Path(source).stem if source else "imported graph")),
         "hardware": {
             "name": "unspecified (imported graph)",
             "memory_capacity_bytes": memory_capacity_bytes or max(1, total_bytes),
@@ -155,7 +109,9 @@ def suggested_time_unit_ms(largest_cost: float) -> tuple[float, float]:
     return 10.0 ** math.floor(math.log10(fits)), fits
 
 
-def _check_time_unit(nodes: list[dict], costs: list[float], time_field: str, time_unit_ms: float, source: str | None) -> None:
+def _check_time_unit(
+    nodes: list[dict], costs: list[float], time_field: str, time_unit_ms: float, source: str | None
+) -> None:
     """Costs that are no milliseconds (FLOP counts, say) overflow the bound on one operation: say which unit fits.
 
     Without this, every node past the bound would be reported on its own, none of them saying what to change.

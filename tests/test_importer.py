@@ -58,11 +58,12 @@ def test_bad_graphs_are_explained():
     ("document", "path", "fragment"),
     [
         ({"nodes": [1, 2], "links": []}, "nodes[0]", "a node is a JSON object, not int"),
-        ({"graph": [1], "nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": 1}], "links": []}, "graph", "not list"),
+        ({"graph": [1], "nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": 1}], "links": []}, "graph", "not a list"),
         ({"nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": 1}, {"id": 0, "cost_ram": 1, "cost_cpu": 1}], "links": []},
          "nodes[1]", "duplicate node id '0' (also nodes[0])"),
         ({"nodes": [{"id": 0, "cost_ram": 1, "cost_cpu": -2}], "links": []}, "nodes[0].cost_cpu", "must not be negative"),
-        ({"nodes": [{"id": 0, "cost_ram": float("nan"), "cost_cpu": 1}], "links": []}, "nodes[0].cost_ram", "finite"),
+        ({"nodes": [{"id": 0, "cost_ram": float("nan"), "cost_cpu": 1}], "links": []}, "nodes[0].cost_ram",
+         "integer, not NaN"),
     ],
 )
 def test_odd_graph_shapes_are_explained_at_their_place_in_the_graph(document, path, fragment):
