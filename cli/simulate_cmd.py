@@ -44,7 +44,7 @@ def simulate_command(
         if as_json:
             typer.echo(json.dumps({"valid": False, "violation": rejection.as_dict()}, indent=2))
         else:
-            error_console.print(f"[bold red]rejected:[/] {rejection}", highlight=False)
+            error_console.print(f"[bold red]error:[/] {rejection}", highlight=False)
         raise typer.Exit(EXIT_REJECTED) from None
     if trace:
         from planner.trace import write_chrome_trace

@@ -85,9 +85,9 @@ class ScheduleRejected(MososError):
         self.over_budget_bytes = over_budget_bytes
         self.time_ms = time_ms
         where = [path] if path else []
-        if stage is not None:
+        if stage is not None and not path:  # the path says where already, in the document's own numbering
             where.append(f"stage {stage}")
-        if operation_index is not None:
+        if operation_index is not None and not path:
             where.append(f"operation {operation_index}")
         if operation:
             where.append(f"({operation})")
