@@ -51,7 +51,7 @@ def list_plans(directory: Path | None = DIRECTORY) -> None:
         summary = entry.summary
         table.add_row(
             entry.digest[:12], summary.get("model", "?"), summary.get("inputs", ""), summary.get("device", ""),
-            _budget(summary.get("budget") or {}), summary.get("strategy", ""),
+            _budget(summary["budget"]) if "budget" in summary else "", summary.get("strategy", ""),
             f"{entry.predicted_step_time_ms:.2f}" if entry.predicted_step_time_ms is not None else "",
             format_bytes(entry.peak_memory_bytes) if entry.peak_memory_bytes is not None else "",
             format_bytes(entry.size_bytes),
@@ -63,7 +63,7 @@ def list_plans(directory: Path | None = DIRECTORY) -> None:
 @cache_app.command("clear")
 @friendly
 def clear_plans(directory: Path | None = DIRECTORY) -> None:
-    """Remove every kept plan (the next optimize() captures, profiles and solves again)."""
+    """Remove every kept plan, damaged ones too (the next optimize() captures, profiles and solves again)."""
     cache = _cache(directory)
     removed = cache.clear()
     console.print(f"removed {removed} kept plan{'s' if removed != 1 else ''} from {cache.plans}")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -35,17 +36,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor.capture.capture import tensor_signature
 from executor.capture.capture_store import StoreError, changed_files, dump_step, load_step
 from planner import __version__ as MOSOS_VERSION
+from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 
 ENTRY_VERSION = 1
 _PLANS = f"plans-v{ENTRY_VERSION}"
+_STAGING = re.compile(r"\.[0-9a-f]{12}-.*")  # PlanCache.store's folder until it is whole: the cache's own too
+_LATEST_TIMESTAMP_S = 32503680000.0  # year 3000: a later "created" is a corrupt number, and time.localtime refuses
 
 
 def cache_directory(cache: str | os.PathLike | None = None) -> Path:
@@ -234,6 +239,59 @@ class EntryInfo:
     peak_memory_bytes: int | None
 
 
+class _Checked(BaseModel):
+    """entry.json as far as it is read: the types it must have, no quoted, boolean or NaN numbers; the fields
+    nothing reads are ignored (they are the rest of the key, which is compared whole through its digest)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class _Budget(_Checked):
+    memory_ratio: float | None = Field(default=None, gt=0)
+    bytes: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_one(cls, value: Any) -> Any:
+        """plan_key writes one of the two, so an empty budget is a damaged one, not "no limit"."""
+        if isinstance(value, dict) and not {"memory_ratio", "bytes"} & value.keys():
+            raise ValueError("a budget names memory_ratio or bytes")
+        return value
+
+
+class _KeySummary(_Checked):
+    model: str
+    inputs: str
+    device: str
+    budget: _Budget
+    strategy: str
+
+
+class _Key(_Checked):
+    summary: _KeySummary
+
+
+class _EntryMeta(_Checked):
+    key: _Key
+    created: float = Field(ge=0, le=_LATEST_TIMESTAMP_S)
+    last_used: float | None = Field(default=None, ge=0, le=_LATEST_TIMESTAMP_S)
+
+
+def _read_meta(entry: Path) -> tuple[dict, _EntryMeta]:
+    """entry.json as written (to write back) and as checked (to read): the one place its contents are checked.
+    Raises OSError or ValueError (pydantic's ValidationError is one) when it is missing or malformed."""
+    raw = json.loads((entry / "entry.json").read_bytes())
+    return raw, _EntryMeta.model_validate(raw)
+
+
+def _size_bytes(entry: Path) -> int:
+    """What an entry takes on disk; 0 when its folder cannot be read (it is still listed, and still cleared)."""
+    try:
+        return sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+    except OSError:
+        return 0
+
+
 class PlanCache:
     """The plans under one directory. Every method that reads says what went wrong through `say` and carries on."""
 
@@ -250,7 +308,7 @@ class PlanCache:
         if not entry.is_dir():
             return None
         try:
-            meta = json.loads((entry / "entry.json").read_text())
+            meta, checked = _read_meta(entry)
             capture = json.loads((entry / "capture.json").read_text())
             stale = changed_files(capture)
             if stale:
@@ -272,8 +330,11 @@ class PlanCache:
             shutil.rmtree(entry, ignore_errors=True)
             return None
         meta["last_used"] = time.time()
-        _write_text(entry / "entry.json", json.dumps(meta, indent=1))
-        return CachedPlan(step, profile, schedule, meta.get("created", 0.0))
+        try:
+            _write_text(entry / "entry.json", json.dumps(meta, indent=1))
+        except OSError:  # a cache this process may read but not write (shared, read-only): the plan is as good
+            pass
+        return CachedPlan(step, profile, schedule, checked.created)
 
     def store(self, key: PlanKey, step, profile: GraphProfile, schedule: Schedule,
               say: Callable[[str], None]) -> Path | None:
@@ -318,31 +379,59 @@ class PlanCache:
         except OSError as error:
             say(f"the re-plan is not kept across runs: {error}")
 
-    def entries(self) -> list[EntryInfo]:
-        found = []
+    def _kept(self) -> list[Path]:
+        """The entries: the folders in plans-v1, read or not. Links and files there are not the cache's own."""
+        if not self.plans.exists() and not self.plans.is_symlink():
+            return []
         if not self.plans.is_dir():
-            return found
-        for entry in sorted(self.plans.iterdir()):
-            if entry.name.startswith(".") or not entry.is_dir():
-                continue
-            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+            raise MososError(f"{self.plans} is not a folder: the plan cache keeps its plans in a folder of that name, "
+                             "so move this away (mosos removes only what it wrote)")
+        return sorted(entry for entry in self.plans.iterdir()
+                      if not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink())
+
+    def entries(self) -> list[EntryInfo]:
+        """Every entry, the ones that cannot be read or are malformed in any way as "(unreadable entry)"."""
+        found = []
+        for entry in self._kept():
+            size = _size_bytes(entry)
             try:
-                meta = json.loads((entry / "entry.json").read_text())
-                schedule = json.loads((entry / "schedule.json").read_text())
-                summary = schedule.get("summary") or {}
-                found.append(EntryInfo(entry.name, entry, meta["key"]["summary"], meta["created"],
-                                       meta.get("last_used", meta["created"]), size,
-                                       summary.get("predicted_step_time_ms"), summary.get("peak_memory_bytes")))
-            except (OSError, ValueError, KeyError, TypeError):
+                _, meta = _read_meta(entry)
+                schedule = Schedule.model_validate_json((entry / "schedule.json").read_bytes())
+            except (OSError, ValueError):
                 found.append(EntryInfo(entry.name, entry, {"model": "(unreadable entry)"}, 0.0, 0.0, size, None, None))
+                continue
+            summary = schedule.summary
+            found.append(EntryInfo(entry.name, entry, meta.key.summary.model_dump(), meta.created,
+                                   meta.last_used if meta.last_used is not None else meta.created, size,
+                                   summary.predicted_step_time_ms if summary else None,
+                                   summary.peak_memory_bytes if summary else None))
         return found
 
     def clear(self) -> int:
-        """Remove every kept plan; the number removed."""
-        count = len(self.entries())
-        if self.plans.exists():
-            shutil.rmtree(self.plans, ignore_errors=True)
-        return count
+        """Remove every kept plan, without reading any (a damaged one goes as surely as a whole one), and the
+        staging folders of stores cut short; anything else there is left. The number of plans removed."""
+        kept = self._kept()
+        if not self.plans.is_dir():
+            return 0
+        staging = [entry for entry in self.plans.iterdir()
+                   if _STAGING.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()]
+        failed = []
+        for entry in kept + staging:
+            try:
+                shutil.rmtree(entry)
+            except OSError as error:
+                if entry.exists():
+                    failed.append(f"{entry} ({error.strerror or error})")
+        if failed:
+            removed = len(kept) - sum(1 for entry in kept if entry.exists())
+            raise MososError(f"removed {removed} kept plans from {self.plans}, but could not remove {len(failed)}: "
+                             + ", ".join(failed))
+        if self.plans.is_dir() and not self.plans.is_symlink():
+            try:
+                self.plans.rmdir()  # only when nothing else is left in it
+            except OSError:
+                pass
+        return len(kept)
 
 
 def _write_text(path: Path, text: str) -> None:
