@@ -42,6 +42,23 @@ def _batches(text: str, option: str) -> tuple[int, ...]:
     return values
 
 
+def _check_math_and_optimizer(*, estimated: bool, math: str, optimizer: str | None) -> None:
+    """Before the profiles are made (seconds of work): the names the estimator or the measuring pass takes."""
+    if math not in ("fp32", "tf32"):
+        raise MososError(f"--math must be fp32 or tf32 (tensors are float32), not {math!r}")
+    if optimizer is None:
+        return
+    if estimated:
+        from models.estimator import OPTIMIZER_STATE_BUFFERS
+
+        if optimizer not in OPTIMIZER_STATE_BUFFERS:
+            raise MososError(f"unknown --optimizer {optimizer!r} for estimates; use {', '.join(OPTIMIZER_STATE_BUFFERS)}")
+    elif importlib.util.find_spec("torch") is not None:  # without torch, making the profiles says what to install
+        from executor.measure.profiler import optimizer_state_bytes
+
+        optimizer_state_bytes(optimizer, 0)  # the measuring pass's own check
+
+
 def _strategies(given: list[str] | None) -> list[str]:
     if not given:
         return list(DEFAULT_STRATEGIES)
@@ -218,6 +235,7 @@ def max_batch_command(
     if memory_bytes == 0:
         raise MososError("--memory must be more than 0 bytes")
     measures = _batches(measure_batches, "--measure-batches")
+    _check_math_and_optimizer(estimated=gpu is not None, math=math, optimizer=optimizer)
     with _Progress(not as_json and error_console.is_terminal, time_limit) as progress:
         # making the profiles (torch, a capture, measuring) takes no deadline of its own: the alarm stops it
         with time_limited(time_limit, started) as watch:

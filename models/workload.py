@@ -57,6 +57,11 @@ class Workload:
         return self.loss_fn(output, self.targets) if self.targets is not None else self.loss_fn(output)
 
 
+
+def _a(noun: str) -> str:
+    """'an int', 'a list': the article a type's name takes."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
 def split_spec(spec: str) -> tuple[str, str]:
     """'a/b.py:build' -> ('a/b.py', 'build'); 'pkg.mod:build' -> ('pkg.mod', 'build')."""
     target, sep, function = spec.rpartition(":")
@@ -147,7 +152,7 @@ def load_workload(spec: str, batch_size: int | None = None) -> Workload:
             + (f" (it defines: {', '.join(defined[:12])})" if defined else "")
         )
     if not callable(function):
-        raise WorkloadError(f"{spec!r}: {function_name!r} in {target} is a {type(function).__name__}, not a function")
+        raise WorkloadError(f"{spec!r}: {function_name!r} in {target} is {_a(type(function).__name__)}, not a function")
     if batch_size is not None and batch_size < 1:
         raise WorkloadError(f"batch size must be at least 1, not {batch_size}")
     if batch_size is not None and not _accepts_batch_size(function):
@@ -186,11 +191,11 @@ def as_workload(result: Any, spec: str, batch_size: int | None = None) -> Worklo
         workload = Workload(model=model, inputs=inputs, loss_fn=loss_fn, targets=targets, name=spec)
     else:
         raise WorkloadError(
-            f"{where} a {type(result).__name__}; return a dict with model, inputs, targets and loss_fn "
+            f"{where} {_a(type(result).__name__)}; return a dict with model, inputs, targets and loss_fn "
             "(or the tuple (model, inputs, targets, loss_fn))"
         )
     if not isinstance(workload.model, nn.Module):
-        raise WorkloadError(f"{where} a model that is a {type(workload.model).__name__}, not a torch.nn.Module")
+        raise WorkloadError(f"{where} a model that is {_a(type(workload.model).__name__)}, not a torch.nn.Module")
     if not callable(workload.loss_fn):
         raise WorkloadError(f"{where} a loss that is not callable ({type(workload.loss_fn).__name__})")
     inputs = workload.inputs
