@@ -69,6 +69,8 @@ def replacing(path: Path, option: str) -> Iterator[Path]:
         except OSError as error:
             raise MososError(f"cannot write {option} {path}: {error.strerror or error}") from None
         return
+    if target.exists() and not os.access(target, os.W_OK):  # a file made read-only is not replaced behind its back
+        raise MososError(f"cannot write {option} {path}: Permission denied")
     temporary: Path | None = None
     try:
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
