@@ -16,6 +16,8 @@ def writable_output(path: Path | None, option: str, suffixes: tuple[str, ...] | 
     """Refuse, up front, an output path that cannot be written: a folder, a missing folder, a wrong suffix."""
     if path is None:
         return
+    if str(path) == "-":  # read by many tools as standard output; here it would be a file named "-"
+        raise MososError(f"{option} -: give a file name (the results are printed; write them to a file with {option})")
     if path.is_dir():
         raise MososError(f"{option} {path} is a directory; give a file name")
     parent = path.parent if str(path.parent) else Path(".")

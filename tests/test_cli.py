@@ -126,6 +126,8 @@ def test_output_mistakes_are_refused_before_any_work(tmp_path, offload_profile, 
     assert result.exit_code == 2 and "does not exist" in result.output
     result = invoke("import-graph", good, "-o", tmp_path / "nowhere" / "p.json")
     assert result.exit_code == 2 and "does not exist" in result.output
+    result = invoke("plan", good, "--budget", "1GiB", "-o", "-")
+    assert result.exit_code == 2 and "-o -: give a file name" in result.output and not os.path.exists("-")
     if os.path.isdir("/proc/self"):  # a folder where no file can be made
         result = invoke("plan", good, "--budget", "1GiB", "-o", "/proc/x.json")
         assert result.exit_code == 2 and "cannot write in the folder /proc" in result.output
