@@ -65,16 +65,14 @@ def replacing(path: Path, option: str) -> Iterator[Path]:
     disk, no permission) leaves the old file as it was and no part of the new one, and says which file failed.
     The name keeps `path`'s suffix, from which a plot takes its format."""
     target = Path(os.path.realpath(path))
-    if target.exists() and not target.is_file():  # a device or a pipe: nothing to keep, and never to replace
-        try:
-            yield target
-        except OSError as error:
-            raise MososError(f"cannot write {option} {path}: {error.strerror or error}") from None
-        return
-    if target.exists() and not os.access(target, os.W_OK):  # a file made read-only is not replaced behind its back
-        raise MososError(f"cannot write {option} {path}: Permission denied")
+    in_place = target.exists() and not target.is_file()  # a device or a pipe: nothing to keep, never to replace
+    if target.exists() and not in_place and not os.access(target, os.W_OK):
+        raise MososError(f"cannot write {option} {path}: Permission denied")  # made read-only: not replaced
     temporary: Path | None = None
     try:
+        if in_place:
+            yield target
+            return
         handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=target.suffix)
         os.close(handle)
         temporary = Path(name)

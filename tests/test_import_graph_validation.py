@@ -52,24 +52,25 @@ def mutated(base, change) -> dict:
     return document
 
 
+def _parent(document: dict, path: tuple):
+    """The object holding `path`'s last key."""
+    for part in path[:-1]:
+        document = document[part]
+    return document
+
+
 def setter(*path_and_value):
     *path, value = path_and_value
 
     def change(document):
-        target = document
-        for part in path[:-1]:
-            target = target[part]
-        target[path[-1]] = value
+        _parent(document, path)[path[-1]] = value
 
     return change
 
 
 def deleter(*path):
     def change(document):
-        target = document
-        for part in path[:-1]:
-            target = target[part]
-        del target[path[-1]]
+        del _parent(document, path)[path[-1]]
 
     return change
 
