@@ -35,6 +35,8 @@ optimizer's state (SGD with momentum by default: one buffer per parameter).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,24 @@ ALIAS_BACKWARD = {"view", "cat"}  # backward hands on (slices of) the incoming g
 
 class EstimateError(MososError):
     """Bad arguments to the estimator."""
+
+
+@contextmanager
+def _within_bounds(profile_name: str, where: str = "") -> Iterator[None]:
+    """Name the profile and the node whose estimate leaves the profile's bounds (a batch beyond any device)."""
+    try:
+        yield
+    except ValidationError as error:
+        issues = issues_from_validation_error(error)
+        raise EstimateError(
+            f"the estimated profile of {profile_name} is out of bounds: {where}"
+            + "; ".join(f"{issue.path or 'profile'}: {issue.message}" for issue in issues[:3])
+            + (f" (and {len(issues) - 3} more)" if len(issues) > 3 else "")
+        ) from None
+
+
+def _op_label(op: TracedOp) -> str:
+    return f"node {op.name!r} ({op.module_path or op.name}, {op.op_type}): "
 
 
 @dataclass
@@ -272,7 +292,10 @@ def build_profile(
                 consumers[source].append(op.name)
 
     input_grad = {op.name: any(requires_grad.get(source, False) for source in op.inputs) for op in traced.ops}
-    implementations = {op.name: _op_implementations(op, device, input_grad[op.name]) for op in traced.ops}
+    implementations = {}
+    for op in traced.ops:
+        with _within_bounds(name, _op_label(op)):
+            implementations[op.name] = _op_implementations(op, device, input_grad[op.name])
     # The backward node that makes the gradient of an op's inputs (a convolution's data gradient), and back.
     input_gradient_node: dict[str, str] = {}
     for op in traced.ops:
@@ -328,82 +351,94 @@ def build_profile(
     forward_nodes: list[Node] = []
     backward_nodes: list[Node] = []
     for op in traced.ops:
-        gradients = gradients_of[op.name]
-        saved = _saved(op) if gradients else _Saved()
-        forward_impls, backward_parts = implementations[op.name]
-        label = op.module_path or op.name
-        forward_nodes.append(
-            Node(
-                id=op.name,
-                name=f"{label} ({op.op_type})",
-                kind="forward",
-                op_type=op.op_type,
-                output_bytes=0 if op.op_type == "view" else op.output_bytes,
-                extra_saved_bytes=saved.extra_bytes,
-                module=op.module_path,
-                inputs=reads(op.inputs),
-                implementations=forward_impls,
-            )
-        )
-        if not gradients:
-            continue  # no gradient reaches it (it does not depend on a parameter, or does not reach the loss)
-        forward_reads = reads([op.inputs[i] for i in saved.inputs if i < len(op.inputs)])
-        differentiates = op.name
-        if hands_off(op, saved):
-            differentiates = op.name + HAND_OFF_SUFFIX
+        with _within_bounds(name, _op_label(op)):
+            gradients = gradients_of[op.name]
+            saved = _saved(op) if gradients else _Saved()
+            forward_impls, backward_parts = implementations[op.name]
+            label = op.module_path or op.name
             forward_nodes.append(
                 Node(
-                    id=differentiates,
-                    name=f"{label} ({op.op_type} saved for the backward)",
+                    id=op.name,
+                    name=f"{label} ({op.op_type})",
                     kind="forward",
-                    op_type="clone",
-                    output_bytes=saved.extra_bytes,
+                    op_type=op.op_type,
+                    output_bytes=0 if op.op_type == "view" else op.output_bytes,
+                    extra_saved_bytes=saved.extra_bytes,
                     module=op.module_path,
-                    inputs=[op.name],
-                    implementations=_default(device.memory_ms(2 * saved.extra_bytes, kernels=1)),
+                    inputs=reads(op.inputs),
+                    implementations=forward_impls,
                 )
             )
-            forward_reads.append(differentiates)
-        elif saved.self_output and op.name not in forward_reads:
-            forward_reads.append(op.name)
-        grad_bytes = 0
-        seen: set[str] = set()
-        for source, shape in zip(op.inputs, op.input_shapes):
-            if source in seen or not requires_grad.get(source, False):
-                continue
-            seen.add(source)
-            grad_bytes += _numel(shape) * op.element_bytes
-        if op.op_type == "add":
-            grad_bytes = min(grad_bytes, op.output_bytes)  # one gradient tensor, handed to both inputs
-        if op.op_type in ALIAS_BACKWARD:
-            grad_bytes = 0  # (slices of) the incoming gradient: whoever reads it also reads that gradient
-        reads_forward = bool(forward_reads)
-        for part in reversed(backward_parts):  # the list is reversed below: parts end up in execution order
-            backward_nodes.append(
-                Node(
-                    id=op.name + part.suffix,
-                    name=f"{label} ({op.op_type} {part.op_type.removeprefix(op.op_type + '_').replace('_', ' ')})",
-                    kind="backward",
-                    op_type=part.op_type,
-                    output_bytes=grad_bytes if part.input_gradient else 0,  # parameter gradients: fixed memory
-                    module=op.module_path,
-                    # every part differentiates the op, provided one of them reads a forward tensor (the contract)
-                    forward_node=differentiates if reads_forward else None,
-                    inputs=grad_reads(gradients) + (forward_reads if part.reads_saved else []),
-                    implementations=part.implementations,
+            if not gradients:
+                continue  # no gradient reaches it (it does not depend on a parameter, or does not reach the loss)
+            forward_reads = reads([op.inputs[i] for i in saved.inputs if i < len(op.inputs)])
+            differentiates = op.name
+            if hands_off(op, saved):
+                differentiates = op.name + HAND_OFF_SUFFIX
+                forward_nodes.append(
+                    Node(
+                        id=differentiates,
+                        name=f"{label} ({op.op_type} saved for the backward)",
+                        kind="forward",
+                        op_type="clone",
+                        output_bytes=saved.extra_bytes,
+                        module=op.module_path,
+                        inputs=[op.name],
+                        implementations=_default(device.memory_ms(2 * saved.extra_bytes, kernels=1)),
+                    )
                 )
-            )
+                forward_reads.append(differentiates)
+            elif saved.self_output and op.name not in forward_reads:
+                forward_reads.append(op.name)
+            grad_bytes = 0
+            seen: set[str] = set()
+            for source, shape in zip(op.inputs, op.input_shapes):
+                if source in seen or not requires_grad.get(source, False):
+                    continue
+                seen.add(source)
+                grad_bytes += _numel(shape) * op.element_bytes
+            if op.op_type == "add":
+                grad_bytes = min(grad_bytes, op.output_bytes)  # one gradient tensor, handed to both inputs
+            if op.op_type in ALIAS_BACKWARD:
+                grad_bytes = 0  # (slices of) the incoming gradient: whoever reads it also reads that gradient
+            reads_forward = bool(forward_reads)
+            for part in reversed(backward_parts):  # the list is reversed below: parts end up in execution order
+                backward_nodes.append(
+                    Node(
+                        id=op.name + part.suffix,
+                        name=f"{label} ({op.op_type} {part.op_type.removeprefix(op.op_type + '_').replace('_', ' ')})",
+                        kind="backward",
+                        op_type=part.op_type,
+                        output_bytes=grad_bytes if part.input_gradient else 0,  # parameter gradients: fixed memory
+                        module=op.module_path,
+                        # every part differentiates the op, provided one of them reads a forward tensor (the contract)
+                        forward_node=differentiates if reads_forward else None,
+                        inputs=grad_reads(gradients) + (forward_reads if part.reads_saved else []),
+                        implementations=part.implementations,
+                    )
+                )
+    with _within_bounds(name):
+        return _whole_profile(traced, gpu, device, name=name, forward_nodes=forward_nodes,
+                              backward_nodes=backward_nodes, reads=reads, target_bytes=target_bytes,
+                              math=math, optimizer=optimizer, memory_bytes=memory_bytes, notes=notes)
+
+
+def _whole_profile(traced: TracedGraph, gpu: GPU, device: Device, *, name: str, forward_nodes: list[Node],
+                   backward_nodes: list[Node], reads, target_bytes: int, math: str, optimizer: str,
+                   memory_bytes: int | None, notes: str) -> GraphProfile:
+    ops = {op.name: op for op in traced.ops}
     output_op = ops[traced.output]
     output_bytes = output_op.output_bytes
-    loss = Node(
-        id="loss",
-        name="loss (forward and gradient of the output)",
-        kind="loss",
-        op_type="loss",
-        output_bytes=output_bytes + output_op.element_bytes,  # the output's gradient and the scalar loss
-        inputs=reads([traced.output]),
-        implementations=_default(device.memory_ms(3 * output_bytes + target_bytes, kernels=3)),
-    )
+    with _within_bounds(name, "node 'loss': "):
+        loss = Node(
+            id="loss",
+            name="loss (forward and gradient of the output)",
+            kind="loss",
+            op_type="loss",
+            output_bytes=output_bytes + output_op.element_bytes,  # the output's gradient and the scalar loss
+            inputs=reads([traced.output]),
+            implementations=_default(device.memory_ms(3 * output_bytes + target_bytes, kernels=3)),
+        )
     backward_nodes.reverse()
     input_bytes = sum(_numel(shape) * size for shape, size in traced.placeholders.values())
     params = traced.parameter_bytes
@@ -545,16 +580,8 @@ def estimate(
     profile_name = f"{spec.name}{' (small)' if small else ''} batch {batch_size} {size} on {gpu.name} (estimated)"
     example = torch.empty((batch_size, *spec.input_shape), device="meta")
     traced = trace(module, example)
-    try:
-        return build_profile(traced, gpu, name=profile_name, target_bytes=target_bytes, math=math,
-                             optimizer=optimizer, memory_bytes=memory_bytes, notes=f"model: {spec.description}")
-    except ValidationError as error:  # e.g. a batch so large that one operation exceeds the profile's bounds
-        issues = issues_from_validation_error(error)
-        raise EstimateError(
-            f"the estimated profile of {profile_name} is out of bounds: "
-            + "; ".join(f"{issue.path or 'profile'}: {issue.message}" for issue in issues[:3])
-            + (f" (and {len(issues) - 3} more)" if len(issues) > 3 else "")
-        ) from None
+    return build_profile(traced, gpu, name=profile_name, target_bytes=target_bytes, math=math,
+                         optimizer=optimizer, memory_bytes=memory_bytes, notes=f"model: {spec.description}")
 
 
 def _gpu(gpu: str | GPU) -> GPU:

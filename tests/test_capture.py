@@ -87,6 +87,24 @@ def test_a_backward_that_fails_in_plain_pytorch_too_is_refused():
     assert "y.mul_(2)" in str(error.value) or "in-place" in str(error.value)
 
 
+def test_inputs_the_model_cannot_take_are_named_as_such_not_as_a_capture_problem():
+    """A workload whose inputs do not fit its model fails in plain PyTorch too: the message says so and names the
+    module, instead of advising a rewrite for torch.export; checking runs on fake tensors and leaves the model be."""
+    model = nn.Sequential(nn.BatchNorm1d(9), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    running_mean = model[0].running_mean.clone()
+    with pytest.raises(CaptureError) as error:
+        capture(model, (torch.randn(4, 9),), None, torch.tensor([0, 1, 0, 1]), nn.CrossEntropyLoss())
+    message = str(error.value)
+    assert message.startswith("Sequential fails on these inputs in module 1 (Linear), in plain PyTorch as well")
+    assert "[4, 9] X [8, 16]" in message and "Inputs float32[4,9], targets int64[4]" in message
+    assert "torch.export" not in message
+    assert torch.equal(model[0].running_mean, running_mean) and int(model[0].num_batches_tracked) == 0
+
+    with pytest.raises(CaptureError, match=r"in module loss \(CrossEntropyLoss\), in plain PyTorch as well: "
+                                           r"AssertionError: 0D or 1D target tensor expected"):
+        capture(model[1:], (torch.randn(4, 8),), None, torch.zeros(4, 3, dtype=torch.long), nn.CrossEntropyLoss())
+
+
 class _InPlace(nn.Module):
     """Every in-place spelling of the issue, each on a tensor that is read afterwards."""
 

@@ -257,6 +257,15 @@ def test_bad_arguments_are_clear_errors():
         estimate("vgg16", 1, "h100", small=True, math="bf16")
 
 
+def test_a_batch_beyond_the_profiles_bounds_names_the_node():
+    with pytest.raises(EstimateError, match=r"out of bounds: node 'features_0' \(features\.0, conv2d\): time_ms: "
+                                            r"must be at most"):
+        estimate("vgg16", 100_000_000, "p40")
+    model = nn.Sequential(nn.Linear(4, 4))  # tiny times, but the output alone is over a pebibyte
+    with pytest.raises(EstimateError, match=r"node '_0' \(0, linear\): output_bytes: must be at most"):
+        estimate_module(model, (2**47, 4), "a100")
+
+
 def test_cli_estimate_writes_a_valid_profile(tmp_path: Path):
     out = tmp_path / "p.json"
     runner = CliRunner()

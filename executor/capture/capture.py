@@ -215,7 +215,10 @@ def _advice(error: BaseException) -> str:
                 "captured: use torch.where or masking that keeps the shape")
     if "inplace operation" in text or "modified by an inplace" in text:
         return "plain PyTorch's backward fails on this model too: an in-place operation overwrites a tensor backward needs"
-    return "rewrite that part with tensor operations torch.export can trace (see the torch.export documentation)"
+    return _GENERIC_ADVICE
+
+
+_GENERIC_ADVICE = "rewrite that part with tensor operations torch.export can trace (see the torch.export documentation)"
 
 
 def capture_error(error: BaseException, model: nn.Module, loss_fn, stage: str) -> CaptureError:
@@ -236,6 +239,65 @@ def capture_error(error: BaseException, model: nn.Module, loss_fn, stage: str) -
         message += f" at {where}"
     message += f": {_first_line(error).rstrip('.')}. {_advice(error)}"
     return CaptureError(message)
+
+
+def _plain_pytorch_failure(error: BaseException, model: nn.Module, inputs: tuple, kwargs: dict, targets,
+                           loss_fn: Callable, autocast_state: tuple) -> tuple[bool, str | None]:
+    """Whether the step, run without torch.export (on fake tensors: no memory), fails the same way, and in which
+    module: then the model and its inputs disagree (a shape, a dtype), and advice on export would mislead."""
+    if _advice(error) != _GENERIC_ADVICE:
+        return False, None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    names = _module_names(model, loss_fn)
+    running: list[nn.Module] = []
+
+    def entered(module, args):
+        running.append(module)
+
+    def left(module, args, output):
+        if running and running[-1] is module:
+            running.pop()
+
+    hooks = [nn.modules.module.register_module_forward_pre_hook(entered),
+             nn.modules.module.register_module_forward_hook(left)]
+    wrapper = export.WithLoss(model, loss_fn, autocast_state)
+    try:
+        with _quiet_torch(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            # fake parameters and buffers in place of the model's: the model's own (running statistics,
+            # counters) stay as they were, and no memory is taken
+            state = {name: fake.from_tensor(tensor) for name, tensor in
+                     [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]}
+            torch.func.functional_call(wrapper, state, (tuple(inputs), dict(kwargs or {}), targets))
+    except Exception as plain:  # noqa: BLE001 - compared, not raised
+        if _first_line(plain) != _first_line(error):
+            return False, None
+        failing = next((m for m in reversed(running) if id(m) in names), None)
+        if failing is None:
+            return True, None
+        return True, f"{names[id(failing)] or '<root>'} ({type(failing).__name__})"
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return False, None
+
+
+def _inputs_error(error: BaseException, model: nn.Module, loss_fn, module: str | None, inputs: tuple,
+                  kwargs: dict, targets) -> CaptureError:
+    names = _module_names(model, loss_fn)
+    where = None
+    for frame, lineno in reversed(_user_frames(error)):
+        found, line = _describe_frame(frame, lineno, names)
+        where = where or line
+        if found:
+            module = module or found
+            break
+    place = (f" in module {module}" if module else "") + (f" at {where}" if where else "")
+    return CaptureError(
+        f"{type(model).__name__} fails on these inputs{place}, in plain PyTorch as well: "
+        f"{_first_line(error).rstrip('.')}. Inputs {tensor_signature(inputs, kwargs) or 'none'}, targets "
+        f"{tensor_signature(targets) or 'none'}: check the shapes and dtypes given to the model and its loss"
+    )
 
 
 def _node_place(node: fx.Node) -> tuple[str, str]:
@@ -328,6 +390,9 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001 - every export failure becomes a message
+        fails, module = _plain_pytorch_failure(error, model, inputs, kwargs, targets, loss_fn, autocast_state)
+        if fails:
+            raise _inputs_error(error, model, loss_fn, module, inputs, kwargs, targets) from None
         raise capture_error(error, model, loss_fn, "torch.export") from None
     _check_static(program, model)
     exported_at = time.perf_counter()
