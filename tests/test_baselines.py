@@ -136,6 +136,18 @@ def test_a_roomy_budget_costs_no_more_than_a_tight_one(strategy):
     assert roomy.summary.predicted_step_time_ms <= tight.summary.predicted_step_time_ms + 1e-9
 
 
+def test_keep_all_holds_a_budget_it_is_given():
+    """Without a budget keep-all is the lower bound; given one it is a plan like any other, never 'feasible' over it."""
+    profile = conv_net()
+    peak = keep_all_peak_bytes(profile)
+    assert plan(profile, strategy="keep-all").budget_bytes is None
+    roomy = plan(profile, peak, strategy="keep-all")
+    assert roomy.budget_bytes == peak and roomy.summary.peak_memory_bytes == peak
+    with pytest.raises(InfeasibleBudget, match="keeping every tensor peaks at") as refused:
+        plan(profile, peak - 1, strategy="keep-all")
+    assert refused.value.minimum_budget_bytes == peak
+
+
 def test_auto_is_keep_all_when_everything_fits_and_falls_back_when_not():
     profile = conv_net()
     peak = keep_all_peak_bytes(profile)

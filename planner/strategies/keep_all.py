@@ -7,6 +7,7 @@ from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
 from planner.strategies import SolveOptions, strategy
+from planner.units import format_bytes
 
 
 def keep_all_schedule(profile: GraphProfile, budget_bytes: int | None = None) -> Schedule:
@@ -40,4 +41,17 @@ def keep_all_peak_bytes(profile: GraphProfile) -> int:
 
 @strategy("keep-all", "fastest implementation everywhere, nothing recomputed or moved, no budget: the lower bound", uses_budget=False)
 def plan_keep_all(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
-    return certify(profile, keep_all_schedule(profile, None), "keep-all")
+    """Without a budget, the lower bound; with one, a plan like any other: refused where its peak is over it."""
+    schedule = certify(profile, keep_all_schedule(profile, None), "keep-all")
+    if budget_bytes is None:
+        return schedule
+    peak_bytes = schedule.summary.peak_memory_bytes
+    if peak_bytes > budget_bytes:
+        from planner.planning import InfeasibleBudget
+
+        raise InfeasibleBudget(
+            f"strategy 'keep-all' finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}): keeping "
+            f"every tensor peaks at {peak_bytes} bytes ({format_bytes(peak_bytes)}), the smallest budget it can meet",
+            minimum_budget_bytes=peak_bytes,
+        )
+    return certify(profile, schedule.model_copy(update={"budget_bytes": budget_bytes}), "keep-all")
