@@ -59,6 +59,7 @@ log = logging.getLogger("mosos.api")
 KEPT_SEARCHES = 256
 QUEUE_RETRY_S = 0.5
 STOP_GRACE_S = 2.0  # past the search's deadline, a solve still queued or running is cancelled
+MIN_SEARCH_S = 1.0  # what a search needs left after the first estimate: each strategy gets a share of it
 SearchState = Literal["queued", "running", "done", "failed", "cancelled"]
 
 
@@ -402,9 +403,11 @@ class MaxBatchSearches:
             return search.cancelled.is_set() or self._stopping
 
         remaining = deadline - time.monotonic()  # estimating the first profile was part of the search's time
-        if remaining < 1.0:
-            self._finish(search, "failed", reason=f"estimating the model's first profile took the whole time limit "
-                         f"({options['time_limit_s']:g} s): give a longer time_limit_s")
+        if remaining < MIN_SEARCH_S:
+            spent = options["time_limit_s"] - remaining
+            self._finish(search, "failed", reason=f"{max(remaining, 0):.2f} s of the time limit "
+                         f"({options['time_limit_s']:g} s) was left after estimating the model's first profile "
+                         f"({spent:.2f} s), and a search needs at least {MIN_SEARCH_S:g} s: give a longer time_limit_s")
             return
         try:
             result = max_batch(
@@ -432,6 +435,11 @@ class MaxBatchSearches:
         if result.stopped or search.cancelled.is_set():
             self._finish(search, "cancelled", result=document, reason="cancelled by request"
                          if search.cancelled.is_set() else "the server stopped")
+        elif all(row.max_batch_size is None and row.stopped_by for row in result.strategies):
+            # starved by the timer, not an answer: failed, so that the same request is searched again, not served
+            self._finish(search, "failed", result=document, reason=(
+                f"the time limit ({options['time_limit_s']:g} s) ran out before any strategy solved a batch "
+                f"({result.strategies[0].stopped_by}): give a longer time_limit_s"))
         else:
             self._finish(search, "done", result=document)
 

@@ -160,6 +160,13 @@ def test_cancel_stops_the_search_and_its_running_solve(client):
     assert client.get("/v1/max-batch/no-such-search").status_code == 404
 
 
+def test_a_time_limit_too_short_for_any_search_says_so(client):
+    body = client.post("/v1/max-batch", json=request(strategies=["chen-sqrt"], time_limit_s=0.9, seed=81)).json()
+    assert body["status"] == "failed", body
+    assert "was left after estimating the model's first profile" in body["reason"]
+    assert "a search needs at least 1 s: give a longer time_limit_s" in body["reason"]
+
+
 def test_the_time_limit_bounds_a_search_and_each_solve_keeps_the_servers_limit(client):
     # The estimator process starts with the server's first search (a torch import): warm it, so that the 4 s
     # below are the search's and not a cold start's (run alone, this test would otherwise spend them there).
