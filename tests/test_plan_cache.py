@@ -120,7 +120,7 @@ def test_a_second_process_starts_from_the_kept_plan_without_capture_or_solve(pro
 
     second = run(project)
     assert second["calls"] == {"capture": 0, "solve": 0}, second["messages"]
-    assert any("no capture, profile or solve" in m for m in second["messages"])
+    assert any("no profile or solve" in m for m in second["messages"])
     assert second["bitwise"]  # the rebuilt graph computes exactly what plain PyTorch does
     assert second["budget"] == first["budget"]
 

@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 
 from executor.capture import export
 from executor.capture import autocast
+from executor.capture import python_state
 from executor.errors import CaptureError
 from models.estimator import HAND_OFF_MAX_FRACTION  # one rule for the capture and the per-layer estimator
 
@@ -385,7 +386,8 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     export.require_supported_torch()
     started = time.perf_counter()
     try:
-        with _quiet_torch(), autocast.disabled(), autocast.eager_mask_branch():
+        with python_state.ForwardSideEffects(model, loss_fn), _quiet_torch(), autocast.disabled(), \
+                autocast.eager_mask_branch():
             program = export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
     except CaptureError:
         raise

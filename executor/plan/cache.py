@@ -20,6 +20,7 @@ never fails the run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -90,16 +91,46 @@ def _digest_file(path: str) -> str:
         return hashlib.sha256(handle.read()).hexdigest()
 
 
+def _code_digest(function) -> str | None:
+    code = getattr(function, "__code__", None) or getattr(getattr(function, "__func__", None), "__code__", None)
+    if code is None:
+        return None
+    return hashlib.sha256(code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode()).hexdigest()
+
+
+def _hooks_identity(module: nn.Module) -> dict:
+    """A module's hooks by what they run (their handles' numbers differ from run to run)."""
+    found = {}
+    for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        hooks = getattr(module, kind, None) or {}
+        if hooks:
+            found[kind.strip("_")] = [[getattr(hook, "__qualname__", type(hook).__qualname__), _code_digest(hook)]
+                                      for hook in hooks.values()]
+    return found
+
+
 def _callable_identity(function) -> dict:
-    """A loss function: its code when it has some (a lambda's bytecode and constants too), its file's digest."""
+    """A loss function: its code when it has some (a lambda's bytecode and constants too), its file's digest, the
+    arguments a functools.partial binds and the plain values of a closure."""
+    if isinstance(function, functools.partial):
+        return {"partial": _callable_identity(function.func), "args": [_plain(arg) for arg in function.args],
+                "keywords": {name: _plain(value) for name, value in sorted(function.keywords.items())}}
     target = function.forward if isinstance(function, nn.Module) else function
-    code = getattr(target, "__code__", None) or getattr(getattr(target, "__func__", None), "__code__", None)
     identity: dict[str, Any] = {"name": getattr(function, "__qualname__", type(function).__qualname__)}
+    code = _code_digest(target)
     if code is not None:
-        identity["code"] = hashlib.sha256(code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode()).hexdigest()
+        identity["code"] = code
     identity["files"] = code_files([target])
     if isinstance(function, nn.Module):
         identity["module"] = module_structure(function)
+    cells = []
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            cells.append(_plain(cell.cell_contents))
+        except ValueError:  # a cell not yet filled
+            cells.append(None)
+    if cells:
+        identity["closure"] = cells
     return identity
 
 
@@ -154,7 +185,8 @@ def module_structure(model: nn.Module) -> dict:
             plain = _plain(value)
             if plain is not None or value is None:
                 attributes[name] = plain
-        modules.append([path, f"{type(module).__module__}.{type(module).__qualname__}", module.training, attributes])
+        modules.append([path, f"{type(module).__module__}.{type(module).__qualname__}", module.training, attributes,
+                        _hooks_identity(module)])
         classes.update(type(module).__mro__)
     tensors = [[name, list(p.shape), str(p.dtype), str(p.device), p.requires_grad]
                for name, p in model.named_parameters(remove_duplicate=False)]
@@ -303,7 +335,7 @@ class PlanCache:
         return self.plans / key.digest
 
     def load(self, key: PlanKey, model, loss_fn, inputs: tuple, kwargs: dict | None, targets,
-             say: Callable[[str], None]) -> CachedPlan | None:
+             say: Callable[[str], None], autocast_state: tuple = ()) -> CachedPlan | None:
         entry = self._entry(key)
         if not entry.is_dir():
             return None
@@ -324,6 +356,7 @@ class PlanCache:
                 raise StoreError("its profile was made for another graph")
             if schedule.profile_digest != profile.digest():
                 raise StoreError("its schedule was made for another profile")
+            _check_fresh_capture(step, model, loss_fn, inputs, kwargs, targets, autocast_state, say)
         except Exception as error:  # noqa: BLE001 - a bad entry is never fatal: say so, drop it, plan again
             reason = error if isinstance(error, StoreError) else f"{type(error).__name__}: {error}"
             say(f"cached plan {key.digest[:12]} is not usable ({reason}): removed, planning again")
@@ -432,6 +465,23 @@ class PlanCache:
             except OSError:
                 pass
         return len(kept)
+
+
+def _check_fresh_capture(step, model, loss_fn, inputs: tuple, kwargs: dict | None, targets, autocast_state: tuple,
+                         say: Callable[[str], None]) -> None:
+    """The key cannot see everything the step computes (a global configuration object read in forward, a value in
+    a closure): the step is captured again (fake tensors, no memory) and must be the kept one, operation for
+    operation. What a hit saves is the profile and the solve."""
+    from executor.capture.capture import capture
+    from executor.measure.profiler import preserved
+
+    started = time.perf_counter()
+    with preserved(model):
+        fresh = capture(model, inputs, kwargs, targets, loss_fn, autocast_state)
+    if fresh.structure_sha256() != step.structure_sha256():
+        raise StoreError("a fresh capture of the step differs from the kept one: the model computes something else "
+                         "now (a value it reads from outside its modules, such as a global or a closure, changed)")
+    say(f"checked the kept plan against a fresh capture of the step ({time.perf_counter() - started:.1f} s)")
 
 
 def _write_text(path: Path, text: str) -> None:

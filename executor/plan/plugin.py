@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from executor.capture import autocast
+from executor.capture.capture import tensor_signature
 from executor.plan.cache import PlanKey, open_cache, plan_key
 from executor.measure.profiler import (ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step,
                                       provisional_profile)
@@ -170,7 +171,7 @@ def optimize(
     measures under a frugal schedule even then), and a budget no measuring pass or plan fits is a BudgetError
     naming the smallest one that works, raised before anything beyond the model is allocated. `memory_ratio` is a
     fraction of the keep-all peak as the capture estimates it before anything runs (exact sizes, workspaces from
-    above).
+    above); a later input signature (a last partial batch, another sequence length) gets at least the first's bytes.
 
     The first `timed_steps` planned steps time every node; `planned.report()` then gives the measured step time and
     peak beside the simulated ones and the nodes that differ most, and where the measured step is more than 10% off
@@ -211,13 +212,26 @@ def optimize(
                              else COMPILED_ALGORITHMS if compile else ("native",))
     say = _reporter(progress)
     budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
+    # a memory ratio is resolved at the first input signature; a later one (a last partial batch, another sequence
+    # length) gets the larger of those bytes, the memory the step was given, and the ratio of its own peak (a small
+    # batch's own fraction can be below its fixed memory)
+    ratio_resolved_bytes: list = []  # [bytes, the first signature's shapes and autocast regions]
+
+    def shapes_of(inputs, kwargs, targets, autocast_state: tuple) -> tuple:
+        return (tensor_signature(tuple(inputs), dict(kwargs or {})),
+                tensor_signature(targets) if targets is not None else None, tuple(autocast_state))
     store = open_cache(cache)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def key_of(inputs, kwargs, targets, autocast_state: tuple) -> PlanKey:
+        shapes = shapes_of(inputs, kwargs, targets, autocast_state)
+        if memory_ratio is not None and ratio_resolved_bytes and shapes != ratio_resolved_bytes[1]:
+            budget_key = {"memory_ratio": memory_ratio, "at_least_bytes": ratio_resolved_bytes[0]}
+        else:
+            budget_key = {"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes}
         return plan_key(
             model, loss_fn, inputs, kwargs, targets, device=device, autocast_state=autocast_state,
-            budget={"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes},
+            budget=budget_key,
             strategy=strategy, optimizer=optimizer,
             settings={"measuring": measuring, "d2h_gb_per_s": d2h_gb_per_s, "h2d_gb_per_s": h2d_gb_per_s,
                       "planner": "service" if planner_url else "local", "algorithms": list(algorithms),
@@ -251,17 +265,21 @@ def optimize(
 
     def _plan_signature(inputs, kwargs, targets, autocast_state):
         key = key_of(inputs, kwargs, targets, autocast_state) if store is not None else None
-        cached = store.load(key, model, loss_fn, inputs, kwargs, targets, say) if key is not None else None
+        cached = (store.load(key, model, loss_fn, inputs, kwargs, targets, say, autocast_state)
+                  if key is not None else None)
         if cached is not None:
             profiled = planning_of(cached.step, inputs, kwargs, targets)
             summary = cached.schedule.summary
             say(f"using the plan kept in {store.plans / key.digest[:12]}... (made "
                 f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(cached.created))}"
                 + (f", budget {format_bytes(cached.schedule.budget_bytes)}" if cached.schedule.budget_bytes else "")
-                + "): no capture, profile or solve")
+                + "): no profile or solve")
             if summary is not None:
                 say(f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
                     f"{format_bytes(summary.peak_memory_bytes)}")
+            if memory_ratio is not None and not ratio_resolved_bytes and cached.schedule.budget_bytes is not None:
+                ratio_resolved_bytes[:] = [cached.schedule.budget_bytes,
+                                           shapes_of(inputs, kwargs, targets, autocast_state)]
             return cached.profile, cached.schedule, profiled, key
         say("capturing the step with torch.export")
         with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
@@ -270,9 +288,14 @@ def optimize(
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         signature_budget = budget_bytes
         if memory_ratio is not None:
-            signature_budget = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
-                                                  algorithms, say)
-            say(f"budget {format_bytes(signature_budget)} ({memory_ratio:g} of the estimated keep-all peak)")
+            own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
+                                           algorithms, say)
+            if not ratio_resolved_bytes:
+                ratio_resolved_bytes[:] = [own_bytes, shapes_of(inputs, kwargs, targets, autocast_state)]
+            signature_budget = max(own_bytes, ratio_resolved_bytes[0])
+            say(f"budget {format_bytes(signature_budget)} ({memory_ratio:g} of the estimated keep-all peak"
+                + (", or the first input signature's budget where that is more)" if signature_budget > own_bytes
+                   else ")"))
         profile, profiled = profile_step(
             model, inputs, loss_fn, targets, kwargs=kwargs,
             optimizer=optimizer, repeats=repeats, warmup=warmup,

@@ -25,6 +25,8 @@ optimizer works unchanged.
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections import OrderedDict
 from typing import Callable
 
@@ -37,6 +39,7 @@ from executor.capture.capture import tensor_signature
 from executor.replay.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
 from executor.replay.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.capture import autocast
+from executor.capture.python_state import describe_change, python_state
 from executor.errors import CaptureError, ProfileMismatch, ReplayError
 from executor.capture.feeds import Feeder
 from executor.measure.measured import StepReport, measured_profile, node_differences
@@ -246,15 +249,16 @@ class PlannedModule(nn.Module):
         self._plans: OrderedDict[tuple, dict] = OrderedDict()
         self.signatures_planned = 0  # input signatures planned after the first (each once, unless evicted)
         self._plan_token = plan_token
+        self._live_step: weakref.ref | None = None  # the last step begun, until its backward
         self._set_measuring(profiled)
         if profiled is not None:
             self._prepared = _Prepared(self, profiled)
-            self._signature = _step_signature(profiled.step)
+            self._signature = _step_signature(profiled.step, python_state(model, self.loss_fn))
         elif example_inputs is not None:
             inputs = as_tuple(example_inputs)
             check_inputs(profile, inputs, dict(kwargs or {}), targets)
             self._prepared = _Prepared(self, plan_step(model, inputs, kwargs, targets, self.loss_fn))
-            self._signature = _step_signature(self._prepared.profiled.step)
+            self._signature = _step_signature(self._prepared.profiled.step, python_state(model, self.loss_fn))
 
     def _set_measuring(self, profiled: ProfiledStep | None) -> None:
         measuring = getattr(profiled, "measuring", None)
@@ -281,9 +285,14 @@ class PlannedModule(nn.Module):
                 setattr(self, name, value)
             self._signature = signature
             return
-        self._say(f"new input signature {signature[0]}"
-                  + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "") + ": planning it once (plans kept for the last "
-                  f"{self.max_signatures} signatures)")
+        if self._signature is not None and _without_state(signature) == _without_state(self._signature):
+            self._say(f"the model changed since its step was captured "
+                      f"({describe_change(self._signature[_STATE], signature[_STATE])}): planning it again (plans kept "
+                      f"for the last {self.max_signatures} signatures)")
+        else:
+            self._say(f"new input signature {signature[0]}"
+                      + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "")
+                      + f": planning it once (plans kept for the last {self.max_signatures} signatures)")
         while len(self._plans) >= self.max_signatures:  # the current one is about to join them
             evicted, _ = self._plans.popitem(last=False)
             self._say(f"dropping the plan for input signature {evicted[0]} (least recently used)")
@@ -300,6 +309,20 @@ class PlannedModule(nn.Module):
         self._prepared = _Prepared(self, profiled)
         self._signature = signature
         self.signatures_planned += 1
+
+    def __deepcopy__(self, memo: dict) -> "PlannedModule":
+        """A copy (an EMA model, a model soup) holds a copy of the model under the same plan and captures its own step
+        at its first training call; the original's generated code, runtime and kept plans are its own. The copy
+        plans no new input signatures (that goes through optimize(), which planned the original's model)."""
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            if name not in _NOT_COPIED:
+                copied.__dict__[name] = copy.deepcopy(value, memo)
+        copied._prepared = copied._timed = copied._live_step = copied.last_ledger = None
+        copied._plans = OrderedDict()
+        copied._plan_signature = copied._replan = None
+        return copied
 
     @property
     def code(self) -> str | None:
@@ -321,7 +344,14 @@ class PlannedModule(nn.Module):
             output = self.model(*inputs, **kwargs)
             return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
         leaves, spec = tree_flatten(((inputs, kwargs, targets), {}))
-        signature = _call_signature(inputs, kwargs, targets, leaves, spec, autocast.autocast_state())
+        signature = _call_signature(inputs, kwargs, targets, leaves, spec, autocast.autocast_state(),
+                                    python_state(self.model, self.loss_fn))
+        if (self._plan_signature is None and self._signature is not None
+                and signature[_STATE] != self._signature[_STATE]):
+            raise ProfileMismatch(
+                f"the model changed since its step was captured "
+                f"({describe_change(self._signature[_STATE], signature[_STATE])}), and the replay runs the captured "
+                "graph, not forward: plan it again (a module from optimize() does so by itself)")
         if self._plan_signature is not None and signature != self._signature:
             if self._signature is None and self._plans:  # a failed planning of a new signature: say it again
                 self._signature = next(reversed(self._plans))
@@ -364,13 +394,27 @@ class PlannedModule(nn.Module):
         parameters = prepared.feeder.parameters()
         if not any(p.requires_grad for p in parameters):
             raise ReplayError("the model has no trainable parameters: there is nothing to plan a backward for")
+        _refuse_gradient_hooks(self.model, parameters)
+        self._supersede_live_step()
         feed = prepared.feeder.feed(leaves)
         ledger = Accountant(self.profile, self.profile.fixed_bytes) if self.ledger_enabled else None
         prepared.runtime.begin_step(parameters, ledger)
         self.last_ledger = ledger
         state = _StepState(prepared, feed, leaves)
         state.planned = self
+        self._live_step = weakref.ref(state)
         return _StepFunction.apply(self, state, *parameters)
+
+    def _supersede_live_step(self) -> None:
+        """A step whose loss is still referenced but was not backed up (skipped, or kept for later) ends here: its
+        saved tensors go, as the plan's budget holds one step at a time, and a later backward of it is refused."""
+        live = self._live_step() if self._live_step is not None else None
+        self._live_step = None
+        if live is None or live.backward_done or live.superseded:
+            return
+        live.superseded = True
+        live.feed, live.live = [], ()
+        live.prepared.runtime.end_step()
 
     # -- measured against planned --------------------------------------------------------------------
 
@@ -465,23 +509,33 @@ _PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_ti
                "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token")
 
 
+_NOT_COPIED = ("_prepared", "_timed", "_live_step", "last_ledger", "_plans", "_plan_signature", "_replan")
+_STATE = 4  # where a signature holds the model's Python state (executor.capture.python_state)
+
+
 def _signature_parts(input_signature: str, target_signature: str | None, spec, constants: dict,
-                     autocast_state: tuple) -> tuple:
-    return (input_signature, target_signature, str(spec), repr(sorted(constants.items())), tuple(autocast_state))
+                     autocast_state: tuple, model_state: tuple) -> tuple:
+    return (input_signature, target_signature, str(spec), repr(sorted(constants.items())), model_state,
+            tuple(autocast_state))
 
 
-def _step_signature(step) -> tuple:
-    """What a captured step was made for (shapes, structure, autocast): a call with another signature needs another
-    capture and plan."""
+def _without_state(signature: tuple) -> tuple:
+    return signature[:_STATE] + signature[_STATE + 1:]
+
+
+def _step_signature(step, model_state: tuple) -> tuple:
+    """What a captured step was made for (shapes, structure, the model's Python state, autocast): a call with another
+    signature needs another capture and plan."""
     return _signature_parts(step.input_signature, step.target_signature, step.input_spec, step.constant_leaves,
-                            step.autocast)
+                            step.autocast, model_state)
 
 
-def _call_signature(inputs: tuple, kwargs: dict, targets, leaves: list, spec, autocast_state: tuple) -> tuple:
+def _call_signature(inputs: tuple, kwargs: dict, targets, leaves: list, spec, autocast_state: tuple,
+                    model_state: tuple) -> tuple:
     constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
     return _signature_parts(tensor_signature(inputs, kwargs),
                             tensor_signature(targets) if targets is not None else None, spec, constants,
-                            autocast_state)
+                            autocast_state, model_state)
 
 
 class _StepState:
@@ -491,6 +545,7 @@ class _StepState:
         self.leaves = leaves
         self.live: tuple = ()
         self.backward_done = False
+        self.superseded = False  # a later step began before this one's backward
         self.planned = None
 
 
@@ -513,6 +568,13 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         state = ctx.state
+        if state.superseded:
+            raise ReplayError(
+                "this step's backward comes after the planned module began a later step, which freed this one's "
+                "saved tensors (the plan's budget holds one step at a time): call backward() on each loss before "
+                "the next call (gradients accumulate across calls, as in eager PyTorch)"
+            )
+        _refuse_other_backwards(ctx.parameters)
         if state.backward_done:
             raise ReplayError(
                 "this step's backward has already run and its saved tensors are freed as the plan says "
@@ -539,6 +601,49 @@ class _StepFunction(torch.autograd.Function):
         if prepared.timed:
             state.planned._step_timed(runtime)
         return (None, None) + _accumulation_signals(ctx.parameters)
+
+
+def _refuse_gradient_hooks(model: nn.Module, parameters: list[torch.Tensor]) -> None:
+    """A hook registered with Tensor.register_hook on a parameter sees (and may change) its gradient before it is
+    accumulated; the replay writes gradients into `.grad` itself, so such a hook would see none."""
+    hooked = next((p for p in parameters if getattr(p, "_backward_hooks", None)), None)
+    if hooked is None:
+        return
+    name = next((name for name, p in model.named_parameters(remove_duplicate=False) if p is hooked), "a parameter")
+    raise ReplayError(
+        f"parameter {name!r} has a gradient hook (Tensor.register_hook): the replay writes each parameter's gradient "
+        "into .grad itself, so the hook would never see it. Act on p.grad with "
+        "register_post_accumulate_grad_hook (which the replay runs as eager does), or after backward()"
+    )
+
+
+def _refuse_other_backwards(parameters) -> None:
+    """The replay computes every parameter's gradient into `.grad`, as loss.backward() does; torch.autograd.grad,
+    backward(inputs=...) over some parameters and create_graph=True ask for something else, which it cannot give."""
+    if torch.is_grad_enabled():
+        raise ReplayError(
+            "backward(create_graph=True) (a double backward, e.g. a gradient penalty) on a planned step: the replay "
+            "computes gradients outside autograd, so they cannot be differentiated again; compute such a loss with "
+            "the model itself"
+        )
+    for parameter in parameters:
+        if not parameter.requires_grad:
+            continue
+        try:
+            runs = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(parameter).node)
+        except RuntimeError as error:
+            if "autograd.grad" not in str(error):
+                raise
+            raise ReplayError(
+                "torch.autograd.grad on a planned step: the replay writes the parameters' gradients into .grad, "
+                "as loss.backward() does, and returns none; call loss.backward() and read p.grad"
+            ) from None
+        if not runs:
+            raise ReplayError(
+                "backward(inputs=...) that leaves out some parameters on a planned step: the replay computes every "
+                "parameter's gradient into .grad; call loss.backward() without inputs= (and freeze parameters with "
+                "requires_grad_(False) before planning)"
+            )
 
 
 def _hooks_wait_for_accumulation(parameters) -> bool:

@@ -1,0 +1,198 @@
+"""The Python-side state a capture freezes into the graph, and a cheap check that it is still what it was.
+
+The replay runs the captured ATen graph, never the model's Python `forward`: what that forward read from Python
+(a module's plain attributes such as a dropout probability or a curriculum scale, which submodules are where,
+their train/eval flags, forward hooks, which parameters are trainable, the loss function's arguments) is baked
+into the graph. A change to any of it after the capture would silently give another model, so the planned module
+compares this fingerprint at every call and plans the step again when it differs, like a new input signature.
+
+Two things the fingerprint cannot see are refused at the capture instead, since the graph would freeze them: a
+forward that changes the model's Python state itself (a call counter) and one that draws from Python's or
+NumPy's random generators (a layer drop decided by `random.random()`). Values read from outside the model and
+the loss (a global configuration object) are beyond both; the plan cache re-captures before it trusts an entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from executor.errors import CaptureError
+
+_SIMPLE = (bool, int, float, str, type(None))
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _value(value: Any, depth: int = 0) -> Any:
+    """An attribute as something to compare: simple values as themselves, small containers item by item, a tensor
+    by identity (replacing it is a change; changed in place, the replay reads it as eager does). Other objects are
+    not compared: libraries rebuild equal ones of their own (transformers' tied-weight tables) on every call."""
+    if isinstance(value, _SIMPLE):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if depth < 2 and isinstance(value, (tuple, list, set, frozenset)) and len(value) <= 64:
+        items = tuple(_value(item, depth + 1) for item in value)
+        return (type(value).__name__, tuple(sorted(items, key=repr)) if isinstance(value, (set, frozenset)) else items)
+    if depth < 2 and isinstance(value, dict) and len(value) <= 64:
+        return ("dict", tuple(sorted(((repr(key), _value(item, depth + 1)) for key, item in value.items()),
+                                     key=lambda pair: pair[0])))
+    return _OBJECT
+
+
+_OBJECT = ("object",)
+
+
+def _attributes(module: nn.Module) -> tuple:
+    return tuple((name, _value(value)) for name, value in module.__dict__.items()
+                 if not name.startswith("_") or name == "_attn_implementation")
+
+
+def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
+    return tuple(tuple((getattr(owner, name, None) or {}).keys()) for name in names)
+
+
+def _modules(model: nn.Module, prefix: str) -> tuple:
+    return tuple((prefix + path, type(module), module.training, _attributes(module), _hooks(module, _HOOK_DICTS))
+                 for path, module in model.named_modules(remove_duplicate=False))
+
+
+def _callable(function: Callable) -> tuple:
+    if isinstance(function, nn.Module):
+        return ("module", _modules(function, "loss."))
+    if isinstance(function, functools.partial):
+        return ("partial", _callable(function.func), _value(function.args),
+                tuple(sorted((name, _value(value)) for name, value in function.keywords.items())))
+    cells = tuple(_value(cell.cell_contents) for cell in (getattr(function, "__closure__", None) or ())
+                  if _cell_filled(cell))
+    return ("function", id(function), cells, _value(getattr(function, "__defaults__", None)),
+            tuple(sorted((getattr(function, "__kwdefaults__", None) or {}).items(), key=lambda item: item[0])))
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def python_state(model: nn.Module, loss_fn: Callable) -> tuple:
+    """What of the model's and the loss's Python state the captured graph depends on (see the module's doc)."""
+    trainable = tuple(p.requires_grad for p in model.parameters())
+    return (_modules(model, ""), trainable, _callable(loss_fn), _hooks(nn.modules.module, _GLOBAL_HOOKS))
+
+
+def describe_change(before: tuple, after: tuple) -> str:
+    """The first difference between two fingerprints, in the model's terms."""
+    modules_before, trainable_before, loss_before, hooks_before = before
+    modules_after, trainable_after, loss_after, hooks_after = after
+    paths_before = {entry[0]: entry for entry in modules_before}
+    paths_after = {entry[0]: entry for entry in modules_after}
+    for path, entry in paths_after.items():
+        old = paths_before.get(path)
+        shown = path or "<root>"
+        if old is None:
+            return f"module {shown} ({entry[1].__name__}) is new"
+        if old[1] is not entry[1]:
+            return f"module {shown} is now a {entry[1].__name__}, was a {old[1].__name__}"
+        if old[2] != entry[2]:
+            return f"module {shown} is now in {'training' if entry[2] else 'eval'} mode"
+        if old[3] != entry[3]:
+            return f"module {shown}: {_attribute_change(dict(old[3]), dict(entry[3]))}"
+        if old[4] != entry[4]:
+            return f"module {shown}: its hooks changed"
+    for path in paths_before.keys() - paths_after.keys():
+        return f"module {path or '<root>'} is gone"
+    if trainable_before != trainable_after:
+        return "which parameters are trainable changed (requires_grad)"
+    if loss_before != loss_after:
+        return "the loss function or its arguments changed"
+    if hooks_before != hooks_after:
+        return "the global module hooks changed"
+    return "its Python state changed"
+
+
+def _attribute_change(before: dict, after: dict) -> str:
+    for name in list(after) + [name for name in before if name not in after]:
+        if before.get(name, _MISSING) != after.get(name, _MISSING):
+            old, new = before.get(name, _MISSING), after.get(name, _MISSING)
+            return f"attribute {name!r} {_shown(old)} -> {_shown(new)}"
+    return "an attribute changed"
+
+
+_MISSING = ("missing",)
+
+
+def _shown(value: Any) -> str:
+    if value is _MISSING:
+        return "(none)"
+    if isinstance(value, tuple) and value and value[0] in ("object", "tensor"):
+        return f"(a{'nother' if value[0] == 'tensor' else 'n'} {value[0]})"
+    return repr(value)
+
+
+class ForwardSideEffects:
+    """Around a capture: refuse a forward whose Python effects the replay could not repeat (see the module's doc).
+
+    The model's state is read again as its forward returns, inside the capture: torch.export puts back the
+    attributes a forward changed once it has traced it."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        self.model, self.loss_fn = model, loss_fn
+        self.change: str | None = None
+
+    def _after_forward(self, module, args, output) -> None:
+        if self.change is None:
+            after = python_state(self.model, self.loss_fn)
+            if after != self.state:
+                self.change = describe_change(self.state, after)
+
+    def __enter__(self) -> "ForwardSideEffects":
+        self.handle = self.model.register_forward_hook(self._after_forward)
+        self.state = python_state(self.model, self.loss_fn)
+        self.random_state = random.getstate()
+        self.numpy_state = _numpy_state()
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.handle.remove()
+        if kind is not None:
+            return
+        name = type(self.model).__name__
+        if random.getstate() != self.random_state:
+            random.setstate(self.random_state)
+            raise CaptureError(
+                f"cannot capture {name}: its forward draws from Python's random module, and the captured graph would "
+                "keep the one draw made while capturing at every step; draw with torch (torch.rand, "
+                "torch.bernoulli), which the replay repeats as eager does")
+        if not _same_numpy_state(self.numpy_state, _numpy_state()):
+            raise CaptureError(
+                f"cannot capture {name}: its forward draws from NumPy's random generator, and the captured graph "
+                "would keep the one draw made while capturing at every step; draw with torch instead")
+        if self.change is not None:
+            raise CaptureError(
+                f"cannot capture {name}: its forward changes the model's Python state ({self.change}), which the "
+                "replay, running the captured graph instead of forward, would not do; keep such state outside the "
+                "model, or in a buffer (a tensor the graph updates)")
+
+
+def _numpy_state():
+    import sys
+
+    numpy = sys.modules.get("numpy")  # only if something imported it: a model that never does draws nothing
+    return numpy.random.get_state() if numpy is not None else None
+
+
+def _same_numpy_state(before, after) -> bool:
+    if before is None or after is None:
+        return before is after
+    return before[0] == after[0] and before[2:] == after[2:] and bool((before[1] == after[1]).all())

@@ -1,0 +1,235 @@
+"""What the replay cannot see by running the captured graph: the model's Python state changed after the capture
+(planned again), Python effects of forward (refused at the capture), and uses of autograd other than
+loss.backward() (refused at the call). Each accepted step is compared bit for bit with plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import executor  # noqa: E402
+from executor.errors import CaptureError, ProfileMismatch, ReplayError  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.0)
+        self.b = nn.Linear(32, 4)
+        self.scale = 1.0  # a plain attribute forward reads: a curriculum, a temperature
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(x * self.scale))))
+
+
+def data(seed: int, batch: int = 16):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 8, generator=generator), torch.randint(0, 4, (batch,), generator=generator)
+
+
+def planned_pair(**options):
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model)
+    x, y = data(0)
+    messages: list[str] = []
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, timed_steps=0, progress=messages.append, **options)
+    return model, plain, planned, messages
+
+
+def step_equal(model, plain, planned, seed: int) -> bool:
+    x, y = data(seed)
+    for parameter in list(model.parameters()) + list(plain.parameters()):
+        parameter.grad = None
+    torch.manual_seed(seed)
+    loss = planned(x, y)
+    loss.backward()
+    torch.manual_seed(seed)
+    plain_loss = F.cross_entropy(plain(x), y)
+    plain_loss.backward()
+    return torch.equal(loss, plain_loss) and all(
+        (p.grad is None and q.grad is None) or (p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad))
+        for p, q in zip(model.parameters(), plain.parameters()))
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda m: setattr(m, "scale", 0.5), "attribute 'scale' 1.0 -> 0.5"),
+    (lambda m: setattr(m.drop, "p", 0.3), "module drop: attribute 'p' 0.0 -> 0.3"),
+    (lambda m: setattr(m, "drop", nn.Identity()), "module drop is now a Identity"),
+    (lambda m: m.a.register_forward_hook(lambda module, args, output: output * 0.5), "module a: its hooks changed"),
+    (lambda m: m.a.requires_grad_(False), "trainable"),
+    (lambda m: m.drop.eval(), "module drop is now in eval mode"),
+])
+def test_a_model_changed_after_its_capture_is_planned_again_and_stays_plain_pytorchs(change, said):
+    model, plain, planned, messages = planned_pair()
+    assert step_equal(model, plain, planned, 1)
+    change(model)
+    change(plain)
+    assert step_equal(model, plain, planned, 2)
+    replanned = [m for m in messages if m.startswith("the model changed since its step was captured")]
+    assert len(replanned) == 1 and said in replanned[0], messages
+    assert step_equal(model, plain, planned, 3)  # the new plan is kept: no second re-plan
+    assert len([m for m in messages if m.startswith("the model changed")]) == 1
+
+
+def test_without_new_signatures_a_changed_model_is_refused():
+    model, plain, planned, _ = planned_pair(new_signatures=False)
+    model.scale = 2.0
+    with pytest.raises(ProfileMismatch, match=r"the model changed since its step was captured \(module <root>: "
+                                              r"attribute 'scale' 1.0 -> 2.0\)"):
+        planned(*data(1))
+
+
+class Counting(Net):
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(x)
+
+
+class PythonLayerDrop(Net):
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if random.random() < 0.5:
+            h = h * 2
+        return self.b(h)
+
+
+class NumpyNoise(Net):
+    def forward(self, x):
+        import numpy
+
+        return super().forward(x) * float(numpy.random.rand() > 2)
+
+
+@pytest.mark.parametrize("model_class, said", [
+    (Counting, r"its forward changes the model's Python state \(module <root>: attribute 'calls' \(none\) -> 1\)"),
+    (PythonLayerDrop, "draws from Python's random module"),
+    (NumpyNoise, "draws from NumPy's random generator"),
+])
+def test_python_effects_of_forward_are_refused_at_the_capture(model_class, said):
+    pytest.importorskip("numpy")
+    model = model_class()
+    state = random.getstate()
+    with pytest.raises(CaptureError, match=said):
+        executor.optimize(model, (data(0)[0],), F.cross_entropy, targets=data(0)[1], budget=None,
+                          strategy="keep-all", cache=False, progress=False)
+    assert random.getstate() == state
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_other_uses_of_autograd_are_refused_and_leave_grad_alone():
+    model, _, planned, _ = planned_pair()
+    x, y = data(1)
+    parameters = list(model.parameters())
+    with pytest.raises(ReplayError, match="torch.autograd.grad on a planned step"):
+        torch.autograd.grad(planned(x, y), parameters)
+    assert all(p.grad is None for p in parameters)
+    with pytest.raises(ReplayError, match="backward\\(inputs=...\\) that leaves out some parameters"):
+        planned(x, y).backward(inputs=[model.a.weight])
+    with pytest.raises(ReplayError, match="create_graph=True"):
+        planned(x, y).backward(create_graph=True)
+    handle = model.b.weight.register_hook(lambda gradient: gradient * 0)
+    with pytest.raises(ReplayError, match="parameter 'b.weight' has a gradient hook"):
+        planned(x, y)
+    handle.remove()
+
+
+def test_post_accumulate_grad_hooks_still_run_as_in_eager():
+    model, plain, planned, _ = planned_pair()
+    seen, plain_seen = [], []
+    model.b.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    plain.b.weight.register_post_accumulate_grad_hook(lambda p: plain_seen.append(p.grad.clone()))
+    assert step_equal(model, plain, planned, 1)
+    assert len(seen) == len(plain_seen) == 1 and torch.equal(seen[0], plain_seen[0])
+
+
+def test_a_step_not_backed_up_gives_way_to_the_next_one():
+    """The budget holds one step at a time: a later call frees an earlier step's saved tensors, and that step's
+    backward is then refused; the later step is plain PyTorch's."""
+    model, plain, planned, _ = planned_pair()
+    x1, y1 = data(1)
+    skipped = planned(x1, y1)  # a batch the loop skips, its loss still referenced
+    assert step_equal(model, plain, planned, 2)
+    with pytest.raises(ReplayError, match="comes after the planned module began a later step"):
+        skipped.backward()
+    first, second = planned(x1, y1), planned(*data(2))
+    with pytest.raises(ReplayError, match="began a later step"):
+        (first + second).backward()
+
+
+def test_a_memory_ratio_holds_a_small_last_batch_at_the_first_batchs_bytes():
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 64), nn.Tanh()]
+    for _ in range(6):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(64, 4))
+    plain = copy.deepcopy(model)
+    x, y = data(0, batch=2048)
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.6, cache=False,
+                                timed_steps=0, progress=False, time_limit_s=5, workers=1)
+    first_budget = planned.schedule.budget_bytes
+    x, y = data(1, batch=3)
+    loss = planned(x, y)
+    loss.backward()
+    plain_loss = F.cross_entropy(plain(x), y)
+    plain_loss.backward()
+    assert torch.equal(loss, plain_loss)
+    assert planned.schedule.budget_bytes >= first_budget and planned.peak_memory_bytes <= planned.schedule.budget_bytes
+
+
+TEMPERATURE = {"value": 1.0}  # a global configuration object, read by forward: no key can see it
+
+
+class Tempered(Net):
+    def forward(self, x):
+        return super().forward(x) / TEMPERATURE["value"]
+
+
+def test_the_plan_cache_checks_a_hit_against_a_fresh_capture(tmp_path):
+    def run(label_smoothing: float) -> list[str]:
+        torch.manual_seed(0)
+        model = Tempered()
+        plain = copy.deepcopy(model)
+        x, y = data(0)
+        loss_fn = functools.partial(F.cross_entropy, label_smoothing=label_smoothing)
+        messages: list[str] = []
+        planned = executor.optimize(model, (x,), loss_fn, targets=y, budget=None, strategy="keep-all",
+                                    cache=tmp_path, timed_steps=0, progress=messages.append)
+        loss = planned(x, y)
+        assert torch.equal(loss, loss_fn(plain(x), y))
+        return messages
+
+    assert not any("no profile or solve" in m for m in run(0.0))
+    assert any("no profile or solve" in m for m in run(0.0))
+    assert not any("kept" in m and "no profile" in m for m in run(0.2))  # the partial's argument is in the key
+    TEMPERATURE["value"] = 4.0
+    try:
+        messages = run(0.0)
+    finally:
+        TEMPERATURE["value"] = 1.0
+    assert any("a fresh capture of the step differs from the kept one" in m for m in messages), messages
+    assert not any("no profile or solve" in m for m in messages)
+
+
+def test_a_deep_copy_trains_under_the_same_plan_on_its_own_weights():
+    """EMA models and model soups copy the planned module: the copy is a module of its own, and both train as plain
+    PyTorch does."""
+    model, plain, planned, _ = planned_pair()
+    copied = copy.deepcopy(planned)
+    assert copied.model is not model and copied.schedule == planned.schedule
+    assert all(p is not q and torch.equal(p, q) for p, q in zip(copied.model.parameters(), model.parameters()))
+    plain_copy = copy.deepcopy(plain)
+    assert step_equal(copied.model, plain_copy, copied, 1)
+    assert all(p.grad is None for p in model.parameters())
+    assert step_equal(model, plain, planned, 2)
+    with torch.no_grad():
+        assert torch.equal(copied(*data(3)), F.cross_entropy(plain_copy(data(3)[0]), data(3)[1]))
