@@ -233,3 +233,28 @@ def test_a_deep_copy_trains_under_the_same_plan_on_its_own_weights():
     assert step_equal(model, plain, planned, 2)
     with torch.no_grad():
         assert torch.equal(copied(*data(3)), F.cross_entropy(plain_copy(data(3)[0]), data(3)[1]))
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda output, targets: F.cross_entropy(output, targets).detach(),
+    lambda output, targets: (output.argmax(1) == targets).sum(),
+    lambda output, targets: targets.float().mean(),
+])
+def test_a_loss_that_depends_on_no_parameter_is_refused_at_the_capture(loss_fn):
+    x, y = data(0)
+    with pytest.raises(CaptureError, match="depends on none of its trainable parameters"):
+        executor.optimize(Net(), (x,), loss_fn, targets=y, budget=None, strategy="keep-all", cache=False,
+                          progress=False)
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"timed_steps": -1}, "timed_steps is a whole number of steps, at least 0, not -1"),
+    ({"cache": 123}, "cache is True, False, None or a folder"),
+    ({"kwargs": [1]}, "kwargs are the model's keyword inputs as a dict, not list"),
+])
+def test_bad_optimize_arguments_are_clear_errors(options, said):
+    from planner.errors import MososError
+
+    x, y = data(0)
+    with pytest.raises(MososError, match=said):
+        executor.optimize(Net(), (x,), F.cross_entropy, targets=y, budget=None, progress=False, **options)

@@ -407,6 +407,11 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
         raise capture_error(error, model, loss_fn, "tracing its backward") from None
     joint_at = time.perf_counter()
     step = _describe(exported, model, loss_fn, inputs, kwargs, targets, autocast_state)
+    if not step.gradients:
+        raise CaptureError(
+            f"the loss of {type(model).__name__} depends on none of its trainable parameters (detached, computed "
+            "from the targets alone, or not a float): there is no backward to plan, and plain PyTorch's backward "
+            "fails on it too")
     step.export_seconds = exported_at - started
     step.joint_seconds = joint_at - exported_at
     return step

@@ -208,6 +208,13 @@ def optimize(
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
     if not callable(loss_fn):
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise MososError(f"kwargs are the model's keyword inputs as a dict, not {type(kwargs).__name__}")
+    if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 0:
+        raise MososError(f"timed_steps is a whole number of steps, at least 0, not {timed_steps!r}")
+    if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
+        raise MososError(f"cache is True, False, None or a folder (a str or a path), not {type(cache).__name__} "
+                         f"{cache!r}")
     algorithms = _algorithms(algorithms if algorithms is not None
                              else COMPILED_ALGORITHMS if compile else ("native",))
     say = _reporter(progress)
