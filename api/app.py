@@ -39,6 +39,7 @@ from planner.viewer import content_security_policy
 
 log = logging.getLogger("mosos.api")
 WAIT_POLL_S = 0.02
+REQUEUES_AFTER_DELETE = 2  # a waiting POST whose shared plan another client deletes is queued again, this often
 # The viewer page runs only its own inline script and style (by hash), fetches nothing, and is never framed.
 VIEW_HEADERS = {
     "Content-Security-Policy": content_security_policy(header=True),
@@ -202,7 +203,7 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
         responses={
             202: {"model": PlanStatus, "description": "Not ready within wait_s: poll the Location.",
                   "headers": {"Location": {"description": "URL of the plan.", "schema": {"type": "string"}}}},
-            **_error_responses(401, 413, 422, 429, 503),
+            **_error_responses(401, 409, 413, 422, 429, 503),
         },
         openapi_extra=_json_body("PlanRequest", example_request),
     )
@@ -211,27 +212,35 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
         svc = service(request)
         raw = await request.body()
         parsed = await svc.parse_plan(raw)
-        try:
-            hit, job = await run_in_threadpool(svc.find_or_queue, parsed)
-        except QueueFull as full:
-            raise ApiError(429, "queue_full", str(full), limit="queue_size", limit_value=full.queue_size,
-                           headers={"Retry-After": str(full.retry_after_s)}) from None
-        except ServiceStopping as stopping:
-            raise ApiError(503, "stopping", str(stopping)) from None
-        # Only find_or_queue (queue lock, a durable write) needs a thread; reads and rendering are as cheap as
-        # a status call and stay on the event loop.
-        if hit is not None:
-            return Response(svc.render_json(hit, cached=True), media_type="application/json")
         deadline = time.monotonic() + parsed.wait_s
-        while not job.finished.is_set() and time.monotonic() < deadline:
-            await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
-        row = svc.get_row(job.id)
-        if row.status in ("queued", "solving"):
-            return Response(
-                svc.render_json(row), status_code=202, media_type="application/json",
-                headers={"Location": f"/v1/plans/{row.id}"},
-            )
-        return Response(svc.render_json(row), media_type="application/json")
+        for _ in range(REQUEUES_AFTER_DELETE + 1):
+            try:
+                hit, job = await run_in_threadpool(svc.find_or_queue, parsed)
+            except QueueFull as full:
+                raise ApiError(429, "queue_full", str(full), limit="queue_size", limit_value=full.queue_size,
+                               headers={"Retry-After": str(full.retry_after_s)}) from None
+            except ServiceStopping as stopping:
+                raise ApiError(503, "stopping", str(stopping)) from None
+            # Only find_or_queue (queue lock, a durable write) needs a thread; reads and rendering are as cheap as
+            # a status call and stay on the event loop.
+            if hit is not None:
+                return Response(svc.render_json(hit, cached=True), media_type="application/json")
+            while not job.finished.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+            try:
+                row = svc.get_row(job.id)
+            except ApiError as error:
+                if error.status_code != 404:
+                    raise
+                continue  # another client deleted the plan this request shared: this request is queued again
+            if row.status in ("queued", "solving"):
+                return Response(
+                    svc.render_json(row), status_code=202, media_type="application/json",
+                    headers={"Location": f"/v1/plans/{row.id}"},
+                )
+            return Response(svc.render_json(row), media_type="application/json")
+        raise ApiError(409, "conflict", f"the plan this request shared with identical ones was deleted by another "
+                       f"client {REQUEUES_AFTER_DELETE + 1} times while it waited: post it again")
 
     @app.get("/v1/plans", summary="Recent plans, newest first", response_model=PlanList,
              responses=_error_responses(401, 422))

@@ -182,3 +182,25 @@ def test_the_time_limit_bounds_a_search_and_each_solve_keeps_the_servers_limit(c
         plan = client.get(f"/v1/plans/{probe['plan_id']}").json()
         assert plan["time_limit_s"] <= 1.0  # max_time_limit_s
     assert client.post(f"/v1/max-batch/{body['id']}/cancel").status_code == 409  # it has ended
+
+
+def test_a_waiting_post_survives_another_client_deleting_the_plan_it_shares(client):
+    """Identical requests share one plan; when one client deletes it, a request still waiting on it is queued
+    again and answered, not told 404."""
+    import json
+    import threading
+    from pathlib import Path
+
+    profile = json.loads((Path(__file__).resolve().parents[1] / "models/profiles/vgg16-small-cpu.json").read_text())
+    body = {"profile": profile, "strategy": "test-slow-keep", "budget_bytes": 2**30, "time_limit_s": 1.0, "seed": 82}
+    first = client.post("/v1/plans", json={**body, "wait_s": 0}).json()
+    answers: dict = {}
+    waiting = threading.Thread(target=lambda: answers.setdefault(
+        "waiting", client.post("/v1/plans", json={**body, "wait_s": 20})))
+    waiting.start()
+    time.sleep(0.3)
+    assert client.delete(f"/v1/plans/{first['id']}").status_code == 204
+    waiting.join(timeout=30)
+    answer = answers["waiting"]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["status"] == "done" and answer.json()["id"] != first["id"]
