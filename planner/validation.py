@@ -57,6 +57,8 @@ def issues_from_validation_error(error: ValidationError) -> list[Issue]:
             message = "must be a finite number (not NaN or infinity)"
         elif detail["type"] in _BOUNDS:
             message = _bound_message(detail)
+        elif detail["type"] == "int_parsing_size":  # a float beyond 64 bits, such as 1e40
+            message = f"is far too large for this field, not {detail.get('input')!r}"
         issues.append(Issue(format_location(detail["loc"]), message))
     return issues
 

@@ -103,6 +103,7 @@ def test_a_data_gradient_node_may_read_only_gradients_when_its_filter_gradient_r
         ("output_bytes", 2**60, "nodes[1].output_bytes", "must be at most 1125899906842624 (1.00 PiB)"),
         ("time_ms", 1e308, "nodes[1].implementations[0].time_ms", "must be at most 10000000.0 ms, not 1e+308"),
         ("workspace_bytes", 2**51, "nodes[1].implementations[0].workspace_bytes", "must be at most"),
+        ("output_bytes", 1e40, "nodes[1].output_bytes", "is far too large for this field, not 1e+40"),
         # Quoted numbers and booleans are mistakes, not numbers to coerce.
         ("output_bytes", "1000", "nodes[1].output_bytes", "must be a number, not str '1000'"),
         ("time_ms", True, "nodes[1].implementations[0].time_ms", "must be a number, not bool True"),
