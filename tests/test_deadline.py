@@ -87,3 +87,23 @@ def test_the_cli_time_limit_bounds_the_whole_command(tmp_path, training_graph):
         assert answer["strategies"][0]["strategy"] == "mosos"
     else:  # nothing found in time on a slow machine: the answer still names a budget known to work
         assert answer["feasible"] is False and answer["minimum_budget_bytes"] > 0
+
+
+def test_a_stop_request_ends_the_joint_models_solve_too():
+    """The service's cancel: once the joint model's phase has begun, a stop request ends the call within a second,
+    as it does in the earlier phases (its whole-model solve used to run on to its share of the limit)."""
+    profile = json.loads((ROOT / "models/profiles/vgg19-b144-227-p40.json").read_text())
+    from planner.profile import parse_profile
+
+    profile = parse_profile(profile)
+    asked: list[float] = []
+
+    def progress(event: dict) -> None:
+        if event.get("phase") == "joint model" and not asked:
+            asked.append(time.monotonic())
+
+    schedule = plan(profile, memory_ratio=0.6, strategy="mosos", time_limit_s=20, workers=2, progress=progress,
+                    should_stop=lambda: bool(asked))
+    assert asked, "the joint model's phase never began"
+    assert time.monotonic() - asked[0] < 1.5
+    assert simulate(profile, schedule).peak_memory_bytes <= schedule.budget_bytes

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from ortools.sat.python import cp_model
 
 from planner.builder import certify
-from planner.cpsat.callback import relative_gap
+from planner.cpsat.callback import StopWatcher, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
 from planner.cpsat.data import TIME_UNITS_PER_MS, BuildTimeout, Features, ModelData, ModelExtensions, build_data
 from planner.cpsat.extract import Solution, SolvedCopy, build_schedule, read_solution
@@ -182,7 +182,8 @@ class Windows:
             if workers == 1:
                 parameters.max_deterministic_time = time_s
             parameters.max_time_in_seconds = wall_s
-            status = solver.solve(model)
+            with StopWatcher(solver, self.options.should_stop):  # a cancel stops the window's solve too
+                status = solver.solve(model)
             self.stats.windows += 1
             if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 return status, None, None
@@ -431,7 +432,8 @@ def _solve_whole(profile, budget_bytes, features, options: SolveOptions, data: M
         parameters.max_time_in_seconds = wall_s  # a safety net only (see Windows.solve)
     else:
         parameters.max_time_in_seconds = max(0.01, min(time_s, wall_s))
-    status = solver.solve(built.model)
+    with StopWatcher(solver, options.should_stop):
+        status = solver.solve(built.model)
     name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None, None
