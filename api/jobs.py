@@ -236,6 +236,7 @@ class JobQueue:
                 schedule_json=outcome.get("schedule_json"),
                 feasible=outcome.get("feasible"),
                 minimum_budget_bytes=outcome.get("minimum_budget_bytes"),
+                proven=outcome.get("proven"),
                 reason=outcome.get("reason"),
                 solve_seconds=outcome.get("solve_seconds"),
             )

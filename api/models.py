@@ -106,6 +106,8 @@ class PlanStatus(BaseModel):
     progress: Progress | None = Field(default=None, description="While queued or solving: the solver's latest figures. Done: none (see the schedule's summary); failed or cancelled: the last figures reached.")
     feasible: bool | None = Field(default=None, description="False: no plan fits; see minimum_budget_bytes.")
     minimum_budget_bytes: int | None = None
+    proven: bool | None = Field(default=None, description="Infeasible: whether the solver proved that no plan fits "
+                                "(false: its time ran out first; such an answer is not reused for identical requests).")
     reason: str | None = Field(default=None, description="Why it failed, was cancelled, or is infeasible.")
     solve_seconds: float | None = None
     links: PlanLinks

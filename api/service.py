@@ -127,6 +127,7 @@ class Service:
             "progress": progress,
             "feasible": row.feasible,
             "minimum_budget_bytes": row.minimum_budget_bytes,
+            "proven": row.proven,
             "reason": row.reason,
             "solve_seconds": row.solve_seconds,
             "links": {"self": base, "trace": f"{base}/trace", "memory_png": f"{base}/memory.png", "view": f"{base}/view"},

@@ -86,6 +86,7 @@ def solve_task(task: dict, send, should_stop) -> dict:
                 "status": "done",
                 "feasible": False,
                 "minimum_budget_bytes": int(error.minimum_budget_bytes),
+                "proven": getattr(error, "proven", None),
                 "reason": str(error),
                 "solve_seconds": time.monotonic() - started,
             }

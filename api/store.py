@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS plans (
     progress_json TEXT,
     feasible INTEGER,
     minimum_budget_bytes TEXT,
+    proven INTEGER,
     reason TEXT,
     schedule_json TEXT,
     solve_seconds REAL
@@ -69,6 +70,7 @@ class PlanRow:
     progress: dict[str, Any] | None
     feasible: bool | None
     minimum_budget_bytes: int | None
+    proven: bool | None  # infeasible: proven so (or a heuristic's one plan); False: the solver's time ran out
     reason: str | None
     schedule_json: str | None
     solve_seconds: float | None
@@ -90,6 +92,7 @@ class PlanRow:
             progress=json.loads(row["progress_json"]) if row["progress_json"] else None,
             feasible=None if row["feasible"] is None else bool(row["feasible"]),
             minimum_budget_bytes=int(row["minimum_budget_bytes"]) if row["minimum_budget_bytes"] is not None else None,
+            proven=None if row["proven"] is None else bool(row["proven"]),
             reason=row["reason"],
             schedule_json=row["schedule_json"],
             solve_seconds=row["solve_seconds"],
@@ -98,8 +101,11 @@ class PlanRow:
 
 _SUMMARY_COLUMNS = (
     "seq, id, request_hash, profile_digest, profile_name, strategy, options_json, status, created_at, started_at, "
-    "finished_at, progress_json, feasible, minimum_budget_bytes, reason, NULL AS schedule_json, solve_seconds"
+    "finished_at, progress_json, feasible, minimum_budget_bytes, proven, reason, NULL AS schedule_json, solve_seconds"
 )
+
+
+_ADDED_COLUMNS = {"proven": "INTEGER"}  # columns added to the plans table after its first version
 
 
 class StoreError(MososError):
@@ -143,11 +149,19 @@ class Store:
         self._connections_lock = threading.Lock()
         try:
             self._db().executescript(_SCHEMA)  # executescript manages its own transaction
+            self._add_missing_columns()
         except sqlite3.DatabaseError as error:
             self.close()
             if "not a database" in str(error) or "malformed" in str(error):
                 raise StoreError(f"{self.path} is not a SQLite database of plans ({error}); give another --db") from None
             raise StoreError(f"cannot open the plan store {self.path}: {error}") from None
+
+    def _add_missing_columns(self) -> None:
+        """A store made by an earlier version: its plans table gains the columns added since (NULL in old rows)."""
+        columns = {row["name"] for row in self._db().execute("PRAGMA table_info(plans)")}
+        for name, kind in _ADDED_COLUMNS.items():
+            if name not in columns:
+                self._db().execute(f"ALTER TABLE plans ADD COLUMN {name} {kind}")
 
     # Connections -------------------------------------------------------
 
@@ -247,6 +261,7 @@ class Store:
         schedule_json: str | None = None,
         feasible: bool | None = None,
         minimum_budget_bytes: int | None = None,
+        proven: bool | None = None,
         reason: str | None = None,
         solve_seconds: float | None = None,
         progress: dict[str, Any] | None = None,
@@ -255,7 +270,7 @@ class Store:
         assert status in TERMINAL
         with self._transaction() as db:
             cursor = db.execute(
-                "UPDATE plans SET status=?, schedule_json=?, feasible=?, minimum_budget_bytes=?, reason=?, "
+                "UPDATE plans SET status=?, schedule_json=?, feasible=?, minimum_budget_bytes=?, proven=?, reason=?, "
                 "solve_seconds=?, finished_at=?, progress_json=COALESCE(?, progress_json) "
                 "WHERE id=? AND status IN ('queued', 'solving')",
                 (
@@ -263,6 +278,7 @@ class Store:
                     schedule_json,
                     None if feasible is None else int(feasible),
                     None if minimum_budget_bytes is None else str(minimum_budget_bytes),
+                    None if proven is None else int(proven),
                     reason,
                     solve_seconds,
                     time.time(),
@@ -292,9 +308,12 @@ class Store:
         return PlanRow.from_sql(row) if row else None
 
     def find_done(self, request_hash: str) -> PlanRow | None:
-        """The stored answer to an identical request: a finished plan, feasible or not."""
+        """The stored answer to an identical request: a finished plan, feasible or not, but not a solver's "none found
+        in time" (a machine less busy may find one: the request is solved again)."""
         row = self._db().execute(
-            "SELECT * FROM plans WHERE request_hash=? AND status='done' ORDER BY seq DESC LIMIT 1", (request_hash,)
+            "SELECT * FROM plans WHERE request_hash=? AND status='done' "
+            "AND NOT (COALESCE(feasible, 1) = 0 AND COALESCE(proven, 1) = 0) ORDER BY seq DESC LIMIT 1",
+            (request_hash,),
         ).fetchone()
         return PlanRow.from_sql(row) if row else None
 

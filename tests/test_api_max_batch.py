@@ -35,6 +35,14 @@ PLUGIN = textwrap.dedent(
         while time.monotonic() < ends and not (options.should_stop and options.should_stop()):
             time.sleep(0.02)
         return certify(profile, keep_all_schedule(profile, budget_bytes), "test-slow-keep")
+
+
+    @strategy("test-out-of-time", "finds no plan and proves nothing, as a solver whose time ran out")
+    def out_of_time(profile, budget_bytes, options):
+        from planner.planning import InfeasibleBudget
+
+        raise InfeasibleBudget("test-out-of-time found no plan in its time limit", minimum_budget_bytes=2**30,
+                               proven=False)
     '''
 )
 
@@ -54,6 +62,7 @@ def client(tmp_path_factory):
             yield test_client
     finally:
         STRATEGIES.pop("test-slow-keep", None)
+        STRATEGIES.pop("test-out-of-time", None)
 
 
 def request(**overrides) -> dict:
@@ -204,3 +213,19 @@ def test_a_waiting_post_survives_another_client_deleting_the_plan_it_shares(clie
     answer = answers["waiting"]
     assert answer.status_code == 200, answer.text
     assert answer.json()["status"] == "done" and answer.json()["id"] != first["id"]
+
+
+def test_a_none_found_in_time_answer_is_not_reused_but_a_proven_one_is(client):
+    import json
+    from pathlib import Path
+
+    profile = json.loads((Path(__file__).resolve().parents[1] / "models/profiles/vgg16-small-cpu.json").read_text())
+    body = {"profile": profile, "budget_bytes": 5_700_000, "time_limit_s": 1.0, "wait_s": 20, "seed": 83}
+    first = client.post("/v1/plans", json={**body, "strategy": "test-out-of-time"}).json()
+    assert first["status"] == "done" and first["feasible"] is False and first["proven"] is False, first
+    again = client.post("/v1/plans", json={**body, "strategy": "test-out-of-time"}).json()
+    assert again["cached"] is False and again["id"] != first["id"]
+    heuristic = client.post("/v1/plans", json={**body, "strategy": "vdnn-all"}).json()
+    assert heuristic["status"] == "done" and heuristic["feasible"] is False and heuristic["proven"] is None, heuristic
+    reused = client.post("/v1/plans", json={**body, "strategy": "vdnn-all"}).json()
+    assert reused["cached"] is True and reused["id"] == heuristic["id"]

@@ -187,3 +187,21 @@ def test_a_read_only_db_file_is_refused(tmp_path):
         assert_refused(serve("--db", str(db), preexec_fn=preexec), f"cannot write the plan store {db}")
     finally:
         db.chmod(0o644)
+
+
+def test_a_store_from_before_the_proven_column_is_upgraded_and_its_plans_kept(tmp_path):
+    import sqlite3
+
+    from api.store import _SCHEMA, Store
+
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(_SCHEMA.replace("    proven INTEGER,\n", ""))
+        db.execute("INSERT INTO profiles VALUES ('d', 'p', 1, '{}')")
+        db.execute("INSERT INTO plans (id, request_hash, profile_digest, profile_name, strategy, options_json, status, "
+                   "created_at, feasible, minimum_budget_bytes) VALUES ('a', 'h', 'd', 'p', 'mosos', '{}', 'done', 1.0, "
+                   "0, '5')")
+    store = Store(path)
+    row = store.find_done("h")
+    assert row is not None and row.id == "a" and row.proven is None and row.minimum_budget_bytes == 5
+    store.close()
