@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import typer
@@ -92,6 +93,7 @@ def serve_command(
     # with the reason (exit 2), never after recovery has touched the other server's plans.
     owned = OwnedStore.open(settings, address)
     try:
+        _check_address_free(host, port, address)
         application = create_app(settings, owned)  # imports the plugins: a PluginError says which one failed, and how
     except BaseException:
         owned.close()
@@ -104,3 +106,19 @@ def serve_command(
         highlight=False,
     )
     uvicorn.run(application, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+def _check_address_free(host: str, port: int, address: str) -> None:
+    """A port another program listens on is refused before the solve processes start (uvicorn would say so only
+    after them). The probe binds as uvicorn does (SO_REUSEADDR); other bind errors are left to uvicorn's message."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise ServeError(f"cannot listen on {address}: the port is in use (another server?); choose another "
+                                 "--port") from None

@@ -205,3 +205,17 @@ def test_a_store_from_before_the_proven_column_is_upgraded_and_its_plans_kept(tm
     row = store.find_done("h")
     assert row is not None and row.id == "a" and row.proven is None and row.minimum_budget_bytes == 5
     store.close()
+
+
+def test_a_port_in_use_is_refused_before_the_solve_processes_start(tmp_path):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        environment = {**os.environ, "PYTHONPATH": str(REPO)}
+        result = subprocess.run([sys.executable, "-m", "cli", "serve", "--port", str(port), "--workers", "1",
+                                 "--request-processes", "1", "--db", str(tmp_path / "plans.sqlite3")], cwd=REPO,
+                                env=environment, capture_output=True, timeout=60)
+    assert_refused(result, f"cannot listen on http://127.0.0.1:{port}: the port is in use", "choose another --port")
