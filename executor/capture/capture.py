@@ -222,17 +222,22 @@ def _advice(error: BaseException) -> str:
 _GENERIC_ADVICE = "rewrite that part with tensor operations torch.export can trace (see the torch.export documentation)"
 
 
-def capture_error(error: BaseException, model: nn.Module, loss_fn, stage: str) -> CaptureError:
-    """A CaptureError naming the module, the user's source line and what to change."""
+def _module_and_line(error: BaseException, model: nn.Module, loss_fn) -> tuple[str | None, str | None]:
+    """The innermost module of the user's code the error passed through, and the user's source line."""
     names = _module_names(model, loss_fn)
-    frames = _user_frames(error)
     module = where = None
-    for frame, lineno in reversed(frames):
+    for frame, lineno in reversed(_user_frames(error)):
         found, line = _describe_frame(frame, lineno, names)
         where = where or line
         if found:
             module = found
             break
+    return module, where
+
+
+def capture_error(error: BaseException, model: nn.Module, loss_fn, stage: str) -> CaptureError:
+    """A CaptureError naming the module, the user's source line and what to change."""
+    module, where = _module_and_line(error, model, loss_fn)
     message = f"cannot capture {type(model).__name__} ({stage})"
     if module:
         message += f" in module {module}"
@@ -285,14 +290,8 @@ def _plain_pytorch_failure(error: BaseException, model: nn.Module, inputs: tuple
 
 def _inputs_error(error: BaseException, model: nn.Module, loss_fn, module: str | None, inputs: tuple,
                   kwargs: dict, targets) -> CaptureError:
-    names = _module_names(model, loss_fn)
-    where = None
-    for frame, lineno in reversed(_user_frames(error)):
-        found, line = _describe_frame(frame, lineno, names)
-        where = where or line
-        if found:
-            module = module or found
-            break
+    found, where = _module_and_line(error, model, loss_fn)
+    module = module or found
     place = (f" in module {module}" if module else "") + (f" at {where}" if where else "")
     return CaptureError(
         f"{type(model).__name__} fails on these inputs{place}, in plain PyTorch as well: "
