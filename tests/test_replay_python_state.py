@@ -258,3 +258,34 @@ def test_bad_optimize_arguments_are_clear_errors(options, said):
     x, y = data(0)
     with pytest.raises(MososError, match=said):
         executor.optimize(Net(), (x,), F.cross_entropy, targets=y, budget=None, progress=False, **options)
+
+
+class Scaled(Net):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.table = torch.full((32,), scale)  # a tensor attribute, not a buffer: a constant of the graph
+
+
+def test_a_cache_hit_takes_the_graphs_tensor_constants_from_this_run(tmp_path):
+    """No key or hash sees a tensor constant's values (a tensor attribute, a loss's class weights): a hit must use
+    this run's, not the kept copies."""
+
+    class Tabled(Scaled):
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)) * self.table)
+
+    def run(scale: float, weight: float) -> list[str]:
+        torch.manual_seed(0)
+        model = Tabled(scale)
+        plain = copy.deepcopy(model)
+        x, y = data(0)
+        loss_fn = functools.partial(F.cross_entropy, weight=torch.full((4,), weight))
+        messages: list[str] = []
+        planned = executor.optimize(model, (x,), loss_fn, targets=y, budget=None, strategy="keep-all",
+                                    cache=tmp_path, timed_steps=0, progress=messages.append)
+        assert torch.equal(planned(x, y), loss_fn(plain(x), y))
+        return messages
+
+    run(1.0, 1.0)
+    assert any("no profile or solve" in m for m in run(3.0, 1.0))
+    assert any("no profile or solve" in m for m in run(1.0, 5.0))

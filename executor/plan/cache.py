@@ -481,6 +481,14 @@ def _check_fresh_capture(step, model, loss_fn, inputs: tuple, kwargs: dict | Non
     if fresh.structure_sha256() != step.structure_sha256():
         raise StoreError("a fresh capture of the step differs from the kept one: the model computes something else "
                          "now (a value it reads from outside its modules, such as a global or a closure, changed)")
+    # the graph's tensor constants (tensor attributes that are not buffers, a loss's class weights) are this run's,
+    # not the kept copies: their values are no part of any key or hash, and the fresh capture holds the live ones
+    current = {node.name: source for node, source in fresh.sources.items() if source.kind == "constant"}
+    for node, source in step.sources.items():
+        if source.kind == "constant":
+            if node.name not in current:
+                raise StoreError(f"the kept step's constant {node.name} is not in a fresh capture")
+            source.tensor = current[node.name].tensor
     say(f"checked the kept plan against a fresh capture of the step ({time.perf_counter() - started:.1f} s)")
 
 
