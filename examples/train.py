@@ -60,6 +60,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--compare-plain", action="store_true",
                         help="with --budget: run plain PyTorch beside the plan even where it does not fit the budget")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, not {args.steps}")
     if args.budget is None and args.memory_ratio is None:
         args.memory_ratio = 0.7
     return args

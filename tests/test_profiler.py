@@ -188,8 +188,30 @@ def test_optimizer_state():
     assert optimizer_state_bytes("adamw", 100) == 200
     sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
     assert optimizer_state_bytes(sgd, 100) == 100
+    amsgrad = torch.optim.Adam([nn.Parameter(torch.zeros(1))], amsgrad=True)
+    assert optimizer_state_bytes(amsgrad, 100) == 300  # the running maximum of the second moment too
     with pytest.raises(MososError, match="unknown optimizer"):
         optimizer_state_bytes("lion-ish", 100)
+
+
+def test_the_plan_key_follows_the_optimizers_state_not_its_learning_rate():
+    """A run resumed after a scheduler lowered the learning rate finds its kept plan; amsgrad's extra state does not."""
+    from executor.plan.cache import plan_key
+
+    model = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def key(optimizer):
+        return plan_key(model, lambda out: out.sum(), (x,), None, None, device=torch.device("cpu"),
+                        budget={"bytes": None}, strategy="mosos", optimizer=optimizer, settings={}).digest
+
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first = key(adam)
+    adam.param_groups[0]["lr"] = 1e-4
+    assert key(adam) == first
+    assert key(torch.optim.AdamW(model.parameters(), lr=1e-3, amsgrad=True)) != first
+    assert key(torch.optim.SGD(model.parameters(), lr=0.1)) != key(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                   momentum=0.9))
 
 
 def test_wrong_inputs_are_clear_errors():

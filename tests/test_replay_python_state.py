@@ -16,6 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import executor  # noqa: E402
 from executor.errors import CaptureError, ProfileMismatch, ReplayError  # noqa: E402
+from planner.errors import MososError  # noqa: E402
 
 
 class Net(nn.Module):
@@ -251,10 +252,11 @@ def test_a_loss_that_depends_on_no_parameter_is_refused_at_the_capture(loss_fn):
     ({"timed_steps": -1}, "timed_steps is a whole number of steps, at least 0, not -1"),
     ({"cache": 123}, "cache is True, False, None or a folder"),
     ({"kwargs": [1]}, "kwargs are the model's keyword inputs as a dict, not list"),
+    ({"time_limit_s": -5}, "time limit must be a positive number of seconds, not -5"),
+    ({"strategy": "bogus"}, "unknown strategy 'bogus'"),
+    ({"memory_ratio": 1.5}, r"memory ratio must be a number in \(0, 1\], not 1.5"),
 ])
 def test_bad_optimize_arguments_are_clear_errors(options, said):
-    from planner.errors import MososError
-
     x, y = data(0)
     with pytest.raises(MososError, match=said):
         executor.optimize(Net(), (x,), F.cross_entropy, targets=y, budget=None, progress=False, **options)
@@ -289,3 +291,10 @@ def test_a_cache_hit_takes_the_graphs_tensor_constants_from_this_run(tmp_path):
     run(1.0, 1.0)
     assert any("no profile or solve" in m for m in run(3.0, 1.0))
     assert any("no profile or solve" in m for m in run(1.0, 5.0))
+
+
+def test_a_data_parallel_wrapper_is_refused_with_the_order_that_works():
+    x, y = data(0)
+    with pytest.raises(MososError, match=r"plans the model itself, not a DataParallel around it: plan the model, "
+                                         r"then wrap the planned module"):
+        executor.optimize(nn.DataParallel(Net()), (x,), F.cross_entropy, targets=y, budget=None, progress=False)

@@ -131,6 +131,8 @@ def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainab
     if isinstance(optimizer, torch.optim.Optimizer):
         name = type(optimizer).__name__.lower()
         momentum = any(group.get("momentum", 0) for group in optimizer.param_groups)
+        if any(group.get("amsgrad", False) for group in optimizer.param_groups):
+            return 3 * trainable_bytes  # Adam's two moments and the running maximum of the second
     else:
         name = optimizer.lower()
         momentum = name in ("momentum", "sgd-momentum")

@@ -198,7 +198,9 @@ def module_structure(model: nn.Module) -> dict:
 def _optimizer_identity(optimizer) -> Any:
     if optimizer is None or isinstance(optimizer, str):
         return optimizer
-    groups = [{k: _plain(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    # what its state's size depends on, not the learning rate a scheduler changes (a resumed run must hit)
+    groups = [{"momentum": bool(group.get("momentum", 0)), "amsgrad": bool(group.get("amsgrad", False))}
+              for group in optimizer.param_groups]
     return {"class": type(optimizer).__qualname__, "groups": groups}
 
 

@@ -133,6 +133,24 @@ def _algorithms(algorithms) -> tuple[str, ...]:
     return tuple(algorithms)
 
 
+def _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url) -> None:
+    """What the solve would refuse, refused before the capture and the measuring pass (and before a cache hit, which
+    would otherwise accept it until the first re-plan)."""
+    import math
+    import numbers
+
+    from planner.planning import strategy_names
+
+    if memory_ratio is not None and (isinstance(memory_ratio, bool) or not isinstance(memory_ratio, numbers.Real)
+                                     or not 0 < memory_ratio <= 1):
+        raise BudgetError(f"memory ratio must be a number in (0, 1], not {memory_ratio!r}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not (
+            math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise MososError(f"time limit must be a positive number of seconds, not {time_limit_s!r}")
+    if planner_url is None and strategy not in strategy_names():
+        raise MososError(f"unknown strategy {strategy!r}; known: {', '.join(strategy_names())}")
+
+
 def optimize(
     model: nn.Module,
     example_inputs,
@@ -206,6 +224,10 @@ def optimize(
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise MososError(f"optimize() plans the model itself, not a {type(model).__name__} around it: plan the model, "
+                         f"then wrap the planned module (DistributedDataParallel(optimize(model, ...)))")
+    _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url)
     if not callable(loss_fn):
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
     if kwargs is not None and not isinstance(kwargs, dict):
