@@ -480,7 +480,9 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
                                "does not handle (outputs that alias each other or tensor subclasses)")
     if loss is None:
         raise CaptureError(f"cannot capture {type(model).__name__}: the loss is not part of the graph")
-    if autocast_state:
+    if autocast_state and autocast_state[0][2]:
+        # eager's autocast cache (on unless cache_enabled=False; one flag for every device) casts a parameter once
+        # per region; without it eager casts at every use, as the trace does
         parameters = {node: source.name for node, source in sources.items()
                       if source.kind == "parameter" and source.owner == "model"}
         by_name = {name: value for value, name, owner in gradients if owner == "model"}
