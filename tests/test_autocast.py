@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
-from executor.errors import ProfileMismatch  # noqa: E402
+from executor.errors import CaptureError, ProfileMismatch  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
 from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
@@ -248,3 +248,14 @@ def test_dropout_on_a_bfloat16_model_is_eager_pytorchs():
         _assert_same(f"step {step}", loss, plain_loss, model, plain)
         for m in (model, plain):
             m.zero_grad()
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.BatchNorm2d(8), lambda: nn.GroupNorm(2, 8)])
+def test_compiled_replay_under_autocast_refuses_batch_and_group_norms_it_cannot_run(norm):
+    """They failed in the compiled measuring pass with ATen's mixed-dtype error; refused before anything runs."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm(), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    with torch.autocast(**BF16), pytest.raises(CaptureError, match="compile=True under autocast cannot run "
+                                                                      "Sequential yet: it has a (batch|group) norm"):
+        executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, compile=True, cache=False,
+                          progress=False)

@@ -105,6 +105,48 @@ def test_inputs_the_model_cannot_take_are_named_as_such_not_as_a_capture_problem
         capture(model[1:], (torch.randn(4, 8),), None, torch.zeros(4, 3, dtype=torch.long), nn.CrossEntropyLoss())
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Quantisation-aware training's rounding: the forward rounds, the backward passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient
+
+
+class _Quantised(nn.Module):
+    def forward(self, x):
+        return _StraightThrough.apply(x)
+
+
+def test_a_custom_autograd_function_is_refused_since_its_backward_would_be_lost():
+    message = _refusal(_Quantised())
+    assert "custom autograd.Function _StraightThrough (test_capture.py:" in message
+    assert "replace with the derivative of its forward" in message
+
+
+def test_reentrant_checkpointing_is_refused_and_the_other_kind_captured():
+    """torch.utils.checkpoint's reentrant variant runs its forward without autograd: the trace has no gradient there
+    (the layers before it would silently get none); the non-reentrant one is captured."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, reentrant: bool):
+            super().__init__()
+            self.lin, self.reentrant = nn.Linear(4, 4), reentrant
+
+        def forward(self, x):
+            return checkpoint(lambda h: torch.tanh(self.lin(h)), x, use_reentrant=self.reentrant)
+
+    message = _refusal(Checkpointed(True))
+    assert "torch.utils.checkpoint with use_reentrant=True" in message and "use_reentrant=False" in message
+    step = capture(_Outer(Checkpointed(False)), (torch.randn(2, 4),), None, None, lambda out: out.sum())
+    assert len(step.gradients) == 4
+
+
 class _InPlace(nn.Module):
     """Every in-place spelling of the issue, each on a tensor that is read afterwards."""
 

@@ -247,6 +247,49 @@ def capture_error(error: BaseException, model: nn.Module, loss_fn, stage: str) -
     return CaptureError(message)
 
 
+@contextlib.contextmanager
+def _recording_custom_functions(found: list[type]):
+    """Note each torch.autograd.Function the forward applies while it is traced (the export runs its forward)."""
+    function_class = torch.autograd.Function
+    original = function_class.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls not in found:
+            found.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    function_class.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function_class.apply = original
+
+
+def _refuse_custom_functions(found: list[type], model: nn.Module) -> None:
+    """The joint graph differentiates what a Function's forward traced to, not what its backward says (a
+    straight-through estimator, a hand-written gradient), and a forward run under no_grad (torch.utils.checkpoint's
+    reentrant variant) traces to no gradient at all: either would train another model."""
+    if not found:
+        return
+    cls = found[0]
+    if cls.__module__.startswith("torch.utils.checkpoint"):
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: it uses torch.utils.checkpoint with use_reentrant=True, whose "
+            "forward runs without autograd and cannot be captured with its gradients; pass use_reentrant=False, or "
+            "leave the checkpointing out (the plan decides what to recompute)")
+    import inspect
+
+    try:
+        where = f" ({os.path.basename(inspect.getsourcefile(cls) or '')}:{inspect.getsourcelines(cls)[1]})"
+    except (OSError, TypeError):
+        where = ""
+    raise CaptureError(
+        f"cannot capture {type(model).__name__}: it applies the custom autograd.Function "
+        f"{cls.__qualname__}{where}, whose own backward the captured step would replace with the derivative of its "
+        "forward; the executor cannot reproduce it (train this model without the plan, or write the Function's "
+        "forward so that its derivative is the gradient you want)")
+
+
 def _plain_pytorch_failure(error: BaseException, model: nn.Module, inputs: tuple, kwargs: dict, targets,
                            loss_fn: Callable, autocast_state: tuple) -> tuple[bool, str | None]:
     """Whether the step, run without torch.export (on fake tensors: no memory), fails the same way, and in which
@@ -384,9 +427,10 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
         raise CaptureError("the model has no trainable parameters: there is no backward pass to plan")
     export.require_supported_torch()
     started = time.perf_counter()
+    custom_functions: list[type] = []
     try:
         with python_state.ForwardSideEffects(model, loss_fn), _quiet_torch(), autocast.disabled(), \
-                autocast.eager_mask_branch():
+                autocast.eager_mask_branch(), _recording_custom_functions(custom_functions):
             program = export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
     except CaptureError:
         raise
@@ -395,6 +439,7 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
         if fails:
             raise _inputs_error(error, model, loss_fn, module, inputs, kwargs, targets) from None
         raise capture_error(error, model, loss_fn, "torch.export") from None
+    _refuse_custom_functions(custom_functions, model)
     _check_static(program, model)
     exported_at = time.perf_counter()
     try:
