@@ -569,6 +569,11 @@ def _unsupported_input(desc, model) -> str:
                 "pass separate tensors (clone one of them)")
     if "Subclass" in text:
         return f"cannot capture {type(model).__name__}: tensor subclasses among the inputs or parameters are not supported"
+    if "Token" in text:
+        return (f"cannot capture {type(model).__name__}: it calls an operation with a side effect the graph must order "
+                "(torch.linalg's checked solvers such as cholesky or solve, whose error check is an effect; prints, "
+                "asserts on tensors), which the executor does not replay: use the _ex variants "
+                "(torch.linalg.cholesky_ex, solve_ex) and check their info yourself, or move it out of the model")
     return f"cannot capture {type(model).__name__}: its graph takes an input the executor does not handle ({desc})"
 
 
