@@ -147,6 +147,16 @@ def test_reentrant_checkpointing_is_refused_and_the_other_kind_captured():
     assert len(step.gradients) == 4
 
 
+class _Cholesky(nn.Module):
+    def forward(self, x):
+        return x @ torch.linalg.cholesky(x.T @ x + 4 * torch.eye(4))
+
+
+def test_a_checked_solver_is_refused_with_its_unchecked_variant_named():
+    message = _refusal(_Cholesky())
+    assert "side effect" in message and "torch.linalg.cholesky_ex" in message
+
+
 class _InPlace(nn.Module):
     """Every in-place spelling of the issue, each on a tensor that is read afterwards."""
 
