@@ -54,12 +54,16 @@ def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
         )
 
 
-def budget_from_ratio(profile: GraphProfile, memory_ratio: float) -> int:
-    """A fraction of the keep-all peak with the fastest implementations, as the MO-SOS paper measures."""
+def check_memory_ratio(memory_ratio: float) -> None:
     if isinstance(memory_ratio, bool) or not isinstance(memory_ratio, numbers.Real):
         raise BudgetError(f"memory ratio is a number in (0, 1], not {type(memory_ratio).__name__} {memory_ratio!r}")
     if not 0 < memory_ratio <= 1.0 or memory_ratio != memory_ratio:
-        raise BudgetError(f"memory ratio must be in (0, 1], got {memory_ratio}")
+        raise BudgetError(f"memory ratio must be a number in (0, 1], not {memory_ratio!r}")
+
+
+def budget_from_ratio(profile: GraphProfile, memory_ratio: float) -> int:
+    """A fraction of the keep-all peak with the fastest implementations, as the MO-SOS paper measures."""
+    check_memory_ratio(memory_ratio)
     from planner.strategies.keep_all import keep_all_peak_bytes
 
     return int(keep_all_peak_bytes(profile) * memory_ratio)

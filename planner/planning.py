@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Callable
 
@@ -43,6 +44,17 @@ def strategy_names() -> list[str]:
     return sorted(load_all())
 
 
+def check_plan_options(strategy: str | None, time_limit_s: float) -> None:
+    """A strategy that exists (None: not checked here) and a time limit that is one: what plan() checks first, for
+    callers that check before any work (optimize() before its capture)."""
+    strategies = load_all()
+    if strategy is not None and strategy not in strategies:
+        raise UnknownStrategy(f"unknown strategy {strategy!r}; known: {', '.join(sorted(strategies))}")
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not (
+            math.isfinite(time_limit_s) and time_limit_s > 0):
+        raise MososError(f"time limit must be a positive number of seconds, not {time_limit_s!r}")
+
+
 def plan(
     profile: GraphProfile,
     budget_bytes: int | None = None,
@@ -66,15 +78,11 @@ def plan(
     caller's clock started, if before this call (the CLI's command start).
     """
     started = time.monotonic() if started_at is None else min(started_at, time.monotonic())
-    strategies = load_all()
-    if strategy not in strategies:
-        raise UnknownStrategy(f"unknown strategy {strategy!r}; known: {', '.join(sorted(strategies))}")
-    info = strategies[strategy]
+    check_plan_options(strategy, time_limit_s)
+    info = load_all()[strategy]
     budget = resolve_budget(profile, budget_bytes, memory_ratio)
     if budget is None and info.uses_budget:
         raise BudgetError(f"strategy {strategy!r} needs a budget: give budget_bytes or memory_ratio")
-    if not (math.isfinite(time_limit_s) and time_limit_s > 0):
-        raise MososError(f"time limit must be positive, got {time_limit_s} s")
     if workers is not None and workers < 1:
         raise MososError(f"workers must be at least 1, got {workers}")
     options = SolveOptions(

@@ -24,7 +24,7 @@ from torch import nn
 from executor.errors import CaptureError
 
 _SIMPLE = (bool, int, float, str, type(None))
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -61,7 +61,7 @@ def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
 
 
 def _modules(model: nn.Module, prefix: str) -> tuple:
-    return tuple((prefix + path, type(module), module.training, _attributes(module), _hooks(module, _HOOK_DICTS))
+    return tuple((prefix + path, type(module), module.training, _attributes(module), _hooks(module, HOOK_DICTS))
                  for path, module in model.named_modules(remove_duplicate=False))
 
 

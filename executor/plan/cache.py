@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor.capture.capture import tensor_signature
+from executor.capture.python_state import HOOK_DICTS
 from executor.capture.capture_store import StoreError, changed_files, dump_step, load_step
 from planner import __version__ as MOSOS_VERSION
 from planner.errors import MososError
@@ -101,7 +102,7 @@ def _code_digest(function) -> str | None:
 def _hooks_identity(module: nn.Module) -> dict:
     """A module's hooks by what they run (their handles' numbers differ from run to run)."""
     found = {}
-    for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+    for kind in HOOK_DICTS:
         hooks = getattr(module, kind, None) or {}
         if hooks:
             found[kind.strip("_")] = [[getattr(hook, "__qualname__", type(hook).__qualname__), _code_digest(hook)]

@@ -149,21 +149,14 @@ def _refuse_compiled_autocast_norms(profiled, model: nn.Module) -> None:
 
 
 def _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url) -> None:
-    """What the solve would refuse, refused before the capture and the measuring pass (and before a cache hit, which
-    would otherwise accept it until the first re-plan)."""
-    import math
-    import numbers
+    """What the solve would refuse, refused by the planner's own checks before the capture and the measuring pass
+    (and before a cache hit, which would otherwise accept it until the first re-plan)."""
+    from planner.budget import check_memory_ratio
+    from planner.planning import check_plan_options
 
-    from planner.planning import strategy_names
-
-    if memory_ratio is not None and (isinstance(memory_ratio, bool) or not isinstance(memory_ratio, numbers.Real)
-                                     or not 0 < memory_ratio <= 1):
-        raise BudgetError(f"memory ratio must be a number in (0, 1], not {memory_ratio!r}")
-    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not (
-            math.isfinite(time_limit_s) and time_limit_s > 0):
-        raise MososError(f"time limit must be a positive number of seconds, not {time_limit_s!r}")
-    if planner_url is None and strategy not in strategy_names():
-        raise MososError(f"unknown strategy {strategy!r}; known: {', '.join(strategy_names())}")
+    if memory_ratio is not None:
+        check_memory_ratio(memory_ratio)
+    check_plan_options(None if planner_url else strategy, time_limit_s)  # a service knows its own strategies
 
 
 def optimize(
