@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.docs import add_docs
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
-from api.http_rules import method_not_allowed, require_json_body
+from api.http_rules import HeadAsGet, method_not_allowed, require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
 from api.max_batch import MaxBatchRequest, MaxBatchSearches
 from api.max_batch import add_routes as add_max_batch_routes
@@ -149,6 +149,7 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
         swagger_ui_oauth2_redirect_url=None,
         dependencies=[Depends(require_json_body)],  # every route that takes a body: JSON only, else 415
     )
+    app.add_middleware(HeadAsGet)  # inside the guard: a HEAD request needs the token a GET needs
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)
     add_docs(app)
 

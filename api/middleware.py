@@ -6,7 +6,10 @@ import hmac
 import json
 import time
 
+from starlette.routing import Match
+
 from api.errors import BodyTooLarge
+from api.http_rules import request_method
 from api.metrics import Metrics
 from api.settings import Settings
 
@@ -19,6 +22,19 @@ async def _send_json(send, status: int, body: dict, headers: dict[str, str] | No
     raw_headers += [(key.lower().encode(), value.encode()) for key, value in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _route_label(scope) -> str:
+    """The route template of the request's path: the router's match, or, for a request answered before routing (401,
+    413), the first route whose path matches; "unmatched" for a path no route has."""
+    route = scope.get("route")
+    if route is None:
+        app = scope.get("app")
+        for candidate in getattr(getattr(app, "router", None), "routes", ()):
+            if getattr(candidate, "methods", None) and candidate.matches(scope)[0] != Match.NONE:
+                route = candidate
+                break
+    return getattr(route, "path", None) or "unmatched"
 
 
 class GuardMiddleware:
@@ -43,9 +59,8 @@ class GuardMiddleware:
         try:
             await self._guarded(scope, receive, tracked_send)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(method=scope.get("method", ""), route=label, status=str(status[0])).inc()
+            label = _route_label(scope)
+            self.metrics.requests.labels(method=request_method(scope), route=label, status=str(status[0])).inc()
             self.metrics.request_seconds.labels(route=label).observe(time.perf_counter() - started)
 
     async def _guarded(self, scope, receive, send):

@@ -1,8 +1,9 @@
 """HTTP rules every route of the service follows, in-process (FastAPI TestClient).
 
 Bearer tokens are compared as UTF-8 bytes; request bodies are JSON only (415
-otherwise, so that a cross-origin "simple request" queues nothing); `Allow`
-names every method of a path on 405 and OPTIONS; /docs works with no network.
+otherwise, so that a cross-origin "simple request" queues nothing), and
+uncompressed; HEAD answers wherever GET does; `Allow` names every method of a
+path on 405 and OPTIONS; /docs works with no network.
 """
 
 from __future__ import annotations
@@ -131,6 +132,75 @@ def test_json_with_any_charset_parameter_is_accepted(client, content_type):
     assert response.json()["status"] == "done"
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate"])
+def test_a_compressed_body_is_refused_by_its_encoding(client, encoding):
+    import gzip
+    import json
+
+    before = stored_plans(client)
+    body = gzip.compress(json.dumps(plan_body()).encode())
+    response = client.post("/v1/plans", content=body,
+                           headers={"content-type": "application/json", "content-encoding": encoding})
+    assert response.status_code == 415, response.text
+    assert response.json()["error"] == "unsupported_media_type"
+    assert f"Content-Encoding: {encoding}" in response.json()["message"] and "uncompressed" in response.json()["message"]
+    assert stored_plans(client) == before
+
+
+def test_an_identity_content_encoding_is_a_plain_body(client):
+    import json
+
+    response = client.post("/v1/plans", content=json.dumps(plan_body()).encode(),
+                           headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert response.status_code == 200, response.text
+
+
+# HEAD wherever GET --------------------------------------------------------------------------
+
+
+def test_head_answers_every_get_path_like_get_without_a_body(client):
+    posted = client.post("/v1/plans", json=plan_body())
+    assert posted.status_code == 200, posted.text
+    plan_id = posted.json()["id"]
+    checked = 0
+    for path, methods in documented_methods(client).items():
+        if "GET" not in methods or "{" in path and "plan_id" not in path:
+            continue
+        url = path.replace("{plan_id}", plan_id)
+        got, head = client.get(url), client.head(url)
+        assert head.status_code == got.status_code, (path, head.status_code, got.status_code)
+        assert head.content == b"", path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+        if path != "/metrics":  # the counters move between the two requests
+            assert head.headers["content-length"] == got.headers["content-length"], path
+        checked += 1
+    assert checked >= 6
+    missing = client.head("/v1/plans/0123456789abcdef")
+    assert missing.status_code == 404 and missing.content == b""
+
+
+def test_head_on_a_path_without_get_is_405_naming_head(client):
+    response = client.head("/v1/simulate")
+    assert response.status_code == 405 and response.headers["allow"] == "POST, OPTIONS"
+    assert client.request("GET", "/v1/simulate").json()["message"].startswith("GET is not a method")
+    # A HEAD answer has no body; its message is the same as for the method named.
+    assert response.content == b""
+
+
+def test_head_needs_the_token_a_get_needs(guarded):
+    assert guarded.head("/v1/plans").status_code == 401
+    assert guarded.head("/v1/plans", headers=bearer(TOKEN)).status_code == 200
+
+
+def test_requests_answered_before_routing_are_counted_under_their_route(guarded):
+    guarded.get("/v1/plans")  # 401, answered by the guard before the router runs
+    metrics = guarded.get("/metrics", headers=bearer(TOKEN)).text
+    assert re.search(r'mosos_http_requests_total\{method="GET",route="/v1/plans",status="401"\} [1-9]', metrics), metrics
+    guarded.head("/v1/plans", headers=bearer(TOKEN))
+    metrics = guarded.get("/metrics", headers=bearer(TOKEN)).text
+    assert re.search(r'mosos_http_requests_total\{method="HEAD",route="/v1/plans",status="200"\} [1-9]', metrics)
+
+
 # Allow names every method of a path --------------------------------------------------------
 
 
@@ -143,7 +213,7 @@ def test_options_and_405_list_every_method_of_every_path(client):
     checked = 0
     for path, methods in documented_methods(client).items():
         url = re.sub(r"\{[^}]+\}", "0123456789abcdef", path)
-        expected = methods | {"OPTIONS"}
+        expected = methods | {"OPTIONS"} | ({"HEAD"} if "GET" in methods else set())
         options = client.options(url)
         assert options.status_code == 204, (path, options.text)
         assert set(options.headers["allow"].split(", ")) == expected, (path, options.headers["allow"])
@@ -154,8 +224,8 @@ def test_options_and_405_list_every_method_of_every_path(client):
             assert response.json()["error"] == "method_not_allowed" and path.split("{")[0] in response.json()["message"]
             checked += 1
     assert checked >= 10
-    assert client.options("/v1/plans").headers["allow"] == "GET, POST, OPTIONS"
-    assert client.options("/v1/plans/x").headers["allow"] == "GET, DELETE, OPTIONS"
+    assert client.options("/v1/plans").headers["allow"] == "GET, HEAD, POST, OPTIONS"
+    assert client.options("/v1/plans/x").headers["allow"] == "GET, HEAD, DELETE, OPTIONS"
 
 
 def test_an_unknown_path_is_404_whatever_the_method(client):
