@@ -117,13 +117,18 @@ class NumpyNoise(Net):
     (NumpyNoise, "draws from NumPy's random generator"),
 ])
 def test_python_effects_of_forward_are_refused_at_the_capture(model_class, said):
-    pytest.importorskip("numpy")
+    numpy = pytest.importorskip("numpy")
     model = model_class()
-    state = random.getstate()
+    attributes = {name: set(vars(module)) for name, module in model.named_modules()}
+    state, numpy_state = random.getstate(), numpy.random.get_state()
     with pytest.raises(CaptureError, match=said):
         executor.optimize(model, (data(0)[0],), F.cross_entropy, targets=data(0)[1], budget=None,
                           strategy="keep-all", cache=False, progress=False)
+    # The refusal leaves everything as it was: no attribute added, neither generator moved.
     assert random.getstate() == state
+    after = numpy.random.get_state()
+    assert after[0] == numpy_state[0] and after[2:] == numpy_state[2:] and (after[1] == numpy_state[1]).all()
+    assert {name: set(vars(module)) for name, module in model.named_modules()} == attributes
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")

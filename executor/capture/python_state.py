@@ -161,7 +161,20 @@ class ForwardSideEffects:
         self.state = python_state(self.model, self.loss_fn)
         self.random_state = random.getstate()
         self.numpy_state = _numpy_state()
+        self.attribute_names = {module: set(vars(module)) for module in self.model.modules()}
         return self
+
+    def _put_back(self) -> None:
+        """A refused capture leaves the model and the generators as they were: torch.export restores the attributes
+        a forward changed, not the ones it added, and neither generator."""
+        random.setstate(self.random_state)
+        if self.numpy_state is not None:
+            import numpy
+
+            numpy.random.set_state(self.numpy_state)
+        for module, names in self.attribute_names.items():
+            for added in set(vars(module)) - names:
+                delattr(module, added)
 
     def __exit__(self, kind, error, traceback) -> None:
         self.handle.remove()
@@ -169,16 +182,18 @@ class ForwardSideEffects:
             return
         name = type(self.model).__name__
         if random.getstate() != self.random_state:
-            random.setstate(self.random_state)
+            self._put_back()
             raise CaptureError(
                 f"cannot capture {name}: its forward draws from Python's random module, and the captured graph would "
                 "keep the one draw made while capturing at every step; draw with torch (torch.rand, "
                 "torch.bernoulli), which the replay repeats as eager does")
         if not _same_numpy_state(self.numpy_state, _numpy_state()):
+            self._put_back()
             raise CaptureError(
                 f"cannot capture {name}: its forward draws from NumPy's random generator, and the captured graph "
                 "would keep the one draw made while capturing at every step; draw with torch instead")
         if self.change is not None:
+            self._put_back()
             raise CaptureError(
                 f"cannot capture {name}: its forward changes the model's Python state ({self.change}), which the "
                 "replay, running the captured graph instead of forward, would not do; keep such state outside the "
