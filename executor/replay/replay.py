@@ -250,6 +250,7 @@ class PlannedModule(nn.Module):
         self.signatures_planned = 0  # input signatures planned after the first (each once, unless evicted)
         self._plan_token = plan_token
         self._live_step: weakref.ref | None = None  # the last step begun, until its backward
+        self._superseded_nodes: list[weakref.ref] = []  # autograd nodes of superseded steps' losses still referenced
         self._set_measuring(profiled)
         if profiled is not None:
             self._prepared = _Prepared(self, profiled)
@@ -320,6 +321,7 @@ class PlannedModule(nn.Module):
             if name not in _NOT_COPIED:
                 copied.__dict__[name] = copy.deepcopy(value, memo)
         copied._prepared = copied._timed = copied._live_step = copied.last_ledger = None
+        copied._superseded_nodes = []
         copied._plans = OrderedDict()
         copied._plan_signature = copied._replan = None
         return copied
@@ -415,6 +417,22 @@ class PlannedModule(nn.Module):
         live.superseded = True
         live.feed, live.live = [], ()
         live.prepared.runtime.end_step()
+        self._superseded_nodes = [node for node in self._superseded_nodes if node() is not None]
+        if live.node is not None:
+            self._superseded_nodes.append(live.node)
+
+    def _refuse_backward_through_superseded(self) -> None:
+        """One backward through this step's loss and a superseded one's (their sum): autograd runs the later step
+        first, so refusing only when it reaches the earlier one would leave the later gradients written."""
+        for reference in self._superseded_nodes:
+            node = reference()
+            if node is not None and torch._C._will_engine_execute_node(node):
+                raise ReplayError(
+                    "this backward also goes through the loss of an earlier step of this planned module, whose saved "
+                    "tensors were freed when the next step began (the plan's budget holds one step at a time): call "
+                    "backward() on each loss before the next call (gradients accumulate across calls, as in eager "
+                    "PyTorch); no gradient was written"
+                )
 
     # -- measured against planned --------------------------------------------------------------------
 
@@ -509,7 +527,8 @@ _PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_ti
                "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token")
 
 
-_NOT_COPIED = ("_prepared", "_timed", "_live_step", "last_ledger", "_plans", "_plan_signature", "_replan")
+_NOT_COPIED = ("_prepared", "_timed", "_live_step", "_superseded_nodes", "last_ledger", "_plans", "_plan_signature",
+               "_replan")
 _STATE = 4  # where a signature holds the model's Python state (executor.capture.python_state)
 
 
@@ -547,6 +566,7 @@ class _StepState:
         self.backward_done = False
         self.superseded = False  # a later step began before this one's backward
         self.planned = None
+        self.node: weakref.ref | None = None  # the loss's autograd node (the step function's context)
 
 
 class _StepFunction(torch.autograd.Function):
@@ -562,6 +582,7 @@ class _StepFunction(torch.autograd.Function):
             raise ReplayError("the schedule's forward part never computed the loss")
         prepared.runtime.loss_storage = loss.untyped_storage().data_ptr()
         ctx.state = state
+        state.node = weakref.ref(ctx)
         ctx.parameters = parameters
         return loss
 
@@ -575,6 +596,7 @@ class _StepFunction(torch.autograd.Function):
                 "the next call (gradients accumulate across calls, as in eager PyTorch)"
             )
         _refuse_other_backwards(ctx.parameters)
+        state.planned._refuse_backward_through_superseded()
         if state.backward_done:
             raise ReplayError(
                 "this step's backward has already run and its saved tensors are freed as the plan says "
