@@ -133,21 +133,6 @@ def _algorithms(algorithms) -> tuple[str, ...]:
     return tuple(algorithms)
 
 
-def _refuse_compiled_autocast_norms(profiled, model: nn.Module) -> None:
-    """Batch and group norms on lower-precision inputs fail in the compiled replay's measuring pass (ATen's CPU kernels
-    refuse the mixed dtypes the compiled neighbours hand them): refused here, with what works, until they are not."""
-    from executor.errors import CaptureError
-
-    for node in profiled.step.graph.nodes:
-        name = getattr(node.target, "__name__", "")
-        if node.op == "call_function" and ("batch_norm" in name or "group_norm" in name):
-            kind = "a batch norm" if "batch_norm" in name else "a group norm"
-            raise CaptureError(
-                f"compile=True under autocast cannot run {type(model).__name__} yet: it has {kind} ({name}), which "
-                "the compiled replay does not handle on lower-precision inputs; use compile=False (eager autocast, "
-                "bit for bit) or compile=True without autocast")
-
-
 def _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url) -> None:
     """What the solve would refuse, refused by the planner's own checks before the capture and the measuring pass
     (and before a cache hit, which would otherwise accept it until the first re-plan)."""
@@ -322,8 +307,6 @@ def optimize(
         say("capturing the step with torch.export")
         with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
             profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
-        if compile and autocast_state:
-            _refuse_compiled_autocast_norms(profiled, model)
         say(f"captured {len(profiled.planning.groups)} planning nodes in "
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
         signature_budget = budget_bytes

@@ -20,8 +20,13 @@ compiles). Dropout and batch norm stay eager's own calls inside a kernel
 (eager's mask, eager's rounding). A node that is better or only correctly run
 eagerly says why: nothing to fuse (fewer than two operations Inductor writes
 itself), random operations other than one dropout, convolution algorithms of
-our own, a kernel whose
-strides are not eager's, and anything Inductor refuses.
+our own, a normalization on lower-precision inputs with float32 parameters
+(autocast's batch norm: torch's shape functions give its statistics the
+inputs' dtype where the kernel gives float32, and a kernel compiled from them
+would hand the next node the wrong dtype), a kernel whose
+strides are not eager's, and anything Inductor refuses. A kernel called with
+other strides or dtypes than it was compiled for runs its node's graph
+eagerly.
 """
 
 from __future__ import annotations
@@ -153,7 +158,7 @@ class NodeCompiler:
                   views: set[fx.Node], reason: str | None,
                   reshape_views: bool = False) -> tuple["_Kernel | None", str | None]:
         if reason is None:
-            reason = _not_worth_compiling(members, views)
+            reason = _not_worth_compiling(members, views) or _mixed_precision_norm(members)
         if reason is not None:
             return None, reason
         try:
@@ -191,6 +196,30 @@ def _not_worth_compiling(members: list[fx.Node], views: set[fx.Node]) -> str | N
     fusable = sum(1 for n in computing if n.target not in _LIBRARY_CALLS or n.target in _WITH_BIAS)
     if fusable < 2:
         return "nothing to fuse (one operation besides library calls)"
+    return None
+
+
+_aten = torch.ops.aten
+_NORMALIZATIONS = {
+    _aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+    _aten._native_batch_norm_legit.no_stats, _aten._native_batch_norm_legit_functional.default,
+    _aten._native_batch_norm_legit_no_training.default, _aten.native_batch_norm_backward.default,
+    _aten.native_group_norm.default, _aten.native_group_norm_backward.default,
+    _aten.native_layer_norm.default, _aten.native_layer_norm_backward.default,
+}
+
+
+def _mixed_precision_norm(members: list[fx.Node]) -> str | None:
+    """A normalization whose tensors are of several dtypes (autocast hands a batch norm bfloat16 inputs beside its
+    float32 weights): ATen's kernels then give its statistics in float32, torch's shape functions, which a compiled
+    kernel is built from, in the inputs' dtype. Eager's call gives eager's dtypes."""
+    for node in members:
+        if node.op != "call_function" or node.target not in _NORMALIZATIONS:
+            continue
+        tensors = [_meta(arg) for arg in node.args if isinstance(arg, fx.Node)]
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors if isinstance(t, torch.Tensor)})
+        if len(dtypes) > 1:
+            return f"a normalization on mixed dtypes ({'/'.join(dtypes)}), whose statistics' dtype Inductor mistakes"
     return None
 
 
@@ -267,7 +296,7 @@ class _Kernel:
 
     def __init__(self, module: fx.GraphModule, examples: list, key: str):
         self.module, self.examples, self.key = module, examples, key
-        self.layout = _layout(examples)
+        self.layout = _input_layout(examples)
         output = next(n for n in module.graph.nodes if n.op == "output")
         self.output_layout = _layout([value.meta["val"] for value in output.args[0]])
         self.output_dtypes = tuple(value.meta["val"].dtype for value in output.args[0])
@@ -308,7 +337,7 @@ class _NodeCall:
         self.checked = False
 
     def __call__(self, *args):
-        if _layout(args) == self.layout:
+        if _input_layout(args) == self.layout:
             if self.checked:
                 return self.kernel.compiled(*args)
             rng = _rng_state(args) if self.kernel.random else None
@@ -378,6 +407,11 @@ def _own_storages(outputs, inputs) -> bool:
 
 def _layout(tensors) -> tuple:
     return tuple(t.stride() for t in tensors)
+
+
+def _input_layout(tensors) -> tuple:
+    """What a kernel is compiled for beside shapes (fixed by the schedule): each input's strides and dtype."""
+    return tuple((t.stride(), t.dtype) for t in tensors)
 
 
 # kept whole, as eager's kernels: dropout, whose mask must be eager's; batch norm, whose decomposition by Inductor
