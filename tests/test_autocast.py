@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
-from executor.errors import CaptureError, ProfileMismatch  # noqa: E402
+from executor.errors import ProfileMismatch  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
 from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
