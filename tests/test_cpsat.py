@@ -104,6 +104,26 @@ def test_greedy_recompute_plans_fit_the_budget_or_say_none():
     assert found >= 3
 
 
+def test_greedy_recompute_walks_a_closure_thousands_of_layers_deep():
+    """Bringing back the last of 1500 chained layers at the smallest budget needs every layer before it: a recursive
+    walk of that closure raised RecursionError out of plan() (vgg416 at its floor did)."""
+    import time
+
+    from planner.budget import minimum_budget_bytes
+    from planner.cpsat.greedy import greedy_recompute_schedule
+
+    n = 1500
+    nodes = [node(f"f{i}", inputs=[f"f{i - 1}"] if i else [], output_bytes=1000) for i in range(n)]
+    nodes.append(node("loss", kind="loss", inputs=[f"f{n - 1}"], output_bytes=4))
+    for i in reversed(range(n)):
+        nodes.append(node(f"b{i}", kind="backward", inputs=[f"b{i + 1}" if i < n - 1 else "loss", f"f{i}"]
+                          + ([f"f{i - 1}"] if i else []), output_bytes=1000, forward_node=f"f{i}"))
+    profile = make_profile(nodes)
+    budget = minimum_budget_bytes(profile)
+    schedule = greedy_recompute_schedule(profile, budget, deadline=time.monotonic() + 30)
+    assert schedule is None or simulate(profile, schedule, budget).peak_memory_bytes <= budget
+
+
 def test_greedy_recompute_runs_past_a_phase_share_until_its_first_plan():
     """CI's loaded machine let the greedy pass's share (a tenth of a 2 s limit) pass before its first plan, and
     mosos then had nothing that fitted ViT at 0.6: the share only cuts the variants after the first plan."""

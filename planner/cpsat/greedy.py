@@ -142,26 +142,45 @@ def _run(
             found: list[int] = []
 
             def closure_bytes(j: int) -> int:
-                """Bytes of j's missing closure (shared parts counted twice): how much room recomputing j takes."""
-                if j in resident:
-                    return 0
-                if j not in weight:
-                    weight[j] = size[j] + sum(closure_bytes(i) for i in inputs[j])
-                return weight[j]
+                """Bytes of j's missing closure (shared parts counted twice): how much room recomputing j takes.
+                Without recursion: a chain of thousands of missing layers is one closure."""
+                stack = [j]
+                while stack:
+                    k = stack[-1]
+                    if k in resident or k in weight:
+                        stack.pop()
+                        continue
+                    waiting = [i for i in inputs[k] if i not in resident and i not in weight]
+                    if waiting:
+                        stack.extend(waiting)
+                        continue
+                    stack.pop()
+                    weight[k] = size[k] + sum(weight.get(i, 0) for i in inputs[k] if i not in resident)
+                return 0 if j in resident else weight[j]
 
             def ordered(nodes: list[int]) -> list[int]:
                 # Sethi-Ullman: the input needing most room first, while least is pinned
                 return sorted(nodes, key=lambda i: -closure_bytes(i)) if order == "heavy-first" else nodes
 
-            def visit(j: int) -> None:
-                if j in resident or j in planned:
+            def visit(root: int) -> None:
+                """Depth first, inputs before readers, each input in `ordered`'s order (without recursion)."""
+                if root in resident or root in planned:
                     return
-                if not graph.recomputable[j]:
+                if not graph.recomputable[root]:
                     raise _Stuck
-                planned.add(j)
-                for i in ordered(inputs[j]):
-                    visit(i)
-                found.append(j)
+                planned.add(root)
+                stack = [(root, iter(ordered(inputs[root])))]
+                while stack:
+                    j, remaining = stack[-1]
+                    i = next(remaining, None)
+                    if i is None:
+                        stack.pop()
+                        found.append(j)
+                    elif i not in resident and i not in planned:
+                        if not graph.recomputable[i]:
+                            raise _Stuck
+                        planned.add(i)
+                        stack.append((i, iter(ordered(inputs[i]))))
 
             for j in ordered(targets):
                 visit(j)
