@@ -30,7 +30,7 @@ class PlanRequest(_Request):
     strategy: str = Field(default="mosos", min_length=1, max_length=100, description="Planner to use; see /healthz.")
     time_limit_s: float | None = Field(default=None, gt=0, description="Solver time limit; default and maximum are server settings.")
     workers: int | None = Field(default=None, ge=1, description="Solver threads for this solve; capped by the server.")
-    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Solver seed; with workers=1 the plan is reproducible.")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Solver seed; with workers=1 the plan is reproducible while no phase of the solve is cut short by the time limit (on a server that is not overloaded).")
     wait_s: float | None = Field(
         default=None, ge=0, description="Answer 200 with the plan if it is ready within this many seconds, else 202."
     )

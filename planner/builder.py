@@ -56,7 +56,36 @@ class ScheduleBuilder:
         )
 
 
+# Relative slack within which a model's objective and the simulated step are the same figure: the model rounds each
+# time up to its time unit, so its objective may sit a little above the step it simulates to.
+_SAME_STEP = 1e-4
+
+
+def solver_info_for_plan(solver: SolverInfo | None, step_ms: float) -> SolverInfo | None:
+    """The solver's figures restated for the plan the simulator ran: the objective is its simulated step, the bound
+    never above it, and a status of OPTIMAL kept only where the step meets the bound. A model that solved another
+    problem (the recompute plan before Auto's algorithm choice, times rounded up) said OPTIMAL of its own objective;
+    its own figures stay in the note."""
+    if solver is None or solver.objective is None:
+        return solver
+    objective = solver.objective
+    bound = None if solver.bound is None else min(solver.bound, step_ms)
+    status = solver.status
+    same = abs(objective - step_ms) <= _SAME_STEP * max(abs(step_ms), 1e-9)
+    if not same:
+        if status == "OPTIMAL" and (bound is None or step_ms > bound * (1 + _SAME_STEP)):
+            status = "FEASIBLE"
+        note = f"the model's own objective {objective:.6g}" + (
+            f", bound {solver.bound:.6g}" if solver.bound is not None else "") + f", status {solver.status}"
+        solver = solver.model_copy(update={"encoding": f"{solver.encoding}; {note}" if solver.encoding else note})
+    gap = None
+    if bound is not None:
+        gap = 0.0 if step_ms == 0 else max(0.0, (step_ms - bound) / abs(step_ms))
+    return solver.model_copy(update={"objective": step_ms, "bound": bound, "gap": gap, "status": status})
+
+
 def summarize(result: SimulationResult, strategy: str, solver: SolverInfo | None = None) -> Summary:
+    solver = solver_info_for_plan(solver, result.step_time_ms)
     return Summary(
         strategy=strategy,
         predicted_step_time_ms=result.step_time_ms,

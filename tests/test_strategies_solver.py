@@ -233,3 +233,28 @@ def test_a_plan_at_the_lower_bound_is_returned_as_optimal_without_a_solve(strate
     assert schedule.summary.predicted_step_time_ms == pytest.approx(lower_bound_ms)
     assert schedule.summary.solver.status == "OPTIMAL" and schedule.summary.solver.gap == 0.0
     assert schedule.summary.solver.wall_time_s < 5.0  # nothing to search: far below the 30 s limit
+
+
+def test_solver_figures_describe_the_plan_that_was_simulated():
+    """The summary's objective is the plan's simulated step and its bound never above it. A model that solved
+    another problem (str-auto's and checkmate-auto's recompute model times every node at its fastest algorithm,
+    then Auto picks slower ones; every model rounds times up) reported OPTIMAL of its own objective."""
+    from planner.builder import solver_info_for_plan
+    from planner.schedule import SolverInfo
+
+    rounded = SolverInfo(status="OPTIMAL", objective=16.472, bound=16.472, gap=0.0, wall_time_s=1.0)
+    assert solver_info_for_plan(rounded, 16.4712).model_dump(include={"status", "objective", "bound", "gap"}) == {
+        "status": "OPTIMAL", "objective": 16.4712, "bound": 16.4712, "gap": 0.0}
+    other = solver_info_for_plan(SolverInfo(status="OPTIMAL", objective=12.165, bound=12.165, gap=0.0,
+                                            wall_time_s=1.0, encoding="recompute"), 16.47)
+    assert (other.status, other.objective, other.bound) == ("FEASIBLE", 16.47, 12.165)
+    assert abs(other.gap - (16.47 - 12.165) / 16.47) < 1e-12
+    assert other.encoding == "recompute; the model's own objective 12.165, bound 12.165, status OPTIMAL"
+    profile = small_cnn(layers=6)
+    budget = budget_from_ratio(profile, 0.8)
+    for strategy in ("mosos", "recompute-only", "checkmate-auto", "str-auto"):
+        summary = plan(profile, budget, strategy=strategy, time_limit_s=10, workers=1).summary
+        solver = summary.solver
+        assert solver is not None and solver.objective == summary.predicted_step_time_ms, strategy
+        assert solver.bound is None or solver.bound <= solver.objective, strategy
+        assert solver.status != "OPTIMAL" or solver.gap == 0.0, strategy

@@ -24,7 +24,10 @@ class SolveOptions:
     the minimum-budget search. `plan()` sets it once from `time_limit_s`; a
     strategy called directly starts it at its own start (`started()`).
     `time_limit_s` stays the nominal length, which with one worker is also the
-    deterministic budget that makes a seeded run repeat exactly.
+    budget of the CP-SAT solves in deterministic time. A seeded run with one
+    worker repeats exactly when no phase reaches its wall-clock share of the
+    deadline (the reordering, the greedy pass and the heuristics stop at theirs):
+    on an idle machine; under load a phase cut short may give another plan.
     """
 
     time_limit_s: float = 60.0
