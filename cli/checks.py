@@ -113,6 +113,15 @@ def positive_finite(value: float | None, option: str) -> None:
         raise MososError(f"{option} must be a positive number, not {value}")
 
 
+def time_limit_within(value: float | None, option: str = "--time-limit") -> None:
+    """A positive, finite time limit of at most a day (the planner's own bound), checked before any work."""
+    from planner.planning import MAX_TIME_LIMIT_S
+
+    positive_finite(value, option)
+    if value is not None and value > MAX_TIME_LIMIT_S:
+        raise MososError(f"{option} must be at most {MAX_TIME_LIMIT_S} seconds (a day), not {value:g}")
+
+
 def whole_number_in(value: int | None, option: str, lowest: int, highest: int) -> None:
     if value is not None and not lowest <= value <= highest:
         raise MososError(f"{option} must be between {lowest} and {highest}, not {value}")

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
-from cli.checks import (distinct_files, positive_finite, replacing, whole_number_in, workload_file,
+from cli.checks import (distinct_files, positive_finite, replacing, time_limit_within, whole_number_in, workload_file,
                         writable_output, write_output)
 from cli.time_limit import time_limited
 from planner.errors import MososError
@@ -214,7 +214,7 @@ def max_batch_command(
     started = time.monotonic()
     writable_output(plot, "--plot", (".png", ".svg", ".pdf"))
     distinct_files({"the workload's file": workload_file(model)}, {"--plot": plot})
-    positive_finite(time_limit, "--time-limit")
+    time_limit_within(time_limit)
     whole_number_in(workers, "--workers", 1, 1024)
     whole_number_in(seed, "--seed", 0, 2**31 - 1)
     whole_number_in(batch_limit, "--batch-limit", 1, MAX_BATCH_LIMIT)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from planner.budget import budget_from_ratio
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
-from cli.checks import distinct_files, positive_finite, whole_number_in, writable_output, write_output
+from cli.checks import distinct_files, time_limit_within, whole_number_in, writable_output, write_output
 from planner.comparison import ComparisonRow, compare, time_share_s
 from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
@@ -144,7 +144,7 @@ def plan_command(
     writable_output(output, "-o")
     writable_output(html, "--html", (".html", ".htm"))
     distinct_files({"PROFILE": profile_path}, {"-o": output, "--html": html})
-    positive_finite(time_limit, "--time-limit")
+    time_limit_within(time_limit)
     whole_number_in(seed, "--seed", 0, 2**31 - 1)
     whole_number_in(workers, "--workers", 1, 1024)
     profile = load_profile(profile_path)

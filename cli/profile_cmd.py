@@ -17,8 +17,8 @@ from pathlib import Path
 import typer
 
 from cli.app import app, console, error_console, friendly
-from cli.checks import (distinct_files, positive_finite, whole_number_in, workload_file, writable_output,
-                        write_output)
+from cli.checks import (distinct_files, positive_finite, time_limit_within, whole_number_in, workload_file,
+                        writable_output, write_output)
 from cli.time_limit import time_limited
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
@@ -66,7 +66,7 @@ def profile_command(
     started = time.monotonic()  # --time-limit counts from here
     writable_output(output, "-o")
     distinct_files({"the workload's file": workload_file(workload)}, {"-o": output})
-    positive_finite(time_limit, "--time-limit")
+    time_limit_within(time_limit)
     if batch is not None and batch < 1:
         raise MososError(f"--batch must be at least 1, got {batch}")
     whole_number_in(image_size, "--image-size", 1, 1 << 16)

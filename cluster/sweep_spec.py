@@ -31,6 +31,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from planner.errors import BudgetError, DocumentError, Issue, MososError
+from planner.planning import MAX_TIME_LIMIT_S
 from planner.units import format_bytes, parse_bytes
 from planner.validation import format_location, issues_from_validation_error
 
@@ -169,7 +170,7 @@ class SweepSpec(BaseModel):
     budgets: list[Budget] = Field(default_factory=list, description="Sizes (10GiB, bytes) or 'device'.")
     memory_ratios: list[Ratio] = Field(default_factory=list)
     strategies: list[StrategyName] = Field(default_factory=lambda: ["mosos"], min_length=1)
-    time_limit_s: float = Field(default=60.0, gt=0, le=86_400)
+    time_limit_s: float = Field(default=60.0, gt=0, le=MAX_TIME_LIMIT_S)
     workers: int = Field(default=1, ge=1, le=1024, description="Solver threads per solve: the CPUs its Ray task asks for.")
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     retries: int = Field(default=1, ge=0, le=10, description="Times Ray re-runs a solve whose worker process died.")

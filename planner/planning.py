@@ -44,6 +44,11 @@ def strategy_names() -> list[str]:
     return sorted(load_all())
 
 
+# The longest time limit a solve may be given: a day (CP-SAT's own limit is a 64-bit count of its ticks, which a
+# limit of 1e17 s overflowed after the rest of the solve had run).
+MAX_TIME_LIMIT_S = 86_400
+
+
 def check_plan_options(strategy: str | None, time_limit_s: float) -> None:
     """A strategy that exists (None: not checked here) and a time limit that is one: what plan() checks first, for
     callers that check before any work (optimize() before its capture)."""
@@ -53,6 +58,8 @@ def check_plan_options(strategy: str | None, time_limit_s: float) -> None:
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, numbers.Real) or not (
             math.isfinite(time_limit_s) and time_limit_s > 0):
         raise MososError(f"time limit must be a positive number of seconds, not {time_limit_s!r}")
+    if time_limit_s > MAX_TIME_LIMIT_S:
+        raise MososError(f"time limit must be at most {MAX_TIME_LIMIT_S} s (a day), not {time_limit_s!r}")
 
 
 def plan(

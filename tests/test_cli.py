@@ -222,6 +222,8 @@ def test_a_write_that_fails_keeps_the_old_file_and_leaves_no_part_of_the_new_one
         (["--budget", "1" + "0" * 400], "larger than any memory"),
         (["--budget", "1GiB", "--seed", "3000000000"], "--seed must be between 0 and 2147483647"),
         (["--budget", "1GiB", "--time-limit", "nan"], "--time-limit must be a positive number, not nan"),
+        # CP-SAT's limit overflowed its 64-bit ticks after the rest of the solve had run: a traceback
+        (["--budget", "1GiB", "--time-limit", "1e300"], "--time-limit must be at most 86400 seconds (a day)"),
         (["--budget", "1GiB", "--workers", "0"], "--workers must be between 1 and 1024"),
     ],
 )

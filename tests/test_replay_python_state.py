@@ -264,6 +264,7 @@ def test_a_loss_that_depends_on_no_parameter_is_refused_at_the_capture(loss_fn):
     ({"cache": 123}, "cache is True, False, None or a folder"),
     ({"kwargs": [1]}, "kwargs are the model's keyword inputs as a dict, not list"),
     ({"time_limit_s": -5}, "time limit must be a positive number of seconds, not -5"),
+    ({"time_limit_s": 1e17}, r"time limit must be at most 86400 s \(a day\), not 1e\+17"),
     ({"strategy": "bogus"}, "unknown strategy 'bogus'"),
     ({"memory_ratio": 1.5}, r"memory ratio must be a number in \(0, 1\], not 1.5"),
 ])
