@@ -9,6 +9,7 @@ from typing import Callable
 
 from planner.budget import budget_from_ratio, check_budget
 from planner.errors import BudgetError, MososError
+from planner.interrupt import stop_on_interrupt
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies import STRATEGIES, SolveOptions, load_all
@@ -78,7 +79,8 @@ def plan(
     """Plan one training step of `profile` within `budget_bytes` (or `memory_ratio` of the keep-all peak).
 
     The returned schedule has been replayed by the simulator; its summary holds
-    the simulated figures. `time_limit_s` bounds the whole call: every phase of
+    the simulated figures. Ctrl-C (in the main thread) stops it within a fraction
+    of a second with KeyboardInterrupt. `time_limit_s` bounds the whole call: every phase of
     every strategy shares one deadline, set here, and the answer is the best plan
     found by then (or InfeasibleBudget: no plan in that time, with the smallest
     budget known to work so far). `started_at` (time.monotonic()) is when the
@@ -92,8 +94,12 @@ def plan(
         raise BudgetError(f"strategy {strategy!r} needs a budget: give budget_bytes or memory_ratio")
     if workers is not None and workers < 1:
         raise MososError(f"workers must be at least 1, got {workers}")
-    options = SolveOptions(
-        time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=should_stop,
-        deadline=started + time_limit_s,
-    )
-    return info.function(profile, budget, options)
+    with stop_on_interrupt() as interrupted:  # Ctrl-C stops every solve, then raises KeyboardInterrupt
+        def stop() -> bool:
+            return interrupted.is_set() or (should_stop is not None and bool(should_stop()))
+
+        options = SolveOptions(
+            time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
+            deadline=started + time_limit_s,
+        )
+        return info.function(profile, budget, options)

@@ -107,3 +107,49 @@ def test_a_stop_request_ends_the_joint_models_solve_too():
     assert asked, "the joint model's phase never began"
     assert time.monotonic() - asked[0] < 1.5
     assert simulate(profile, schedule).peak_memory_bytes <= schedule.budget_bytes
+
+
+# Ctrl-C ---------------------------------------------------------------------------------------------------
+
+
+def _interrupted(command: list[str], after_s: float) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `command`, send it SIGINT after `after_s`; its result and how long it took to end after the signal."""
+    import signal
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parents[1])
+    time.sleep(after_s)
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    stdout, stderr = process.communicate(timeout=60)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), time.monotonic() - sent
+
+
+def test_ctrl_c_stops_a_plan_at_once_and_writes_nothing(tmp_path):
+    """CP-SAT caught SIGINT itself and ended only the solve it was in: `mosos plan` went on through its other solves,
+    wrote its plan and exited 0 after the whole limit (17 s after the signal of a 20 s run)."""
+    profile = Path(__file__).resolve().parents[1] / "models/profiles/vgg19-b144-227-p40.json"
+    output = tmp_path / "plan.json"
+    output.write_text("kept")
+    command = [sys.executable, "-m", "cli", "plan", str(profile), "--memory-ratio", "0.58", "--time-limit", "30",
+               "--workers", "1", "-o", str(output)]
+    result, took_s = _interrupted(command, 6.0)  # past the imports and the profile's loading, into the solves
+    assert result.returncode == 130 and "interrupted" in result.stderr, (result.returncode, result.stderr[-500:])
+    assert took_s < 3.0, took_s
+    assert output.read_text() == "kept"
+
+
+def test_a_process_that_ignores_sigint_keeps_ignoring_it_while_planning():
+    """The service's solve processes ignore SIGINT (the server stops them itself); plan() must not take it back."""
+    code = (
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from planner.interrupt import stop_on_interrupt\n"
+        "with stop_on_interrupt() as interrupted:\n"
+        "    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -9,6 +9,15 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 
+def new_solver() -> cp_model.CpSolver:
+    """A CP-SAT solver that leaves Ctrl-C to its caller. By default CP-SAT catches SIGINT during a solve and ends that
+    solve as if its time limit had come, so a strategy of many solves (the window search, the baselines) went on to
+    the next one and a command never stopped; the caller's `should_stop` (`StopWatcher`) is the one way to stop."""
+    solver = cp_model.CpSolver()
+    solver.parameters.catch_sigint_signal = False
+    return solver
+
+
 def relative_gap(objective: float | None, bound: float | None) -> float | None:
     if objective is None or bound is None:
         return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from planner.cpsat.callback import new_solver
 from planner.cpsat.data import ModelData, ModelExtensions
 from planner.cpsat.extract import Solution, SolvedCopy
 from planner.cpsat.variables import Variables
@@ -195,7 +196,7 @@ def complete_hint(
     if not keep_objective:  # kept: what the hint leaves open (which prefetch read waits) is chosen at least cost
         fixed.clear_objective()
     fixed.clear_hints()
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     solver.parameters.max_deterministic_time = time_limit_s  # same answer on a busy machine
     solver.parameters.max_time_in_seconds = 3 * time_limit_s + 1
     if wall_limit_s is not None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from ortools.sat.python import cp_model
 
 from planner.builder import certify
-from planner.cpsat.callback import StopWatcher, relative_gap
+from planner.cpsat.callback import StopWatcher, new_solver, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
 from planner.cpsat.data import TIME_UNITS_PER_MS, BuildTimeout, Features, ModelData, ModelExtensions, build_data
 from planner.cpsat.extract import Solution, SolvedCopy, build_schedule, read_solution
@@ -171,7 +171,7 @@ class Windows:
             value = lambda variable: values[variable.index]  # noqa: E731
             status, objective = cp_model.FEASIBLE, None
         else:
-            solver = cp_model.CpSolver()
+            solver = new_solver()
             parameters = solver.parameters
             workers = self.options.workers or 2
             parameters.num_workers = workers
@@ -418,7 +418,7 @@ def _solve_whole(profile, budget_bytes, features, options: SolveOptions, data: M
     built = build_model(profile, budget_bytes, features, options.deadline, extensions)
     if incumbent is not None:
         add_hint(built.model, built.data, built.variables, incumbent.solution)
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     parameters = solver.parameters
     workers = options.workers or 2
     parameters.num_workers = workers

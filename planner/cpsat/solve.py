@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from ortools.sat.python import cp_model
 
 from planner.builder import PlannerBug, certify
-from planner.cpsat.callback import ProgressCallback, StopWatcher, relative_gap
+from planner.cpsat.callback import ProgressCallback, StopWatcher, new_solver, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
 from planner.cpsat.data import BuildTimeout, Features, ModelData, ModelExtensions, build_data
 from planner.cpsat.extract import build_schedule, read_solution
@@ -48,7 +48,7 @@ def solver_parameters(options: SolveOptions, time_limit_s: float, wall_limit_s: 
     `wall_limit_s` caps the wall-clock time whatever the worker count (what is left of the caller's deadline);
     with one worker a run cut by it is no longer guaranteed to repeat exactly.
     """
-    solver = cp_model.CpSolver()
+    solver = new_solver()
     workers = options.workers or 2
     parameters = solver.parameters
     parameters.num_workers = workers
