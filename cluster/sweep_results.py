@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from cluster.sweep_spec import LoadedSpec
 RESULTS_CSV = "results.csv"
 RESULTS_JSON = "results.json"
 SCHEDULES = "schedules"
+SWEEP_SCHEDULE_NAME = re.compile(r"\d{4,}-.*\.json")
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -84,9 +86,20 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
         if not force:
             raise MososError(f"--out {out_dir} is not empty; give a new folder, or --force to replace "
                              "an earlier sweep's results there")
+        schedules = out_dir / SCHEDULES
+        if schedules.exists() and not schedules.is_dir():
+            others.append(SCHEDULES)
+        elif schedules.is_dir():
+            others += sorted(f"{SCHEDULES}/{item.name}" for item in schedules.iterdir() if not _is_sweep_schedule(item))
         if others:
             raise MososError(f"--out {out_dir} holds files that are not a sweep's results ({', '.join(others[:3])}); "
                              "give another folder")
+
+
+def _is_sweep_schedule(path: Path) -> bool:
+    """A schedule a sweep wrote (`cluster.sweep`: row number, profile, strategy, budget): the only files --force
+    removes from schedules/."""
+    return path.is_file() and not path.is_symlink() and SWEEP_SCHEDULE_NAME.fullmatch(path.name) is not None
 
 
 def prepare_out_dir(out_dir: Path, force: bool) -> Path:
@@ -97,7 +110,8 @@ def prepare_out_dir(out_dir: Path, force: bool) -> Path:
         for item in (out_dir / RESULTS_CSV, out_dir / RESULTS_JSON):
             item.unlink(missing_ok=True)
         if schedules.is_dir():
-            for item in schedules.glob("*.json"):
-                item.unlink()
+            for item in schedules.iterdir():
+                if _is_sweep_schedule(item):
+                    item.unlink()
     schedules.mkdir(parents=True, exist_ok=True)
     return schedules

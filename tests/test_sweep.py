@@ -163,6 +163,25 @@ def test_a_non_empty_out_folder_is_refused_before_any_work(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+def test_force_replaces_only_what_a_sweep_wrote_in_schedules(tmp_path):
+    """--force removed every .json under schedules/, a user's own file there included."""
+    from cluster.sweep_results import check_out_dir, prepare_out_dir
+    from planner.errors import MososError
+
+    out = tmp_path / "out"
+    schedules = out / "schedules"
+    schedules.mkdir(parents=True)
+    (out / "results.csv").write_text("old")
+    (schedules / "0003-vgg19-mosos-8GiB.json").write_text("{}")
+    (schedules / "other.json").write_text("mine")
+    with pytest.raises(MososError, match=r"not a sweep's results \(schedules/other.json\)"):
+        check_out_dir(out, force=True)
+    assert (schedules / "other.json").read_text() == "mine"
+    (schedules / "other.json").unlink()
+    assert prepare_out_dir(out, force=True) == schedules
+    assert not any(schedules.iterdir()) and not (out / "results.csv").exists()
+
+
 # Sweeps on Ray -----------------------------------------------------------------------------------
 
 
