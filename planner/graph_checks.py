@@ -481,6 +481,12 @@ def check_options(
             refuse(argument, f"must be at least {MIN_BANDWIDTH_GB_PER_S:g} GB/s, not {value:g}")
         if value > MAX_BANDWIDTH_GB_PER_S:
             refuse(argument, f"must be at most {MAX_BANDWIDTH_GB_PER_S:g} GB/s, not {value:g}")
+    if (d2h_bandwidth_gb_per_s is None) != (h2d_bandwidth_gb_per_s is None):
+        given, missing = (("d2h_bandwidth_gb_per_s", "h2d_bandwidth_gb_per_s") if h2d_bandwidth_gb_per_s is None
+                          else ("h2d_bandwidth_gb_per_s", "d2h_bandwidth_gb_per_s"))
+        # one link alone gives a profile that cannot offload, which a planner later reports as "no bandwidth"
+        raise ImportOptionError(f"{OPTIONS[given]} needs {OPTIONS[missing]} too: an offloaded tensor goes out and comes "
+                                f"back, so give both links' bandwidths, or neither ({given} and {missing} in Python)")
 
 
 def _shown(value: Any) -> str:

@@ -220,6 +220,8 @@ def test_tensors_beyond_any_memory_ask_for_a_memory_capacity_not_a_hardware_fiel
         ({"time_unit_ms": 0}, ["--time-unit-ms", "must be a positive number, not 0"]),
         ({"time_unit_ms": float("nan")}, ["--time-unit-ms", "must be a positive number, not nan"]),
         ({"name": 5}, ["--name", "must be a string"]),
+        ({"d2h_bandwidth_gb_per_s": 12.0}, ["--d2h-gb-per-s needs --h2d-gb-per-s too", "or neither"]),
+        ({"h2d_bandwidth_gb_per_s": 12.0}, ["--h2d-gb-per-s needs --d2h-gb-per-s too"]),
     ],
 )
 def test_an_option_out_of_range_is_named_as_the_option(options, fragments):
