@@ -147,6 +147,100 @@ def test_reentrant_checkpointing_is_refused_and_the_other_kind_captured():
     assert len(step.gradients) == 4
 
 
+@torch.library.custom_op("mosos_tests::half_gradient_tanh", mutates_args=())
+def _half_gradient_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+@_half_gradient_tanh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _keep_input(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _half_gradient(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * (1 - torch.tanh(x) ** 2) * 0.5  # not the derivative: only a registered backward gives it
+
+
+_half_gradient_tanh.register_autograd(_half_gradient, setup_context=_keep_input)
+
+
+class _CustomOp(nn.Module):
+    def forward(self, x):
+        return _half_gradient_tanh(x)
+
+
+def test_a_library_custom_op_keeps_its_registered_backward_and_trains_like_plain_pytorch():
+    """A torch.library custom op with register_autograd (Mixtral's grouped matmul) goes through an autograd.Function
+    torch generates; it was refused as a user's custom Function, but the joint graph keeps the op and its backward."""
+    import torch.nn.functional as F
+
+    import executor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _CustomOp(), nn.Linear(8, 3))
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, progress=False)
+    loss = planned(x, y)
+    loss.backward()
+    plain_loss = F.cross_entropy(plain(x), y)
+    plain_loss.backward()
+    assert torch.equal(loss, plain_loss)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+@pytest.mark.parametrize("layer, kind", [
+    (lambda: nn.LSTM(4, 4, num_layers=2, batch_first=True, dropout=0.1), "LSTM"),
+    (lambda: nn.GRU(4, 4, batch_first=True), "GRU"),
+    (lambda: nn.RNN(4, 4, batch_first=True), "RNN"),
+])
+def test_a_fused_recurrent_layer_is_refused_since_its_traced_backward_is_another_computation(layer, kind):
+    """nn.LSTM's dropout between layers was silently dropped (losses equal to dropout 0) and, without dropout,
+    gradients came out 7e-8 apart: tracing decomposes the fused kernel."""
+
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = layer()
+
+        def forward(self, x):
+            return self.rnn(x.unsqueeze(1))[0].squeeze(1)
+
+    message = _refusal(Recurrent())
+    assert f"module inner.rnn ({kind}) is a fused recurrent layer (torch.nn.{kind})" in message
+    assert "nn.LSTMCell in a loop" in message
+
+
+def test_sparse_embedding_gradients_and_parameters_changed_in_forward_are_refused_by_name():
+    class Sparse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, sparse=True)
+
+        def forward(self, x):
+            return self.emb((x.abs() * 3).long().clamp(max=9)).sum(1)
+
+    message = _refusal(Sparse())
+    assert "module inner.emb (Embedding) makes sparse gradients" in message and "sparse=False" in message
+
+    class Renormalised(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4, max_norm=1.0)
+
+        def forward(self, x):
+            return self.emb((x.abs() * 3).long().clamp(max=9)).sum(1)
+
+    message = _refusal(Renormalised())
+    assert "changes the parameter 'inner.emb.weight' in place" in message and "max_norm" in message
+
+
 class _Cholesky(nn.Module):
     def forward(self, x):
         return x @ torch.linalg.cholesky(x.T @ x + 4 * torch.eye(4))

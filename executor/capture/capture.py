@@ -269,6 +269,9 @@ def _refuse_custom_functions(found: list[type], model: nn.Module) -> None:
     """The joint graph differentiates what a Function's forward traced to, not what its backward says (a
     straight-through estimator, a hand-written gradient), and a forward run under no_grad (torch.utils.checkpoint's
     reentrant variant) traces to no gradient at all: either would train another model."""
+    # a torch.library custom op's autograd (`register_autograd`, Mixtral's grouped matmul) is kept as the op itself in
+    # the joint graph, its registered backward with it: the replay runs what eager runs
+    found = [cls for cls in found if not cls.__module__.startswith("torch._library")]
     if not found:
         return
     cls = found[0]
@@ -364,6 +367,40 @@ def _node_place(node: fx.Node) -> tuple[str, str]:
     return module, line
 
 
+# Recurrent layers whose eager kernel is fused (nn.LSTM, nn.GRU, nn.RNN): tracing the backward decomposes them into
+# per-step operations, which round otherwise (gradients 7e-8 apart) and leave out the dropout between layers.
+_FUSED_RECURRENT = {
+    _aten_op: kind for kind, names in (("LSTM", ("lstm",)), ("GRU", ("gru",)), ("RNN", ("rnn_tanh", "rnn_relu")))
+    for name in names for overload in ("input", "data")
+    if (_aten_op := getattr(getattr(torch.ops.aten, name), overload, None)) is not None
+}
+
+
+def _refuse_unreproducible_operations(program, model: nn.Module) -> None:
+    """Operations the captured step would run otherwise than eager does: refused with where and why."""
+    for node in program.graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _FUSED_RECURRENT:
+            module, line = _node_place(node)
+            raise CaptureError(
+                f"cannot capture {type(model).__name__}: "
+                + (f"module {module} " if module else "")
+                + f"is a fused recurrent layer (torch.nn.{_FUSED_RECURRENT[node.target]}), which tracing its backward "
+                "breaks into per-step operations that round otherwise than eager's kernel and drop the dropout "
+                "between its layers: the replay would train another model. Train it without the plan, or build the "
+                "recurrence from cells (nn.LSTMCell in a loop), which is captured as eager runs it"
+                + (f" (at {line})" if line else ""))
+        if node.target is torch.ops.aten.embedding.default and len(node.args) > 4 and node.args[4]:
+            module, line = _node_place(node)
+            raise CaptureError(
+                f"cannot capture {type(model).__name__}: "
+                + (f"module {module} " if module else "")
+                + "makes sparse gradients (nn.Embedding(sparse=True)); the executor writes dense gradients into .grad. "
+                "Use sparse=False (the optimizer then sees a dense gradient, as with most optimizers anyway)"
+                + (f" (at {line})" if line else ""))
+
+
 def _model_path(path: str) -> str:
     """Module path in the exported wrapper ('model.layer1.0') -> in the user's model ('layer1.0')."""
     if path == "model" or path.startswith("model."):
@@ -440,6 +477,7 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
             raise _inputs_error(error, model, loss_fn, module, inputs, kwargs, targets) from None
         raise capture_error(error, model, loss_fn, "torch.export") from None
     _refuse_custom_functions(custom_functions, model)
+    _refuse_unreproducible_operations(program, model)
     _check_static(program, model)
     exported_at = time.perf_counter()
     try:
@@ -516,6 +554,13 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
                     key = ("constant", "model", mutated.target, None)
             elif isinstance(mutated, d.PlainAOTInput):
                 key = ("input", "model", None, mutated.idx)
+            elif isinstance(mutated, d.ParamAOTInput):
+                owner, name = export.owner_and_name(mutated.target)
+                raise CaptureError(
+                    f"cannot capture {type(model).__name__}: its forward changes the parameter {name!r} in place (as "
+                    "nn.Embedding(max_norm=...) renormalises the rows it reads), which the executor cannot repeat "
+                    "inside the planned step; change parameters outside the forward (after the optimizer's step), or "
+                    "leave max_norm out")
             else:
                 raise CaptureError(f"cannot capture {type(model).__name__}: it mutates {mutated}, which the executor "
                                    "cannot write back")
