@@ -37,7 +37,7 @@ plain = copy.deepcopy(model)
 generator = torch.Generator().manual_seed(10 + rank)  # each rank its own data
 x, y = torch.randn(1024, 64, generator=generator), torch.randint(0, 10, (1024,), generator=generator)
 planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.7, time_limit_s=2, workers=1,
-                            progress=False)
+                            optimizer="momentum", progress=False)
 ddp, plain_ddp = DDP(planned), DDP(plain)
 optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 plain_optimizer = torch.optim.SGD(plain_ddp.parameters(), lr=0.1, momentum=0.9)

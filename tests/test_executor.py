@@ -46,7 +46,7 @@ def profiled():
             inputs, targets = spec.example_inputs(BATCH, dtype=torch.float64)
             profile, step = profile_step(
                 model, inputs, spec.loss, targets, repeats=1, warmup=0, algorithms=("native",),
-                d2h_gb_per_s=10.0, h2d_gb_per_s=10.0,
+                d2h_gb_per_s=10.0, h2d_gb_per_s=10.0, optimizer="momentum",  # the tests step SGD with momentum
             )
             cache[name] = (spec, model, inputs, targets, profile, step)
         return cache[name]

@@ -55,7 +55,7 @@ def _schedules(profile):
 def test_the_zoo_trains_bitwise_like_plain_pytorch(name, dtype):
     model, args, kwargs, targets, loss_fn = ZOO[name](DTYPES[dtype])
     profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
-                                     algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10)
+                                     algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10, optimizer="momentum")
     schedules = _schedules(profile)
     for kind, schedule in schedules.items():
         planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -106,7 +106,7 @@ def test_three_steps_are_bitwise_every_time_under_offload_heavy_and_mosos_plans(
     and copies, the weight update between steps) may change a bit from one run of the same plan to the next."""
     model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
     profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
-                                     algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10)
+                                     algorithms=("native",), d2h_gb_per_s=10, h2d_gb_per_s=10, optimizer="momentum")
     schedules = {
         "mosos at 0.6": plan(profile, memory_ratio=plannable_ratio(profile), strategy="mosos", time_limit_s=2,
                              workers=1, seed=0),
@@ -133,7 +133,7 @@ def test_keep_all_holds_no_more_than_eager_autograd(name):
     torch.set_num_threads(1)
     model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
     profile, captured = profile_step(model, args, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0,
-                                     algorithms=("native",))
+                                     algorithms=("native",), optimizer="momentum")
     eager, planned_model = copy.deepcopy(model), copy.deepcopy(model)
     planned = PlannedModule(planned_model, profile, plan(profile, strategy="keep-all"), loss_fn, profiled=captured)
 

@@ -38,6 +38,7 @@ from executor.replay.accountant import Accountant
 from executor.capture.capture import tensor_signature
 from executor.replay.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
 from executor.replay.compiled_nodes import CompiledNodes, NodeCompiler
+from executor.replay import optimizer_state
 from executor.capture import autocast
 from executor.capture.python_state import describe_change, python_state
 from executor.errors import CaptureError, ProfileMismatch, ReplayError
@@ -226,6 +227,7 @@ class PlannedModule(nn.Module):
                 f"not for {profile.name!r} (digest {profile.digest()[:12]})"
             )
         simulated = simulate(profile, schedule, keep_timeline=False)  # raises ScheduleRejected on a bad plan
+        optimizer_state.watch(self)  # an optimizer keeping more state than the plan counted is refused at its step
         self.simulated_peak_bytes = simulated.peak_memory_bytes
         self.simulated_step_time_ms = simulated.step_time_ms
         self.last_ledger: Accountant | None = None

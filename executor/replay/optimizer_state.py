@@ -1,0 +1,93 @@
+"""The optimizer's state against what the plan counted for it.
+
+A plan holds the step to its budget with the optimizer's state counted as fixed memory, from what `optimize()` was
+told (`optimizer=`, "sgd" by default: no state). A training loop that steps AdamW instead then holds twice the
+parameters more than the plan allowed for, and the budget no longer holds, silently. So every optimizer step that
+touches a planned module's parameters is checked once per optimizer: before the step, by the state the optimizer's
+kind keeps (Adam's two moments, a momentum buffer), and after its first step by the state it really holds (any
+optimizer, kinds we do not know included). Too much state is refused with what to pass to `optimize()`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from executor.errors import ReplayError
+from planner.units import format_bytes
+
+_PLANNED: "weakref.WeakSet" = weakref.WeakSet()  # PlannedModules whose budget holds
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its state was found to fit
+_handles: list = []
+
+
+def watch(planned) -> None:
+    """Check the optimizers that step `planned`'s parameters (once the process-wide hooks are in place)."""
+    _PLANNED.add(planned)
+    if not _handles:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _handles.append(register_optimizer_step_pre_hook(_before_step))
+        _handles.append(register_optimizer_step_post_hook(_after_step))
+
+
+def _planned_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[object, list[torch.Tensor]]]:
+    """(planned module, its trainable parameters this optimizer steps) for each planned module it touches."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found = []
+    for planned in list(_PLANNED):
+        if planned.schedule.budget_bytes is None:
+            continue  # no budget, no promise to keep
+        mine = [p for p in planned.model.parameters() if p.requires_grad and id(p) in stepped]
+        if mine:
+            found.append((planned, mine))
+    return found
+
+
+def _distinct_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _refuse(planned, optimizer, kind_bytes: int, how: str) -> None:
+    counted = planned.profile.fixed_memory.optimizer_state_bytes
+    name = type(optimizer).__name__
+    raise ReplayError(
+        f"{name} {how} {kind_bytes} bytes ({format_bytes(kind_bytes)}) of state for the planned module's parameters, "
+        f"but its plan counted {counted} bytes ({format_bytes(counted)}) of optimizer state (optimize()'s "
+        f"optimizer=, 'sgd' by default: none), so the budget of {format_bytes(planned.schedule.budget_bytes)} would "
+        f"not hold. Pass this optimizer to optimize(..., optimizer=opt) (or name its kind, optimizer="
+        f"'{name.lower()}'), and the plan counts its state")
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    if optimizer in _CHECKED:
+        return
+    from executor.measure.profiler import optimizer_state_bytes
+    from planner.errors import MososError
+
+    for planned, parameters in _planned_parameters(optimizer):
+        try:
+            expected = optimizer_state_bytes(optimizer, _distinct_bytes(parameters))
+        except MososError:
+            continue  # a kind we do not know: its state is measured after its first step
+        if expected > planned.profile.fixed_memory.optimizer_state_bytes:
+            _refuse(planned, optimizer, expected, "would keep")
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    if optimizer in _CHECKED:
+        return
+    for planned, parameters in _planned_parameters(optimizer):
+        state = [value for p in parameters for value in optimizer.state.get(p, {}).values()
+                 if isinstance(value, torch.Tensor) and value.dim() > 0]  # per-parameter tensors, not step counters
+        held = _distinct_bytes(state)
+        if held > planned.profile.fixed_memory.optimizer_state_bytes:
+            _refuse(planned, optimizer, held, "keeps")
+    _CHECKED[optimizer] = True

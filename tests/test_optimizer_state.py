@@ -1,0 +1,101 @@
+"""The optimizer's state against what the plan counted (executor.replay.optimizer_state).
+
+optimize() counts the optimizer's state as fixed memory from its `optimizer=` ("sgd" by default: none). AdamW
+stepped under such a plan held 2x the parameters more than the budget allowed for, with no message (22% over the
+budget on a small model). Now the first step of an optimizer holding more state than counted is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import executor  # noqa: E402
+from executor.errors import ReplayError  # noqa: E402
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 64), nn.Tanh()]
+    for _ in range(6):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(64, 4))
+
+
+def _data():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(2048, 16, generator=generator), torch.randint(0, 4, (2048,), generator=generator)
+
+
+def _planned(model, **options):
+    x, y = _data()
+    return executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, time_limit_s=3, workers=1,
+                             cache=False, progress=False, timed_steps=0, **options)
+
+
+def _step(planned, optimizer):
+    x, y = _data()
+    planned(x, y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_adamw_under_a_plan_that_counted_no_state_is_refused_before_it_allocates_any():
+    model = _model()
+    planned = _planned(model)  # optimizer="sgd", the default: no state counted
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ReplayError, match=r"AdamW would keep \d+ bytes .* its plan counted 0 bytes .* "
+                                          r"optimize\(\.\.\., optimizer=opt\) \(or name its kind, optimizer='adamw'\)"):
+        _step(planned, optimizer)
+    assert not optimizer.state  # refused before the step: no moment allocated, no weight changed
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_an_optimizer_passed_to_optimize_or_named_is_counted_and_steps():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    planned = _planned(model, optimizer=optimizer)
+    for _ in range(2):
+        _step(planned, optimizer)
+    model = _model()
+    planned = _planned(model, optimizer="momentum")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _step(planned, optimizer)
+    with pytest.raises(ReplayError, match="Adam would keep"):  # a second optimizer on the same parameters: its own
+        _step(planned, torch.optim.Adam(model.parameters()))
+
+
+class _Averaging(torch.optim.Optimizer):
+    """A kind optimize() does not know: keeps a running average of every parameter."""
+
+    def __init__(self, parameters, lr=0.1):
+        super().__init__(parameters, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                average = self.state[p].setdefault("average", torch.zeros_like(p))
+                average.mul_(0.9).add_(p, alpha=0.1)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_an_optimizer_of_an_unknown_kind_is_measured_after_its_first_step():
+    model = _model()
+    planned = _planned(model)
+    with pytest.raises(ReplayError, match=r"_Averaging keeps \d+ bytes"):
+        _step(planned, _Averaging(model.parameters()))
+
+
+def test_without_a_budget_nothing_is_checked():
+    model = _model()
+    x, y = _data()
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, progress=False)
+    _step(planned, torch.optim.AdamW(model.parameters(), lr=1e-3))
