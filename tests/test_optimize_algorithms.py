@@ -34,7 +34,7 @@ def _patch_model():
 def test_plans_by_default_are_native_only_and_train_bitwise_with_offloads():
     model, images, labels, loss_fn = _patch_model()
     plain = copy.deepcopy(model)
-    planned = executor.optimize(model, (images,), loss_fn, targets=labels, memory_ratio=0.6, strategy="mosos",
+    planned = executor.optimize(model, (images,), loss_fn, targets=labels, memory_ratio=0.75, strategy="mosos",
                                 d2h_gb_per_s=10, h2d_gb_per_s=10, time_limit_s=2, optimizer="momentum",
                                 workers=1, repeats=1, warmup=0, cache=False, progress=False)
     assert {impl.name for node in planned.profile.nodes for impl in node.implementations} <= {"native", "default"}

@@ -310,3 +310,28 @@ def test_a_data_parallel_wrapper_is_refused_with_the_order_that_works():
     with pytest.raises(MososError, match=r"plans the model itself, not a DataParallel around it: plan the model, "
                                          r"then wrap the planned module"):
         executor.optimize(nn.DataParallel(Net()), (x,), F.cross_entropy, targets=y, budget=None, progress=False)
+
+
+def test_a_transformers_configuration_changed_after_the_capture_is_planned_again():
+    """Mistral reads `config.sliding_window` at every forward: changed after optimize(), the replay kept the old
+    mask (loss 4.86842 against eager's 4.86631); so did a switch of the attention implementation."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                        max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(output, labels):
+        return F.cross_entropy(output.logits.flatten(0, 1), labels.flatten())
+
+    messages: list[str] = []
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids, budget=None,
+                                strategy="keep-all", cache=False, progress=messages.append)
+    for window in (8, 4):
+        model.config.sliding_window = plain.config.sliding_window = window
+        loss = planned(input_ids=ids, targets=ids)
+        assert torch.equal(loss, loss_fn(plain(input_ids=ids), ids)), window
+    assert any("attribute 'config.sliding_window' 8 -> 4" in message for message in messages), messages

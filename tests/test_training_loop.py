@@ -47,7 +47,7 @@ def test_bucketed_lengths_are_each_planned_once_and_every_step_is_plain_pytorchs
     plain = copy.deepcopy(model)
     ids, labels = batch(LENGTHS[0], seed=0)
     messages: list[str] = []
-    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.6,
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.75,
                                 time_limit_s=2, workers=1, optimizer="momentum", progress=messages.append)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
@@ -105,7 +105,7 @@ def test_gradient_accumulation_over_four_micro_batches_is_plain_pytorchs():
     model = tiny_bert()
     plain = copy.deepcopy(model)
     ids, labels = batch(32, seed=0)
-    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.5,
+    planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=labels, memory_ratio=0.75,
                                 time_limit_s=2, workers=1, optimizer="adamw", progress=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)

@@ -29,12 +29,33 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
-def _value(value: Any, depth: int = 0) -> Any:
+def _is_config(value: Any) -> bool:
+    """A transformers configuration (PreTrainedConfig; PretrainedConfig before transformers 5), which its modules
+    read at every forward (`config.sliding_window`, the attention implementation); found by class name, so
+    transformers need not be imported."""
+    return any(cls.__name__ in ("PretrainedConfig", "PreTrainedConfig") for cls in type(value).__mro__)
+
+
+def _config(value: Any, configs: dict) -> Any:
+    """A configuration's own fields (simple values and small containers; private fields but the attention
+    implementation's), once per object in one fingerprint: every layer holds the same one."""
+    key = id(value)
+    if key not in configs:
+        configs[key] = ("config", tuple(
+            (name, _value(item, 1)) for name, item in sorted(value.__dict__.items())
+            if not name.startswith("_") or name.startswith(("_attn_implementation", "_experts_implementation"))))
+    return configs[key]
+
+
+def _value(value: Any, depth: int = 0, configs: dict | None = None) -> Any:
     """An attribute as something to compare: simple values as themselves, small containers item by item, a tensor
-    by identity (replacing it is a change; changed in place, the replay reads it as eager does). Other objects are
-    not compared: libraries rebuild equal ones of their own (transformers' tied-weight tables) on every call."""
+    by identity (replacing it is a change; changed in place, the replay reads it as eager does), a transformers
+    configuration field by field. Other objects are not compared: libraries rebuild equal ones of their own
+    (transformers' tied-weight tables) on every call."""
     if isinstance(value, _SIMPLE):
         return value
+    if configs is not None and _is_config(value):
+        return _config(value, configs)
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
     if isinstance(value, torch.Tensor):
@@ -51,8 +72,8 @@ def _value(value: Any, depth: int = 0) -> Any:
 _OBJECT = ("object",)
 
 
-def _attributes(module: nn.Module) -> tuple:
-    return tuple((name, _value(value)) for name, value in module.__dict__.items()
+def _attributes(module: nn.Module, configs: dict) -> tuple:
+    return tuple((name, _value(value, 0, configs)) for name, value in module.__dict__.items()
                  if not name.startswith("_") or name == "_attn_implementation")
 
 
@@ -61,7 +82,9 @@ def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
 
 
 def _modules(model: nn.Module, prefix: str) -> tuple:
-    return tuple((prefix + path, type(module), module.training, _attributes(module), _hooks(module, HOOK_DICTS))
+    configs: dict = {}
+    return tuple((prefix + path, type(module), module.training, _attributes(module, configs),
+                  _hooks(module, HOOK_DICTS))
                  for path, module in model.named_modules(remove_duplicate=False))
 
 
@@ -122,11 +145,28 @@ def describe_change(before: tuple, after: tuple) -> str:
 
 
 def _attribute_change(before: dict, after: dict) -> str:
+    found = _first_change(before, after)
+    if found is None:
+        return "an attribute changed"
+    name, old, new = found
+    return f"attribute {name!r} {_shown(old)} -> {_shown(new)}"
+
+
+def _first_change(before: dict, after: dict) -> tuple[str, Any, Any] | None:
+    """(name, old, new) of the first attribute that differs, into a configuration's fields ('config.sliding_window')."""
     for name in list(after) + [name for name in before if name not in after]:
         if before.get(name, _MISSING) != after.get(name, _MISSING):
             old, new = before.get(name, _MISSING), after.get(name, _MISSING)
-            return f"attribute {name!r} {_shown(old)} -> {_shown(new)}"
-    return "an attribute changed"
+            if _is_config_value(old) and _is_config_value(new):
+                inner = _first_change(dict(old[1]), dict(new[1]))
+                if inner is not None:
+                    return (f"{name}.{inner[0]}",) + inner[1:]
+            return name, old, new
+    return None
+
+
+def _is_config_value(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and value[0] == "config"
 
 
 _MISSING = ("missing",)
@@ -137,6 +177,8 @@ def _shown(value: Any) -> str:
         return "(none)"
     if isinstance(value, tuple) and value and value[0] in ("object", "tensor"):
         return f"(a{'nother' if value[0] == 'tensor' else 'n'} {value[0]})"
+    if isinstance(value, tuple) and value and value[0] == "config":
+        return "(a configuration)"
     return repr(value)
 
 
