@@ -23,7 +23,7 @@ from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
 from cli.checks import (distinct_files, positive_finite, replacing, time_limit_within, whole_number_in, workload_file,
                         writable_output, write_output)
 from cli.time_limit import time_limited
-from planner.errors import MososError
+from planner.errors import MososError, TimeLimitReached
 from planner.max_batch import DEFAULT_STRATEGIES, MAX_BATCH_LIMIT, MaxBatchResult, max_batch, parse_overhead
 from planner.planning import strategy_names
 from planner.units import format_bytes, parse_bytes
@@ -253,8 +253,8 @@ def max_batch_command(
         prepared_s = time.monotonic() - started
         search_s = time_limit - prepared_s - FINISH_S
         if search_s < MIN_SEARCH_S:
-            raise MososError(f"making the profiles took {prepared_s:.1f} s of the {time_limit:g} s time limit, leaving "
-                             "too little to search: give a longer --time-limit")
+            raise TimeLimitReached(f"making the profiles took {prepared_s:.1f} s of the {time_limit:g} s time limit, "
+                                   "leaving too little to search: give a longer --time-limit")
         result = max_batch(source, budget_bytes, strategies=strategies, max_overhead=overhead, time_limit_s=search_s,
                            workers=workers, seed=seed, batch_limit=batch_limit, throughput_probes=throughput_probes,
                            progress=progress)
@@ -266,6 +266,9 @@ def max_batch_command(
             plot_max_batch(result, temporary, title=f"{result.profile_name.replace('batch 1 ', '')}: "
                            f"budget {format_bytes(result.budget_bytes)}, {result.overhead_description}")
     found = any(answer.max_batch_size is not None for answer in result.strategies)
+    # no batch found because every strategy's share ran out, not because none fits: the time limit's exit code
+    not_found_code = (TimeLimitReached.exit_code if not found and all(a.stopped_by for a in result.strategies)
+                      else EXIT_INFEASIBLE)
     if as_json:
         document = {**result.model_dump(mode="json"), "profiles": profiles_text,
                     "profile_seconds": prepared_s, "command_seconds": time.monotonic() - started}
@@ -273,7 +276,7 @@ def max_batch_command(
             document["scaling"] = source.report.as_dict()
         typer.echo(json.dumps(document, indent=2))
         if not found:
-            raise typer.Exit(EXIT_INFEASIBLE)
+            raise typer.Exit(not_found_code)
         return
     title = (f"{result.profile_name.replace('batch 1 ', '')}: budget {format_bytes(result.budget_bytes)}, "
              f"{result.overhead_description}")
@@ -299,6 +302,10 @@ def max_batch_command(
                   highlight=False)
     if plot:
         console.print(f"wrote {plot}")
+    if not found and not_found_code != EXIT_INFEASIBLE:
+        error_console.print(f"[bold red]no batch found[/]: --time-limit {time_limit:g} s ran out before any strategy "
+                            "solved a batch (see above); give a longer --time-limit", highlight=False)
+        raise typer.Exit(not_found_code)
     if not found:
         error_console.print("[bold red]no batch fits[/] with any strategy (see above)", highlight=False)
         raise typer.Exit(EXIT_INFEASIBLE)
