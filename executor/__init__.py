@@ -5,6 +5,29 @@ Needs torch (the planner never imports this package).
 
 from __future__ import annotations
 
+import importlib.util as _importlib_util
+from pathlib import Path as _Path
+
+
+def _check_models_package() -> None:
+    """mosos's own `models` package must be the one `import models` finds: a user's models.py (or models/ folder)
+    beside their script comes first on sys.path and made optimize() fail with "'models' is not a package"."""
+    ours = _Path(__file__).resolve().parent.parent / "models"
+    try:
+        spec = _importlib_util.find_spec("models")
+    except (ImportError, ValueError):
+        return
+    origin = getattr(spec, "origin", None) or next(iter(getattr(spec, "submodule_search_locations", None) or []), None)
+    if spec is None or origin is None or _Path(origin).resolve().is_relative_to(ours):
+        return
+    raise ImportError(
+        f"mosos's executor needs its own package 'models' ({ours}), but 'import models' finds {origin} first, a "
+        "module of yours of the same name on sys.path (the script's folder or the working directory): rename yours "
+        "(e.g. my_models.py), or run from another folder")
+
+
+_check_models_package()
+
 __all__ = ["profile_model", "estimate_profile", "PlannedModule", "optimize", "CaptureError", "ProfileMismatch", "ReplayError"]
 
 
