@@ -259,12 +259,15 @@ def max_batch_command(
                            workers=workers, seed=seed, batch_limit=batch_limit, throughput_probes=throughput_probes,
                            progress=progress)
     profiles_text = source.describe()
-    if plot:
-        from planner.max_batch_plot import plot_max_batch
 
-        with replacing(plot, "--plot") as temporary:
-            plot_max_batch(result, temporary, title=f"{result.profile_name.replace('batch 1 ', '')}: "
-                           f"budget {format_bytes(result.budget_bytes)}, {result.overhead_description}")
+    def write_plot() -> None:
+        """After the result is shown: a plot that cannot be written (a full disk) loses nothing else."""
+        if plot:
+            from planner.max_batch_plot import plot_max_batch
+
+            with replacing(plot, "--plot") as temporary:
+                plot_max_batch(result, temporary, title=f"{result.profile_name.replace('batch 1 ', '')}: "
+                               f"budget {format_bytes(result.budget_bytes)}, {result.overhead_description}")
     found = any(answer.max_batch_size is not None for answer in result.strategies)
     # no batch found because every strategy's share ran out, not because none fits: the time limit's exit code
     not_found_code = (TimeLimitReached.exit_code if not found and all(a.stopped_by for a in result.strategies)
@@ -275,6 +278,7 @@ def max_batch_command(
         if hasattr(source, "report"):
             document["scaling"] = source.report.as_dict()
         typer.echo(json.dumps(document, indent=2))
+        write_plot()
         if not found:
             raise typer.Exit(not_found_code)
         return
@@ -300,6 +304,7 @@ def max_batch_command(
                             highlight=False)
     console.print(f"time: {result.time_split}; {result.wall_time_s:.1f} s of {result.time_limit_s:.1f} s searching",
                   highlight=False)
+    write_plot()
     if plot:
         console.print(f"wrote {plot}")
     if not found and not_found_code != EXIT_INFEASIBLE:

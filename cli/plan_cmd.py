@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from rich.table import Table
 
 from planner.budget import budget_from_ratio
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
-from cli.checks import distinct_files, time_limit_within, whole_number_in, writable_output, write_output
+from cli.checks import distinct_files, replacing, time_limit_within, whole_number_in, writable_output
 from planner.comparison import ComparisonRow, compare, time_share_s
 from planner.errors import MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
@@ -196,12 +197,16 @@ def plan_command(
             console.print(_comparison_table(_title(profile.name, budget_bytes, memory_ratio), rows, lower_bound_ms,
                                             budget_bytes))
         _report_infeasible(infeasible, [row.as_dict(lower_bound_ms) for row in rows], as_json)
+    files = []
     if output:
-        write_output(output, chosen.to_json(), "-o")
+        files.append((output, "-o", chosen.to_json().encode("utf-8")))
     if html:
         from planner.viewer import plan_view_html
 
-        write_output(html, plan_view_html(profile, chosen).encode("utf-8"), "--html")
+        files.append((html, "--html", plan_view_html(profile, chosen).encode("utf-8")))
+    with contextlib.ExitStack() as outputs:  # every file or none: each replaces its target once all are written
+        for path, option, content in files:
+            outputs.enter_context(replacing(path, option)).write_bytes(content)
     if as_json:
         typer.echo(
             json.dumps(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import typer
 from rich.table import Table
 
 from cli.app import app, console, error_console, friendly
-from cli.checks import distinct_files, replacing, writable_output, write_output
+from cli.checks import distinct_files, replacing, writable_output
 from planner.errors import ScheduleRejected
 from planner.profile import load_profile
 from planner.schedule import load_schedule
@@ -46,20 +47,21 @@ def simulate_command(
         else:
             error_console.print(f"[bold red]error:[/] {rejection}", highlight=False)
         raise typer.Exit(EXIT_REJECTED) from None
-    if trace:
-        from planner.trace import write_chrome_trace
+    with contextlib.ExitStack() as outputs:  # every file or none: each replaces its target once all are written
+        if trace:
+            from planner.trace import write_chrome_trace
 
-        with replacing(trace, "--trace") as temporary:
-            write_chrome_trace(result, temporary, title=f"{profile.name}")
-    if plot:
-        from planner.plot import plot_memory
+            write_chrome_trace(result, outputs.enter_context(replacing(trace, "--trace")), title=f"{profile.name}")
+        if plot:
+            from planner.plot import plot_memory
 
-        with replacing(plot, "--plot") as temporary:
-            plot_memory(result, temporary, title=f"{profile.name}: device memory")
-    if html:
-        from planner.viewer import plan_view_html
+            plot_memory(result, outputs.enter_context(replacing(plot, "--plot")),
+                        title=f"{profile.name}: device memory")
+        if html:
+            from planner.viewer import plan_view_html
 
-        write_output(html, plan_view_html(profile, schedule, result).encode("utf-8"), "--html")
+            outputs.enter_context(replacing(html, "--html")).write_bytes(
+                plan_view_html(profile, schedule, result).encode("utf-8"))
     if as_json:
         typer.echo(json.dumps({"valid": True, **result.figures()}, indent=2))
         return

@@ -341,3 +341,30 @@ def test_checkpoint_all_stops_its_search_for_the_smallest_budget_at_the_time_lim
     with pytest.raises(InfeasibleBudget):
         plan(profile, memory_ratio=0.5, strategy="checkpoint-all", time_limit_s=0.5)
     assert time.monotonic() - started < 3.0
+
+
+def test_a_second_output_that_cannot_be_written_leaves_the_first_as_it_was(tmp_path, offload_profile, monkeypatch):
+    """-o was written and then --html failed (a full disk): the command said error, exit 2, with a new -o behind it.
+    Now the outputs replace their targets together, once all are written."""
+    import errno
+
+    profile_path = tmp_path / "p.json"
+    profile_path.write_text(offload_profile.to_json())
+    schedule_path, page = tmp_path / "s.json", tmp_path / "v.html"
+    schedule_path.write_text("old schedule")
+
+    from pathlib import Path
+
+    write_bytes = Path.write_bytes
+
+    def full_disk(path, content):
+        if str(path).endswith(".html"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_bytes(path, content)
+
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
+    result = invoke("plan", profile_path, "--strategy", "keep-all", "-o", schedule_path, "--html", page)
+    assert result.exit_code == 2 and "cannot write --html" in result.output, result.output
+    assert "No space left on device" in result.output
+    assert schedule_path.read_text() == "old schedule" and not page.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "s.json"]  # no temporary left behind
