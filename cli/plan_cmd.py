@@ -15,7 +15,7 @@ from planner.budget import budget_from_ratio
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
 from cli.checks import distinct_files, replacing, time_limit_within, whole_number_in, writable_output
 from planner.comparison import ComparisonRow, compare, time_share_s
-from planner.errors import MososError
+from planner.errors import BudgetError, MososError
 from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
 from planner.strategies import load_all
 from planner.profile import load_profile
@@ -71,7 +71,7 @@ def _title(profile_name: str, budget_bytes: int | None, memory_ratio: float | No
     return f"{profile_name}: {budget_text}"
 
 
-def _report_infeasible(error: InfeasibleBudget, compared: list[dict], as_json: bool) -> None:
+def _report_infeasible(error: BudgetError, compared: list[dict], as_json: bool) -> None:
     """The chosen strategy found no plan: say why (and, with --compare, how the others did), exit 3."""
     if as_json:
         document = {"feasible": False, "error": str(error), "minimum_budget_bytes": error.minimum_budget_bytes}
@@ -150,14 +150,20 @@ def plan_command(
     whole_number_in(workers, "--workers", 1, 1024)
     profile = load_profile(profile_path)
     names = strategy_names()
-    budget_bytes = resolve_budget(profile, parse_bytes(budget) if budget is not None else None, memory_ratio)
+    try:
+        budget_bytes = resolve_budget(profile, parse_bytes(budget) if budget is not None else None, memory_ratio)
+    except BudgetError as error:
+        if error.minimum_budget_bytes is None:  # not a budget at all: bad input
+            raise
+        # below what any plan needs: no strategy can meet it, which is what exit 3 says (with the minimum)
+        _report_infeasible(error, [], as_json)
     capacity = profile.hardware.memory_capacity_bytes
-    if budget_bytes is not None and budget_bytes > capacity and not as_json:
-        error_console.print(
-            f"[yellow]note:[/] the budget {format_bytes(budget_bytes)} is more than the device's memory "
-            f"({format_bytes(capacity)}, {profile.hardware.name}); plans are checked against the budget only",
-            highlight=False,
-        )
+    notes = []
+    if budget_bytes is not None and budget_bytes > capacity:
+        notes.append(f"the budget {format_bytes(budget_bytes)} is more than the device's memory "
+                     f"({format_bytes(capacity)}, {profile.hardware.name}); plans are checked against the budget only")
+        if not as_json:
+            error_console.print(f"[yellow]note:[/] {notes[-1]}", highlight=False)
     if strategy in names and budget_bytes is None and load_all()[strategy].uses_budget:
         raise MososError(f"strategy {strategy!r} needs a budget: give --budget or --memory-ratio")
     if compare_with is not None:
@@ -217,6 +223,7 @@ def plan_command(
                     "strategies": [row.as_dict(lower_bound_ms) for row in rows],
                     "schedule_path": str(output) if output else None,
                     "html_path": str(html) if html else None,
+                    "notes": notes,
                 },
                 indent=2,
             )

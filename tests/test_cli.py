@@ -74,8 +74,12 @@ def test_bad_inputs_exit_2_with_a_message(tmp_path, offload_profile):
     good.write_text(offload_profile.to_json())
     result = invoke("plan", good, "--strategy", "keep-all", "--budget", "12 parsecs")
     assert result.exit_code == 2 and "unknown size unit" in result.output
-    result = invoke("plan", good, "--strategy", "keep-all", "--budget", "10")
-    assert result.exit_code == 2 and "below what any plan needs" in result.output
+    # a budget below what any plan needs is no bad input: no strategy can meet it (exit 3, with the minimum)
+    result = invoke("plan", good, "--strategy", "mosos", "--budget", "10")
+    assert result.exit_code == 3 and "infeasible:" in result.output and "below what any plan needs" in result.output
+    result = invoke("plan", good, "--strategy", "mosos", "--budget", "10", "--json")
+    answer = json.loads(result.stdout)
+    assert result.exit_code == 3 and answer["feasible"] is False and answer["minimum_budget_bytes"] > 10
     result = invoke("plan", good, "--strategy", "no-such-planner", "--budget", "1GiB")
     assert result.exit_code == 2 and "unknown strategy 'no-such-planner'" in result.output
 
