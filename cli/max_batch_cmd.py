@@ -236,6 +236,13 @@ def max_batch_command(
         raise MososError("--memory must be more than 0 bytes")
     measures = _batches(measure_batches, "--measure-batches")
     _check_math_and_optimizer(estimated=gpu is not None, math=math, optimizer=optimizer)
+    if gpu is not None:  # before torch is imported for the profiles (seconds)
+        from models.gpus import get_gpu
+
+        try:
+            get_gpu(gpu)
+        except KeyError as error:
+            raise MososError(f"--gpu: {error.args[0]}") from None
     with _Progress(not as_json and error_console.is_terminal, time_limit) as progress:
         # making the profiles (torch, a capture, measuring) takes no deadline of its own: the alarm stops it
         with time_limited(time_limit, started) as watch:
