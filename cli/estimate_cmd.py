@@ -119,8 +119,7 @@ def estimate_command(
         _estimate_workload(spec, gpu, batch, output, math=math, optimizer=optimizer, memory_bytes=memory_bytes,
                            compact=compact)
         return
-    missing = [flag for flag, value in (("--model", model), ("--batch", batch), ("--gpu", gpu), ("-o", output))
-               if value is None]
+    missing = [flag for flag, value in (("--model", model), ("--batch", batch), ("--gpu", gpu)) if value is None]
     if missing:
         raise MososError(f"mosos estimate needs {', '.join(missing)} (or --list to see models and GPUs)")
     writable_output(output, "-o")
@@ -142,6 +141,9 @@ def estimate_command(
         optimizer=optimizer,
         memory_bytes=memory_bytes,
     )
+    if output is None:  # as for a workload: the keep-all figures, nothing written
+        console.print(_summary(profile, None), highlight=False)
+        return
     write_output(output, profile.to_json(indent=None if compact else 1), "-o")
     fastest_ms = sum(node.fastest.time_ms for node in profile.nodes)
     tensors = sum(node.size_bytes for node in profile.nodes)

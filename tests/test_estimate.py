@@ -278,6 +278,10 @@ def test_cli_estimate_writes_a_valid_profile(tmp_path: Path):
     assert bad.exit_code == 2 and "unknown GPU" in bad.output and "Traceback" not in bad.output
     missing = runner.invoke(app, ["estimate", "--model", "unet"])
     assert missing.exit_code == 2 and "--batch" in missing.output
+    # without -o, as for a workload: the keep-all figures, nothing written
+    summary = runner.invoke(app, ["estimate", "--model", "unet", "--small", "--batch", "2", "--gpu", "p40"])
+    assert summary.exit_code == 0 and "keep-all (fastest algorithms): step" in summary.output, summary.output
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["p.json"]
 
 
 def test_every_estimated_profile_is_shipped():
