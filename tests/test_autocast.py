@@ -292,3 +292,17 @@ def test_compiled_replay_under_autocast_runs_mixed_dtype_norms_eagerly(norm, rat
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+def test_nodes_captured_under_autocast_keep_their_modules():
+    """torch.export makes an autocast region one `wrap_with_autocast` call; traced whole, every node in it took the
+    region's metadata and was named after the loss ('loss/convolution'), so the per-block baseline found no
+    blocks and messages named no layer. The region's body is traced node by node now."""
+    from executor.measure.profiler import plan_step
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, 4, (2,))
+    with torch.autocast(**BF16):
+        step = plan_step(model, (x,), {}, y, F.cross_entropy, None)
+    modules = {group.op_type: group.module for group in step.planning.groups if group.kind == "forward"}
+    assert modules["convolution+relu"] == "0" and modules["addmm+to_copy+log_softmax"] == "3", modules

@@ -396,7 +396,8 @@ def test_a_kernel_whose_strides_are_not_eagers_runs_eagerly_with_eagers_random_n
         return (torch.empty(4, 8).t(),)
 
     kernel = object.__new__(compiled_nodes._Kernel)
-    kernel.module, kernel.layout, kernel.random, kernel.compiled = module, ((4, 1),), True, wrong_strides
+    kernel.module, kernel.random, kernel.compiled = module, True, wrong_strides
+    kernel.layout = (((4, 1), torch.float32),)  # each input's strides and dtype
     kernel.output_layout, kernel.output_dtypes = ((4, 1),), (torch.float32,)
     kernel.forced = True  # compiled again with eager's strides required already, and still other strides
     record = compiled_nodes.CompiledNodes(compiled={"n": "key"})
@@ -477,7 +478,8 @@ def test_a_kernel_whose_output_dtypes_are_not_eagers_runs_eagerly():
     first call: the node runs its graph eagerly from then on, and the report says why."""
     module, _ = _matmul_then_add_graph()
     kernel = object.__new__(compiled_nodes._Kernel)
-    kernel.module, kernel.layout, kernel.random, kernel.forced = module, ((16, 1),) * 3, False, False
+    kernel.module, kernel.random, kernel.forced = module, False, False
+    kernel.layout = (((16, 1), torch.float32),) * 3  # each input's strides and dtype
     kernel.output_layout, kernel.output_dtypes = ((16, 1),), (torch.float32,)
     kernel.compiled = lambda a, b, c: (((a @ b + c) * 2.0).bfloat16(),)
     record = compiled_nodes.CompiledNodes(compiled={"n": "key"})

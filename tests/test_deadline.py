@@ -116,8 +116,11 @@ def _interrupted(command: list[str], after_s: float) -> tuple[subprocess.Complet
     """Run `command`, send it SIGINT after `after_s`; its result and how long it took to end after the signal."""
     import signal
 
+    # as a terminal's foreground command gets it: a test run started in the background (CI) ignores SIGINT, and
+    # its children inherit that
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=Path(__file__).resolve().parents[1])
+                               cwd=Path(__file__).resolve().parents[1],
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(after_s)
     process.send_signal(signal.SIGINT)
     sent = time.monotonic()

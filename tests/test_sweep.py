@@ -293,8 +293,11 @@ def test_ctrl_c_stops_the_sweep_and_keeps_what_finished(local_ray, tmp_path):
         time_limit_s: 1
         """)
     environment = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    # SIGINT as a terminal's foreground command gets it: a test run started in the background (CI) ignores it, and
+    # its children inherit that (CP-SAT's own SIGINT handler, once on in this process, used to reset it)
     process = subprocess.Popen([sys.executable, "-m", "cli", "sweep", str(spec), "--address", address, "--out", "out"],
-                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
     reader.start()

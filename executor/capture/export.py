@@ -79,7 +79,23 @@ class _Interpreted(nn.Module):
         self.exported = graph_module
 
     def forward(self, *flat_inputs):
-        return torch.fx.Interpreter(self.exported).run(*flat_inputs)
+        return _NodeByNode(self.exported).run(*flat_inputs)
+
+
+class _NodeByNode(torch.fx.Interpreter):
+    """An interpreter that also runs the body of an autocast region (the `wrap_with_autocast` torch.export makes of
+    it) node by node, under the same autocast, as the region itself runs it. Called whole, the body's operations
+    all took the region's metadata, so under autocast every node lost its module (`loss/convolution`), and with it
+    its name, and the blocks the per-block baseline is made of."""
+
+    def call_function(self, target, args, kwargs):
+        from torch._higher_order_ops.wrap import wrap_with_autocast
+
+        if target is wrap_with_autocast and not kwargs and isinstance(args[4], torch.fx.GraphModule):
+            device_type, dtype, enabled, cache_enabled, body, *operands = args
+            with torch.autocast(device_type, dtype, enabled, cache_enabled):
+                return _NodeByNode(body).run(*operands)
+        return super().call_function(target, args, kwargs)
 
 
 @dataclass
