@@ -59,6 +59,11 @@ def issues_from_validation_error(error: ValidationError) -> list[Issue]:
             message = _bound_message(detail)
         elif detail["type"] == "int_parsing_size":  # a float beyond 64 bits, such as 1e40
             message = f"is far too large for this field, not {detail.get('input')!r}"
+        elif detail["type"] == "too_short":  # pydantic: "List should have at least 1 item after validation, not 0"
+            least = (detail.get("ctx") or {}).get("min_length", 1)
+            given = (detail.get("ctx") or {}).get("actual_length")
+            message = f"needs at least {least} item{'s' if least != 1 else ''}" + (
+                ", not an empty list" if given == 0 else f", not {given}" if given is not None else "")
         issues.append(Issue(format_location(detail["loc"]), message))
     return issues
 

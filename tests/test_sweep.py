@@ -121,6 +121,8 @@ def test_every_mistake_in_a_spec_is_reported_at_its_path_and_line(tmp_path):
         ("", "not empty"),
         ("strategies: [keep-all]\n", "nothing to solve"),
         (f"profiles: [{PROFILES / 'vgg19-small-cpu.json'}]\n", "the strategies need a budget"),
+        (f"profiles: [{PROFILES / 'vgg19-small-cpu.json'}]\nstrategies: []\n",
+         "line 2, strategies: needs at least 1 item, not an empty list"),
         (f"profiles: [{PROFILES / 'vgg19-small-cpu.json'}]\nmemory_ratios: [0.5]\nplugins: [nope.py]\n",
          "plugins[0]: nope.py: file not found"),
     ],
