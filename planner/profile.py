@@ -394,6 +394,8 @@ def read_json(path: Path, error_type: type) -> Any:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
+        if str(path) == "-":  # the shell convention for standard input, which these commands do not read
+            raise error_type([Issue("", "'-' (standard input) is not read here: give the file's path")], "-") from None
         raise error_type([Issue("", "file not found")], str(path)) from None
     except IsADirectoryError:
         raise error_type([Issue("", "is a directory, not a JSON file")], str(path)) from None

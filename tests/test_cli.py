@@ -70,6 +70,8 @@ def test_bad_inputs_exit_2_with_a_message(tmp_path, offload_profile):
     assert result.exit_code == 2 and "unknown profile schema version '9'" in result.output
     result = invoke("simulate", tmp_path / "nope.json", tmp_path / "nope2.json")
     assert result.exit_code == 2 and "file not found" in result.output
+    result = invoke("plan", "-", "--strategy", "keep-all")
+    assert result.exit_code == 2 and "'-' (standard input) is not read here" in result.output
     good = tmp_path / "good.json"
     good.write_text(offload_profile.to_json())
     result = invoke("plan", good, "--strategy", "keep-all", "--budget", "12 parsecs")
