@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from rich.markup import escape
 
 from cli.app import app, console, friendly
 from planner.errors import MososError
@@ -44,7 +45,7 @@ def list_plans(directory: Path | None = DIRECTORY) -> None:
     if not entries:
         console.print(f"no plans kept in {cache.plans}")
         return
-    table = Table(title=f"plans kept in {cache.plans}")
+    table = Table(title=escape(f"plans kept in {cache.plans}"))
     for header in ("entry", "model", "inputs", "device", "budget", "strategy", "step ms", "peak", "size", "last used"):
         table.add_column(header, overflow="fold")
     for entry in entries:

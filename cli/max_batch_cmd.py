@@ -17,6 +17,7 @@ from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
@@ -111,7 +112,7 @@ def _profile_source(model: str, gpu: str | None, *, image_size, tokens, small, m
 
 
 def _table(result: MaxBatchResult, title: str) -> Table:
-    table = Table(title=title)
+    table = Table(title=escape(title))
     for header in ("strategy", "largest batch", "step time", "overhead", "peak memory", "throughput",
                    "best throughput", "search", "solves", "time"):
         table.add_column(header, justify="left" if header in ("strategy", "search") else "right")

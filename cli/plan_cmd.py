@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from planner.budget import budget_from_ratio
@@ -84,7 +85,7 @@ def _report_infeasible(error: BudgetError, compared: list[dict], as_json: bool) 
 
 
 def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: float, budget: int | None) -> Table:
-    table = Table(title=title)
+    table = Table(title=escape(title))
     for header in ("strategy", "step time", "overhead", "peak memory", "fits", "offloaded", "recompute", "algos changed", "solver"):
         table.add_column(header, justify="left" if header in ("strategy", "solver") else "right")
     for row in rows:

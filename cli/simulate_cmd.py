@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from rich.markup import escape
 
 from cli.app import app, console, error_console, friendly
 from cli.checks import distinct_files, replacing, writable_output
@@ -65,7 +66,7 @@ def simulate_command(
     if as_json:
         typer.echo(json.dumps({"valid": True, **result.figures()}, indent=2))
         return
-    table = Table(title=f"{profile.name}: simulated step", show_header=False)
+    table = Table(title=escape(f"{profile.name}: simulated step"), show_header=False)
     table.add_row("step time", f"{result.step_time_ms:.3f} ms")
     table.add_row("stall time", f"{result.stall_time_ms:.3f} ms")
     table.add_row("busy: compute / d2h / h2d", f"{result.compute_busy_ms:.3f} / {result.d2h_busy_ms:.3f} / {result.h2d_busy_ms:.3f} ms")

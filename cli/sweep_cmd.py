@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from cli.app import app, console, error_console, friendly
@@ -18,7 +19,7 @@ EXIT_INTERRUPTED = 130
 
 
 def _results_table(title: str, rows: list[dict]) -> Table:
-    table = Table(title=title)
+    table = Table(title=escape(title))
     for header in ("#", "profile", "strategy", "budget", "status", "step time", "overhead", "peak memory", "wall", "note"):
         table.add_column(header, justify="right" if header in ("#", "step time", "overhead", "peak memory", "wall") else "left")
     for row in rows:
@@ -37,7 +38,7 @@ def _results_table(title: str, rows: list[dict]) -> Table:
 
 
 def _dry_run(loaded) -> None:
-    table = Table(title=f"{loaded.path}: the solves")
+    table = Table(title=escape(f"{loaded.path}: the solves"))
     for header in ("#", "source", "strategy", "budget"):
         table.add_column(header)
     for solve in loaded.solves:

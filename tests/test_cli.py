@@ -374,3 +374,11 @@ def test_a_second_output_that_cannot_be_written_leaves_the_first_as_it_was(tmp_p
     assert "No space left on device" in result.output
     assert schedule_path.read_text() == "old schedule" and not page.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json", "s.json"]  # no temporary left behind
+
+
+def test_a_profile_name_with_brackets_is_shown_as_written(tmp_path, offload_profile):
+    """Table titles were rendered as rich markup: a name like 'x [bold]y[/bold]' lost its brackets."""
+    profile_path = tmp_path / "p.json"
+    profile_path.write_text(offload_profile.model_copy(update={"name": "x [bold]y[/bold]"}).to_json())
+    result = invoke("plan", profile_path, "--strategy", "keep-all")
+    assert result.exit_code == 0 and "x [bold]y[/bold]: no budget" in result.output, result.output
