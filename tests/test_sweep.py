@@ -337,6 +337,6 @@ def test_the_shipped_spec_is_the_readme_s_and_runs_as_it_stands(tmp_path):
     loaded = load_spec(REPO / "examples" / "sweep.yaml")
     # 2 files + vgg19 at 2 batches, x 3 strategies x (2 budgets + 2 ratios)
     assert len(loaded.solves) == 4 * 3 * 4
-    assert {solve.budget_text for solve in loaded.solves} == {"device memory", "8.00 GiB", "ratio 0.6", "ratio 0.8"}
+    assert {solve.budget_text for solve in loaded.solves} == {"device memory", "8.00 GiB", "ratio 0.7", "ratio 0.9"}
     done = run_cli(["sweep", str(REPO / "examples" / "sweep.yaml"), "--dry-run"], tmp_path)
     assert done.returncode == 0, done.stderr
