@@ -86,11 +86,32 @@ class _Averaging(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-group["lr"])
 
 
-def test_an_optimizer_of_an_unknown_kind_is_measured_after_its_first_step():
+def test_an_optimizer_of_an_unknown_kind_is_measured_on_a_probe_before_its_first_step():
     model = _model()
     planned = _planned(model)
-    with pytest.raises(ReplayError, match=r"_Averaging keeps \d+ bytes"):
-        _step(planned, _Averaging(model.parameters()))
+    optimizer = _Averaging(model.parameters())
+    with pytest.raises(ReplayError, match=r"_Averaging would keep \d+ bytes .*optimizer=opt\), and the plan"):
+        _step(planned, optimizer)
+    assert not optimizer.state
+
+
+class _NeedsAClosure(_Averaging):
+    """A kind whose fresh copy cannot be stepped on a probe: measured after its first step instead."""
+
+    def step(self, closure=None):
+        if closure is None:
+            raise RuntimeError("this optimizer needs a closure")
+        return super().step()
+
+
+def test_an_optimizer_that_cannot_be_probed_is_measured_after_its_first_step():
+    model = _model()
+    planned = _planned(model)
+    x, y = _data()
+    planned(x, y).backward()
+    optimizer = _NeedsAClosure(model.parameters())
+    with pytest.raises(ReplayError, match=r"_NeedsAClosure keeps \d+ bytes"):
+        optimizer.step(closure=lambda: None)
 
 
 def test_without_a_budget_nothing_is_checked():
@@ -99,3 +120,17 @@ def test_without_a_budget_nothing_is_checked():
     planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
                                 cache=False, progress=False)
     _step(planned, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+def test_an_optimizer_of_a_kind_not_listed_is_counted_when_passed_to_optimize():
+    """Adadelta (2 buffers a parameter) was refused by optimize() as an unknown optimizer whatever one passed, so
+    no budget could be kept with it; passed itself, its state is measured on a probe parameter and counted."""
+    from executor.measure.profiler import optimizer_state_bytes
+
+    model = _model()
+    optimizer = torch.optim.Adadelta(model.parameters())
+    assert optimizer_state_bytes(optimizer, 1000) == 2000
+    assert optimizer_state_bytes(_Averaging(model.parameters()), 1000) == 1000
+    planned = _planned(model, optimizer=optimizer)
+    for _ in range(2):
+        _step(planned, optimizer)

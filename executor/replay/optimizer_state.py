@@ -55,15 +55,18 @@ def _distinct_bytes(tensors) -> int:
     return total
 
 
+_KINDS = ("sgd", "momentum", "adam", "adamw", "nadam", "radam", "adamax", "rmsprop", "adagrad")
+
+
 def _refuse(planned, optimizer, kind_bytes: int, how: str) -> None:
     counted = planned.profile.fixed_memory.optimizer_state_bytes
     name = type(optimizer).__name__
+    named = f" (or name its kind, optimizer='{name.lower()}')" if name.lower() in _KINDS else ""
     raise ReplayError(
         f"{name} {how} {kind_bytes} bytes ({format_bytes(kind_bytes)}) of state for the planned module's parameters, "
         f"but its plan counted {counted} bytes ({format_bytes(counted)}) of optimizer state (optimize()'s "
         f"optimizer=, 'sgd' by default: none), so the budget of {format_bytes(planned.schedule.budget_bytes)} would "
-        f"not hold. Pass this optimizer to optimize(..., optimizer=opt) (or name its kind, optimizer="
-        f"'{name.lower()}'), and the plan counts its state")
+        f"not hold. Pass this optimizer to optimize(..., optimizer=opt){named}, and the plan counts its state")
 
 
 def _before_step(optimizer, args, kwargs) -> None:
