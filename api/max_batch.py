@@ -269,6 +269,13 @@ class EstimatorProcess:
             executor.shutdown(wait=True, cancel_futures=True)
 
 
+def _settled(search: Search) -> bool:
+    """A done search every strategy of which ended on its own, not stopped by the time limit: an answer to serve
+    again. One the timer cut short (`stopped_by`) is kept but searched anew for an identical request, as a plan
+    without a proof is (its proven solves come from the store)."""
+    return all(not row.get("stopped_by") for row in (search.result or {}).get("strategies", []))
+
+
 class MaxBatchSearches:
     """The searches of one server: start, look up, cancel; each runs `planner.max_batch` in its own thread."""
 
@@ -288,7 +295,8 @@ class MaxBatchSearches:
             if self._stopping:
                 raise ApiError(503, "stopping", "the server is stopping")
             for search in reversed(list(self._searches.values())):
-                if search.request_hash == parsed["request_hash"] and search.status in ("queued", "running", "done"):
+                if search.request_hash == parsed["request_hash"] and (
+                        search.status in ("queued", "running") or search.status == "done" and _settled(search)):
                     return search, search.status == "done", parsed["wait_s"]
             active = sum(1 for s in self._searches.values() if s.status in ("queued", "running"))
             if active >= max(1, self.settings.queue_size):

@@ -99,6 +99,12 @@ def test_the_answer_is_the_planners_and_every_solve_is_a_stored_plan(client):
     # the same request is the same search
     again = client.post("/v1/max-batch", json=request())
     assert again.status_code == 200 and again.json()["id"] == body["id"] and again.json()["cached"] is True
+    # ... unless the timer cut one of its strategies short: then it is searched again (its solves from the store)
+    kept = client.app.state.max_batch.get(body["id"])
+    kept.result["strategies"][0]["stopped_by"] = "the time limit ran out (0.00 s of this strategy's share left)"
+    anew = client.post("/v1/max-batch", json=request())
+    assert anew.status_code == 200 and anew.json()["id"] != body["id"] and anew.json()["cached"] is False
+    assert client.post("/v1/max-batch", json=request()).json()["id"] == anew.json()["id"]  # this one is settled
     # another search over the same batches finds its solves in the store: far fewer new solves than probes
     before = solves(client)
     other = client.post("/v1/max-batch", json=request(throughput_probes=0)).json()
