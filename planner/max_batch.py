@@ -217,9 +217,10 @@ def parse_overhead(text: str) -> OverheadLimit:
 
 
 def _quantized(limit_s: float) -> float:
-    """The largest ladder step at or below `limit_s` (or `limit_s` itself below the first step)."""
+    """The largest ladder step at or below `limit_s`, or the smallest solve (`MIN_SOLVE_S`) below the first step:
+    a fixed value, so that the same question asks the same solves (and finds them in a store) run after run."""
     fitting = [step for step in TIME_LADDER_S if step <= limit_s + 1e-9]
-    return float(fitting[-1]) if fitting else limit_s
+    return float(fitting[-1]) if fitting else MIN_SOLVE_S
 
 
 class _OutOfTime(Exception):
@@ -401,6 +402,10 @@ class _StrategySearch:
                                 f"{100 * probe.overhead_limit:.1f}%")
             else:
                 probe.outcome = "fits"
+        if not probe.fits and self.should_stop is not None and self.should_stop():
+            # cut short by the caller's stop (a cancel), not answered: not a failing batch, and not kept as one
+            self.stopped_by = "stopped on request"
+            raise _OutOfTime
         probe.wall_time_s = time.monotonic() - started
         return self._report(probe)
 

@@ -195,6 +195,26 @@ def test_a_stop_request_ends_the_search_with_what_it_found():
     assert result.strategies[0].max_batch_size == 4 and result.strategies[1].probes == []
 
 
+def test_a_solve_cut_short_by_a_stop_request_is_not_a_failing_batch():
+    """A cancel during a solve used to record that batch as 'infeasible' ("not solved: cancelled by request") and
+    report it as the first failing batch, though it was never answered."""
+    stopped = []
+
+    def solve(profile, budget_bytes, **options):
+        batch = int(profile.name.rsplit(" ", 1)[1])
+        if batch == 8:
+            stopped.append(batch)  # the cancel arrives while this batch is solved: the solve gives up without a plan
+            raise InfeasibleBudget("not solved: cancelled by request", minimum_budget_bytes=None)
+        return certify(profile, keep_all_schedule(profile, budget_bytes), options["strategy"])
+
+    result = max_batch(small_chain, 10**8, strategies=["keep-all"], max_overhead=None, solve=solve,
+                       should_stop=lambda: bool(stopped), throughput_probes=0)
+    answer = result.strategies[0]
+    assert answer.max_batch_size == 4 and answer.first_failing_batch_size is None
+    assert answer.stopped_by == "stopped on request" and not answer.complete
+    assert [probe.batch_size for probe in answer.probes] == [1, 2, 4]
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -246,3 +266,11 @@ def test_a_batch_left_unsolved_by_a_time_limit_is_not_called_infeasible():
                        time_limit_s=5, throughput_probes=0).strategies[0]
     assert answer.max_batch_size == 10 and not answer.complete
     assert answer.unsettled_next().batch_size == 11
+
+
+def test_solve_limits_below_the_first_ladder_step_are_the_smallest_solve():
+    """Limits of 0.2155 and 0.2423 s made two runs of one question ask different solves (and miss the store)."""
+    from planner.max_batch import MIN_SOLVE_S, _quantized
+
+    assert _quantized(0.2155) == _quantized(0.2423) == MIN_SOLVE_S
+    assert _quantized(0.3) == 0.25 and _quantized(7.9) == 6
