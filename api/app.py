@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from api.docs import add_docs
 from api.errors import ApiError, BodyTooLarge
 from api.examples import EXAMPLE_PROFILE
-from api.http_rules import HeadAsGet, method_not_allowed, require_json_body
+from api.http_rules import HeadAsGet, method_not_allowed, refuse_if_shutting_down, require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
 from api.max_batch import MaxBatchRequest, MaxBatchSearches
 from api.max_batch import add_routes as add_max_batch_routes
@@ -227,6 +227,7 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
             if hit is not None:
                 return Response(svc.render_json(hit, cached=True), media_type="application/json")
             while not job.finished.is_set() and time.monotonic() < deadline:
+                refuse_if_shutting_down(request, f"/v1/plans/{job.id}")
                 await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
             try:
                 row = svc.get_row(job.id)

@@ -120,3 +120,13 @@ def method_not_allowed(request: Request) -> Response | None:
     error = ApiError(405, "method_not_allowed", f"{method} is not a method of {request.url.path}; it takes "
                      f"{', '.join(allow)}")
     return JSONResponse(error.body(), status_code=405, headers=headers)
+
+
+def refuse_if_shutting_down(request: Request, location: str) -> None:
+    """A request waiting on a solve while the HTTP server shuts down (SIGTERM, Ctrl-C): a 503 at once, not a 500
+    once uvicorn's grace period runs out and cancels it (and a stop of the whole grace period)."""
+    server = getattr(request.app.state, "http_server", None)
+    if server is not None and server.should_exit:
+        raise ApiError(503, "stopping", f"the server is stopping: what this request waits for ({location}) may not "
+                       "finish here; post the request again once the server is back (a plan that finished is kept)",
+                       headers={"Retry-After": "5"})

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 import planner
 from api.errors import ApiError, invalid, over_limit
+from api.http_rules import refuse_if_shutting_down
 from api.settings import Settings
 from planner.errors import Issue, MososError
 from planner.max_batch import DEFAULT_BATCH_LIMIT, DEFAULT_STRATEGIES, MAX_BATCH_LIMIT
@@ -567,6 +568,7 @@ def add_routes(app, error_responses, json_body) -> None:
         search, cached, wait_s = await searches(request).start(await request.body())
         deadline = time.monotonic() + wait_s
         while not search.finished.is_set() and time.monotonic() < deadline:
+            refuse_if_shutting_down(request, f"/v1/max-batch/{search.id}")
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if search.invalid is not None:  # found bad once the model was estimated, within wait_s: the request's error
             raise search.invalid

@@ -105,7 +105,10 @@ def serve_command(
         f"{'  bearer token required' if token else ''}",
         highlight=False,
     )
-    uvicorn.run(application, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(application, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    application.state.http_server = server  # requests waiting on a solve see the shutdown and answer 503 at once
+    server.run()
 
 
 def _check_address_free(host: str, port: int, address: str) -> None:

@@ -583,3 +583,28 @@ def test_token_comes_from_the_file_or_the_environment(tmp_path, monkeypatch):
     assert read_token(None) is None
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.org")
+
+
+def test_a_request_waiting_on_a_solve_answers_503_at_once_when_the_server_shuts_down(client):
+    """SIGTERM with a client waiting on a plan: uvicorn waited its 5 s grace period, then cancelled the request,
+    which the client got as a bare 500; now the waiting request sees the shutdown and answers a JSON 503."""
+    import threading
+    from types import SimpleNamespace
+
+    server = SimpleNamespace(should_exit=False)
+    client.app.state.http_server = server
+    answers = {}
+    try:
+        waiting = threading.Thread(target=lambda: answers.setdefault("answer", client.post(
+            "/v1/plans", json=plan_request(strategy="test-sleep", time_limit_s=3.0, wait_s=15, seed=503))))
+        waiting.start()
+        time.sleep(0.5)
+        server.should_exit = True
+        stopped = time.monotonic()
+        waiting.join(timeout=10)
+        took_s = time.monotonic() - stopped
+    finally:
+        client.app.state.http_server = None
+    answer = answers["answer"]
+    assert answer.status_code == 503 and answer.json()["error"] == "stopping", answer.text
+    assert answer.headers["retry-after"] == "5" and took_s < 1.0, took_s
