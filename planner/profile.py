@@ -374,16 +374,33 @@ def load_profile(path: str | Path) -> GraphProfile:
     return parse_profile(read_json(path, ProfileError), str(path))
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """JSON allows a key twice in one object and Python keeps the last value: a request with `memory_ratio` twice
+    was planned at whichever came last, silently."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _DuplicateKey(f"the key {twice!r} appears twice in one object: which value is meant?")
+    return value
+
+
 def json_problem(raw: bytes | str) -> tuple[Any, str | None]:
     """Decode JSON text (UTF-8, or UTF-16/32 with its BOM): (value, None), or (None, a sentence on what is wrong)."""
     try:
-        return json.loads(raw), None
+        return json.loads(raw, object_pairs_hook=_refuse_duplicate_keys), None
     except json.JSONDecodeError as error:
         return None, f"not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
     except UnicodeDecodeError as error:
         return None, f"not UTF-8 text: byte {error.object[error.start:error.start + 1]!r} at offset {error.start}"
     except RecursionError:
         return None, "not valid JSON here: nested too deeply"
+    except _DuplicateKey as error:
+        return None, f"not valid here: {error}"
     except ValueError as error:
         if "digits" in str(error):  # Python's limit on integer literals
             return None, "a number has more digits than any size or time can (more than 4300)"

@@ -261,3 +261,13 @@ def test_the_docs_page_loads_every_asset_from_the_service_itself(client):
 
 def test_no_documentation_page_that_needs_a_cdn_is_served(client):
     assert client.get("/redoc").status_code == 404
+
+
+def test_a_key_given_twice_is_refused_not_read_as_its_last_value(client):
+    """`memory_ratio` twice in one request was planned at whichever came last."""
+    import json
+
+    body = json.dumps(plan_body())[:-1] + ', "wait_s": 5}'  # wait_s again
+    response = client.post("/v1/plans", content=body.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert "the key 'wait_s' appears twice in one object" in response.json()["message"]
