@@ -6,7 +6,7 @@ import hmac
 import json
 import time
 
-from starlette.routing import Match
+from starlette.routing import Match, Mount
 
 from api.errors import BodyTooLarge
 from api.http_rules import request_method
@@ -31,6 +31,8 @@ def _route_label(scope) -> str:
     if route is None:
         app = scope.get("app")
         for candidate in getattr(getattr(app, "router", None), "routes", ()):
+            if isinstance(candidate, Mount) and candidate.matches(scope)[0] != Match.NONE:
+                return f"{candidate.path}/{{path}}"  # static files (the docs' assets): one label for the folder
             if getattr(candidate, "methods", None) and candidate.matches(scope)[0] != Match.NONE:
                 route = candidate
                 break
@@ -56,10 +58,13 @@ class GuardMiddleware:
                 status[0] = message["status"]
             await send(message)
 
+        # matched before the request runs: a mount (the docs' assets) rewrites the scope's root path as it routes
+        matched_before = _route_label(scope)
         try:
             await self._guarded(scope, receive, tracked_send)
         finally:
-            label = _route_label(scope)
+            route = scope.get("route")
+            label = getattr(route, "path", None) or matched_before
             self.metrics.requests.labels(method=request_method(scope), route=label, status=str(status[0])).inc()
             self.metrics.request_seconds.labels(route=label).observe(time.perf_counter() - started)
 

@@ -271,3 +271,14 @@ def test_a_key_given_twice_is_refused_not_read_as_its_last_value(client):
     response = client.post("/v1/plans", content=body.encode(), headers={"content-type": "application/json"})
     assert response.status_code == 422, response.text
     assert "the key 'wait_s' appears twice in one object" in response.json()["message"]
+
+
+def test_the_docs_assets_are_counted_under_their_folder_not_as_unmatched(client):
+    page = client.get("/docs").text
+    assets = re.findall(r"(?:src|href)\s*=\s*['\"]([^'\"]+)['\"]", page)
+    for url in assets:
+        assert client.get(url).status_code == 200
+    metrics = client.get("/metrics").text
+    counted = [line for line in metrics.splitlines() if line.startswith("mosos_http_requests_total{")]
+    assert not [line for line in counted if 'route="unmatched",status="200"' in line], counted
+    assert any('/{path}",status="200"' in line for line in counted), counted
