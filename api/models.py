@@ -107,7 +107,8 @@ class PlanStatus(BaseModel):
     feasible: bool | None = Field(default=None, description="False: no plan fits; see minimum_budget_bytes.")
     minimum_budget_bytes: int | None = None
     proven: bool | None = Field(default=None, description="Infeasible: whether the solver proved that no plan fits "
-                                "(false: its time ran out first; such an answer is not reused for identical requests).")
+                                "(false: its time ran out first; such an answer is not reused for identical requests; "
+                                "true too for a budget below what any plan needs; null for a heuristic's answer).")
     reason: str | None = Field(default=None, description="Why it failed, was cancelled, or is infeasible.")
     solve_seconds: float | None = None
     links: PlanLinks

@@ -86,7 +86,8 @@ def solve_task(task: dict, send, should_stop) -> dict:
                 "status": "done",
                 "feasible": False,
                 "minimum_budget_bytes": int(error.minimum_budget_bytes),
-                "proven": getattr(error, "proven", None),
+                # a budget below what any plan needs is a proof of its own; a strategy's answer says whether it is
+                "proven": getattr(error, "proven", None) if hasattr(error, "proven") else True,
                 "reason": str(error),
                 "solve_seconds": time.monotonic() - started,
             }

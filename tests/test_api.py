@@ -228,6 +228,7 @@ def test_an_infeasible_budget_is_a_result_with_the_smallest_feasible_budget(clie
     assert body["status"] == "done" and body["feasible"] is False and body["schedule"] is None
     assert body["minimum_budget_bytes"] == minimum_budget_bytes(profile)
     assert "below what any plan needs" in body["reason"]
+    assert body["proven"] is True  # no plan of any strategy can fit: a proof, reused for identical requests
     assert client.get(f"/v1/plans/{body['id']}/trace").status_code == 409
 
 
