@@ -134,11 +134,16 @@ class LocalProcesses(SolveBackend):
                 worker.connection.send(None)
             except (OSError, ValueError):
                 pass
+        # one grace period for all of them, not one each: the stop does not grow with the number of solve processes
+        grace_ends = time.monotonic() + 2
         for worker in self._workers:
-            worker.process.join(timeout=2)
+            worker.process.join(timeout=max(0.0, grace_ends - time.monotonic()))
+        for worker in self._workers:
             if worker.process.is_alive():
                 worker.process.kill()
-                worker.process.join(timeout=2)
+        killed_by = time.monotonic() + 2
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, killed_by - time.monotonic()))
             worker.connection.close()
 
     def _spawn(self, index: int) -> _Worker:
