@@ -91,12 +91,20 @@ def serve_command(
     address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     # Before anything starts: a store another live server holds, or a path SQLite cannot use, is refused here
     # with the reason (exit 2), never after recovery has touched the other server's plans.
+    store_path = Path(settings.db_path)
+    new_store = not store_path.exists()
     owned = OwnedStore.open(settings, address)
     try:
         _check_address_free(host, port, address)
         application = create_app(settings, owned)  # imports the plugins: a PluginError says which one failed, and how
     except BaseException:
         owned.close()
+        if new_store:  # a start refused before serving leaves no empty store (nor its lock) behind
+            from api.ownership import lock_path
+
+            for leftover in (store_path, lock_path(store_path), store_path.with_name(store_path.name + "-wal"),
+                             store_path.with_name(store_path.name + "-shm")):
+                leftover.unlink(missing_ok=True)
         raise
     solves = f"{workers} solve process(es)" if backend == "local" else (
         f"{workers} solves at once on Ray ({ray_address or 'local'})")

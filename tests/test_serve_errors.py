@@ -219,3 +219,4 @@ def test_a_port_in_use_is_refused_before_the_solve_processes_start(tmp_path):
                                  "--request-processes", "1", "--db", str(tmp_path / "plans.sqlite3")], cwd=REPO,
                                 env=environment, capture_output=True, timeout=60)
     assert_refused(result, f"cannot listen on http://127.0.0.1:{port}: the port is in use", "choose another --port")
+    assert list(tmp_path.iterdir()) == []  # the new store it had opened, and its lock, are not left behind
