@@ -36,7 +36,8 @@ class MinimumBudget:
     proven: bool
     schedule: Schedule | None  # a certified plan that fits in budget_bytes
     wall_time_s: float
-    searched: bool = True  # False: no time was left to search; budget_bytes is the keep-all peak
+    searched: bool = True  # False: no time was left to search; budget_bytes is what was known (`known_as`)
+    known_as: str = "the keep-all peak"
 
     def describe(self) -> str:
         if self.budget_bytes is None:
@@ -44,7 +45,7 @@ class MinimumBudget:
         size = format_bytes(self.budget_bytes)
         if not self.searched:
             return (f"no time was left to search for the smallest feasible budget; the smallest known so far is "
-                    f"{self.budget_bytes} bytes ({size}, the keep-all peak)")
+                    f"{self.budget_bytes} bytes ({size}, {self.known_as})")
         how = "proven minimal" if self.proven else f"best found in {self.wall_time_s:.1f} s, not proven minimal"
         return f"the smallest budget it can meet is {self.budget_bytes} bytes ({size}, {how})"
 
@@ -58,7 +59,7 @@ def smallest_budget(
     options = options.started()
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
     if options.out_of_time(2 * finish_margin_s(len(profile.nodes))):
-        return _keep_all_answer(profile, searched=False)
+        return _known_without_search(profile, strategy)
     # first, while there is time: the model's solve runs to the deadline
     reordered = _memory_aware_answer(profile, strategy, options)
     keep_all = keep_all_schedule(profile)
@@ -99,6 +100,20 @@ def _memory_aware_answer(profile: GraphProfile, strategy: str, options: SolveOpt
     # usually known already (the strategy asked for it); else a quarter of what is left at most
     order, peak_bytes = memory_aware_order(profile, deadline=time.monotonic() + 0.25 * max(0.0, options.remaining_s()))
     return MinimumBudget(peak_bytes, False, keep_all_in_order(profile, order, peak_bytes), 0.0)
+
+
+def _known_without_search(profile: GraphProfile, strategy: str) -> MinimumBudget:
+    """With no time left: the keep-all peak, or keep-all in the memory-aware order where the strategy may use it
+    and the strategy already worked that order out (nothing is computed here)."""
+    from planner.cpsat.reorder import MEMORY_AWARE_VIEW, keep_all_in_order
+
+    answer = _keep_all_answer(profile, searched=False)
+    known = profile.__dict__.get(MEMORY_AWARE_VIEW) if strategy in REORDERING_STRATEGIES else None
+    if known is not None and known[2] < answer.budget_bytes:
+        order, peak_bytes = list(known[1]), known[2]
+        answer = MinimumBudget(peak_bytes, False, keep_all_in_order(profile, order, peak_bytes), 0.0, searched=False,
+                               known_as="keep-all in the memory-aware order")
+    return answer
 
 
 def _keep_all_answer(profile: GraphProfile, searched: bool, wall_time_s: float = 0.0) -> MinimumBudget:

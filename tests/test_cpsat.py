@@ -271,3 +271,11 @@ def test_the_smallest_budget_counts_keep_all_in_the_memory_aware_order():
     # a strategy bound to the profile's order is not credited with another order's plan
     bound = smallest_budget(profile, CHECKMATE, options, "checkmate-auto")
     assert bound.schedule is None or in_profile_order(profile, bound.schedule)
+    # with no time left to search, what the strategy already knew of that order is still the answer, not keep-all's
+    import time as clock
+
+    spent = SolveOptions(time_limit_s=3, workers=1, seed=0, deadline=clock.monotonic())
+    known = smallest_budget(profile, MOSOS, spent, "mosos")
+    assert not known.searched and known.budget_bytes == aware_peak_bytes
+    assert "keep-all in the memory-aware order" in known.describe()
+    assert smallest_budget(profile, CHECKMATE, spent, "checkmate-auto").known_as == "the keep-all peak"
