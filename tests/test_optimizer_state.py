@@ -134,3 +134,14 @@ def test_an_optimizer_of_a_kind_not_listed_is_counted_when_passed_to_optimize():
     planned = _planned(model, optimizer=optimizer)
     for _ in range(2):
         _step(planned, optimizer)
+
+
+def test_a_model_planned_again_is_checked_against_its_newest_plan():
+    """The first plan (no state counted) may still be alive when the model is planned again for AdamW: only the
+    newest plan of a model speaks for its optimizer."""
+    model = _model()
+    first = _planned(model)  # kept alive on purpose
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    second = _planned(model, optimizer=optimizer)
+    _step(second, optimizer)
+    assert first.schedule is not None

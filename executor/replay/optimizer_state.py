@@ -23,7 +23,11 @@ _handles: list = []
 
 
 def watch(planned) -> None:
-    """Check the optimizers that step `planned`'s parameters (once the process-wide hooks are in place)."""
+    """Check the optimizers that step `planned`'s parameters (once the process-wide hooks are in place). A model
+    planned again (another budget, another optimizer) is checked against its newest plan only: the older one,
+    perhaps not yet collected, counted another optimizer."""
+    for older in [other for other in _PLANNED if other.model is planned.model]:
+        _PLANNED.discard(older)
     _PLANNED.add(planned)
     if not _handles:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
