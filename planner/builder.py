@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from planner.errors import MososError, ScheduleRejected
 from planner.profile import GraphProfile
-from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, SolverInfo, Stage, Summary, Wait
+from planner.schedule import (Compute, Free, Offload, Prefetch, Schedule, SolverInfo, Stage, Summary, Wait,
+                              relative_gap)
 from planner.simulator import SimulationResult, simulate
 
 
@@ -78,10 +79,8 @@ def solver_info_for_plan(solver: SolverInfo | None, step_ms: float) -> SolverInf
         note = f"the model's own objective {objective:.6g}" + (
             f", bound {solver.bound:.6g}" if solver.bound is not None else "") + f", status {solver.status}"
         solver = solver.model_copy(update={"encoding": f"{solver.encoding}; {note}" if solver.encoding else note})
-    gap = None
-    if bound is not None:
-        gap = 0.0 if step_ms == 0 else max(0.0, (step_ms - bound) / abs(step_ms))
-    return solver.model_copy(update={"objective": step_ms, "bound": bound, "gap": gap, "status": status})
+    return solver.model_copy(update={"objective": step_ms, "bound": bound, "gap": relative_gap(step_ms, bound),
+                                      "status": status})
 
 
 def summarize(result: SimulationResult, strategy: str, solver: SolverInfo | None = None) -> Summary:

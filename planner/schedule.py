@@ -98,6 +98,15 @@ class Stage(_Strict):
     operations: list[Operation] = Field(default_factory=list)
 
 
+def relative_gap(objective: float | None, bound: float | None) -> float | None:
+    """(objective - bound) / objective, the solver's gap; None where either is unknown."""
+    if objective is None or bound is None:
+        return None
+    if objective == 0:
+        return 0.0 if bound >= 0 else None
+    return max(0.0, (objective - bound) / abs(objective))
+
+
 class SolverInfo(_Strict):
     status: str = Field(description="OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, ...")
     objective: float | None = None

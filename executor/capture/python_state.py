@@ -33,7 +33,13 @@ def _is_config(value: Any) -> bool:
     """A transformers configuration (PreTrainedConfig; PretrainedConfig before transformers 5), which its modules
     read at every forward (`config.sliding_window`, the attention implementation); found by class name, so
     transformers need not be imported."""
-    return any(cls.__name__ in ("PretrainedConfig", "PreTrainedConfig") for cls in type(value).__mro__)
+    return _is_config_class(type(value))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_config_class(cls: type) -> bool:
+    """Once per class, not per attribute and call: the fingerprint runs at every call of the planned module."""
+    return any(base.__name__ in ("PretrainedConfig", "PreTrainedConfig") for base in cls.__mro__)
 
 
 def _config(value: Any, configs: dict) -> Any:

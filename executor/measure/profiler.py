@@ -125,6 +125,11 @@ def cpu_clock(device: torch.device) -> tuple[Callable[[], int], str]:
     return time.perf_counter_ns, "perf_counter_ns"
 
 
+# Optimizer state per parameter, by kind (`optimize(optimizer=...)`, or an optimizer's class name in lower case).
+STATE_PER_PARAMETER = {"sgd": 0, "none": 0, "momentum": 1, "sgd-momentum": 1, "rmsprop": 1, "adagrad": 1,
+                       "adam": 2, "adamw": 2, "nadam": 2, "radam": 2, "adamax": 2}
+
+
 def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainable_bytes: int) -> int:
     """Optimizer state as a multiple of the trainable parameters (momentum: 1, Adam: 2)."""
     if optimizer is None:
@@ -136,13 +141,12 @@ def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainab
             return 3 * trainable_bytes  # Adam's two moments and the running maximum of the second
     else:
         name = optimizer.lower()
-        momentum = name in ("momentum", "sgd-momentum")
-    if name in ("adam", "adamw", "nadam", "radam", "adamax"):
-        return 2 * trainable_bytes
-    if name in ("rmsprop", "adagrad") or momentum:
-        return trainable_bytes
-    if name in ("sgd", "none"):
-        return 0
+        momentum = False
+    multiple = STATE_PER_PARAMETER.get(name)
+    if momentum and not multiple:
+        multiple = 1  # a momentum buffer per parameter (SGD's, or a kind we do not know that has one)
+    if multiple is not None:
+        return multiple * trainable_bytes
     if isinstance(optimizer, torch.optim.Optimizer):
         return math.ceil(_probed_state_per_parameter_byte(optimizer) * trainable_bytes)
     raise MososError(f"unknown optimizer {optimizer!r}: say sgd, momentum (or sgd-momentum), adam, adamw, rmsprop or "
@@ -569,7 +573,8 @@ def _check_measuring_peak(profile: GraphProfile, provisional: GraphProfile, chos
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _distinct_bytes(tensors) -> int:
+def distinct_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages among `tensors` (views and shared tensors counted once)."""
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -646,13 +651,13 @@ def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: in
     staging = sum(value.meta["val"].untyped_storage().nbytes() for value, _ in step.mutations)
     loss = step.loss.meta["val"]
     returned = loss_bytes + loss.numel() * loss.element_size()  # the loss handed back and its gradient handed in
-    trainable_bytes = _distinct_bytes(trainable)
+    trainable_bytes = distinct_storage_bytes(trainable)
     return {
-        "inputs_bytes": _distinct_bytes(leaves),
-        "parameters_bytes": _distinct_bytes(list(tensors.values())),
+        "inputs_bytes": distinct_storage_bytes(leaves),
+        "parameters_bytes": distinct_storage_bytes(list(tensors.values())),
         "gradients_bytes": trainable_bytes,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes),
-        "other_bytes": _distinct_bytes(buffers + constants) + staging + returned + random_state_bytes(profiled)
+        "other_bytes": distinct_storage_bytes(buffers + constants) + staging + returned + random_state_bytes(profiled)
         + library_workspace_bytes(loss.device),
     }
 

@@ -15,6 +15,8 @@ import weakref
 import torch
 
 from executor.errors import ReplayError
+from executor.measure.profiler import STATE_PER_PARAMETER, distinct_storage_bytes, optimizer_state_bytes
+from planner.errors import MososError
 from planner.units import format_bytes
 
 _PLANNED: "weakref.WeakSet" = weakref.WeakSet()  # PlannedModules whose budget holds
@@ -49,23 +51,10 @@ def _planned_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[object, 
     return found
 
 
-def _distinct_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
-_KINDS = ("sgd", "momentum", "adam", "adamw", "nadam", "radam", "adamax", "rmsprop", "adagrad")
-
-
 def _refuse(planned, optimizer, kind_bytes: int, how: str) -> None:
     counted = planned.profile.fixed_memory.optimizer_state_bytes
     name = type(optimizer).__name__
-    named = f" (or name its kind, optimizer='{name.lower()}')" if name.lower() in _KINDS else ""
+    named = f" (or name its kind, optimizer='{name.lower()}')" if name.lower() in STATE_PER_PARAMETER else ""
     raise ReplayError(
         f"{name} {how} {kind_bytes} bytes ({format_bytes(kind_bytes)}) of state for the planned module's parameters, "
         f"but its plan counted {counted} bytes ({format_bytes(counted)}) of optimizer state (optimize()'s "
@@ -76,12 +65,9 @@ def _refuse(planned, optimizer, kind_bytes: int, how: str) -> None:
 def _before_step(optimizer, args, kwargs) -> None:
     if optimizer in _CHECKED:
         return
-    from executor.measure.profiler import optimizer_state_bytes
-    from planner.errors import MososError
-
     for planned, parameters in _planned_parameters(optimizer):
         try:
-            expected = optimizer_state_bytes(optimizer, _distinct_bytes(parameters))
+            expected = optimizer_state_bytes(optimizer, distinct_storage_bytes(parameters))
         except MososError:
             continue  # a kind we do not know: its state is measured after its first step
         if expected > planned.profile.fixed_memory.optimizer_state_bytes:
@@ -94,7 +80,7 @@ def _after_step(optimizer, args, kwargs) -> None:
     for planned, parameters in _planned_parameters(optimizer):
         state = [value for p in parameters for value in optimizer.state.get(p, {}).values()
                  if isinstance(value, torch.Tensor) and value.dim() > 0]  # per-parameter tensors, not step counters
-        held = _distinct_bytes(state)
+        held = distinct_storage_bytes(state)
         if held > planned.profile.fixed_memory.optimizer_state_bytes:
             _refuse(planned, optimizer, held, "keeps")
     _CHECKED[optimizer] = True

@@ -8,6 +8,8 @@ from typing import Callable
 
 from ortools.sat.python import cp_model
 
+from planner.schedule import relative_gap  # noqa: F401  (its home is beside SolverInfo)
+
 
 def new_solver() -> cp_model.CpSolver:
     """A CP-SAT solver that leaves Ctrl-C to its caller. By default CP-SAT catches SIGINT during a solve and ends that
@@ -16,14 +18,6 @@ def new_solver() -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     solver.parameters.catch_sigint_signal = False
     return solver
-
-
-def relative_gap(objective: float | None, bound: float | None) -> float | None:
-    if objective is None or bound is None:
-        return None
-    if objective == 0:
-        return 0.0 if bound >= 0 else None
-    return max(0.0, (objective - bound) / abs(objective))
 
 
 class ProgressCallback(cp_model.CpSolverSolutionCallback):
