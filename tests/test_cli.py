@@ -318,10 +318,13 @@ def test_a_shared_time_limit_spent_leaves_the_other_strategies_not_run_and_says_
     assert all(row.as_dict(None)["not_run"] and "time limit was spent" in row.error for row in rows)
 
 
-def test_a_solver_that_ran_out_of_time_is_not_reported_as_needing_more_memory():
+def test_a_solver_that_ran_out_of_time_is_not_reported_as_needing_more_memory(monkeypatch):
+    """The greedy plan is taken away: on a fast machine it finished within its share of 0.05 s and gave a plan."""
+    import planner.strategies.checkmate_auto as checkmate_auto
     from planner.comparison import compare
     from planner.profile import load_profile
 
+    monkeypatch.setattr(checkmate_auto, "greedy_phase", lambda *args, **kwargs: None)
     profile = load_profile(VGG416)
     [row] = compare(profile, 36038036336, ["checkmate-auto"], time_limit_s=0.05)
     assert row.schedule is None and row.out_of_time and row.as_dict(None)["out_of_time"]
