@@ -34,8 +34,10 @@ def nodes_over(profile: GraphProfile, budget_bytes: int) -> list[tuple[str, int]
 
 
 def minimum_budget_bytes(profile: GraphProfile) -> int:
-    """No plan of any strategy fits below this: fixed memory plus the largest single node."""
-    return profile.fixed_bytes + max(node_floor_bytes(profile, node_id) for node_id in profile.order)
+    """No plan of any strategy fits below this: fixed memory plus the largest single node, or plus the optimizer
+    step's temporaries, which come after the backward, when no activation is held."""
+    largest_node = max(node_floor_bytes(profile, node_id) for node_id in profile.order)
+    return profile.fixed_bytes + max(largest_node, profile.fixed_memory.optimizer_step_bytes)
 
 
 def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
@@ -46,10 +48,14 @@ def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
     minimum = minimum_budget_bytes(profile)
     if budget_bytes < minimum:
         worst = max(profile.order, key=lambda node_id: node_floor_bytes(profile, node_id))
+        if profile.fixed_bytes + node_floor_bytes(profile, worst) >= minimum:
+            binding = f"node {worst!r} with its inputs and smallest workspace"
+        else:
+            binding = f"the {profile.fixed_memory.optimizer_step_bytes} bytes of temporaries of the optimizer's step"
         raise BudgetError(
             f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below what any plan needs: "
             f"{minimum} bytes ({format_bytes(minimum)}), that is fixed memory {profile.fixed_bytes} bytes plus "
-            f"node {worst!r} with its inputs and smallest workspace",
+            f"{binding}",
             minimum_budget_bytes=minimum,
         )
 

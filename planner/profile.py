@@ -67,16 +67,23 @@ class Hardware(_Strict):
 
 
 class FixedMemory(_Strict):
-    """Memory resident for the whole step, whatever the plan."""
+    """Memory resident for the whole step, whatever the plan, and what the optimizer's step adds at its end."""
 
     inputs_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
     parameters_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
     gradients_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
     optimizer_state_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
     other_bytes: int = Field(default=0, ge=0, le=MAX_BYTES, description="Framework context, buffers, anything else resident.")
+    optimizer_step_bytes: int = Field(
+        default=0, ge=0, le=MAX_BYTES,
+        description="Temporaries of the optimizer's step (Adam's update, a weight-decay term), on top of the resident "
+        "memory above. Held only during the step, after the backward has released every activation, so they count "
+        "then and not all step long.",
+    )
 
     @property
     def total_bytes(self) -> int:
+        """Resident all step long (the optimizer step's temporaries are not)."""
         return (
             self.inputs_bytes
             + self.parameters_bytes

@@ -383,6 +383,19 @@ def _over_budget_so_far(replay: _Replay) -> ScheduleRejected | None:
     return None
 
 
+def _optimizer_step(used: int, step_bytes: int, step_ms: float, budget: int | None, peak: int,
+                    peak_time_ms: float) -> tuple[int, float]:
+    """The optimizer's step at the end, its temporaries on what the backward left: the new peak and its time."""
+    during = used + step_bytes
+    if budget is not None and during > budget:
+        raise ScheduleRejected(
+            f"the optimizer's step takes {step_bytes} bytes of temporaries after the backward: memory reaches "
+            f"{during} bytes at {step_ms:.6g} ms, {during - budget} bytes over the budget of {budget} bytes",
+            operation="optimizer step", over_budget_bytes=during - budget, time_ms=step_ms,
+        )
+    return (during, step_ms) if during > peak else (peak, peak_time_ms)
+
+
 def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
     fixed = replay.profile.fixed_bytes
     budget = replay.budget_bytes
@@ -401,6 +414,11 @@ def _finish(replay: _Replay, keep_timeline: bool) -> SimulationResult:
         if keep_timeline:
             timeline.append(MemoryPoint(time_ms=event.time_ms, used_bytes=used))
     step = max(replay.compute_ms, replay.d2h_ms, replay.h2d_ms)
+    if step_bytes := replay.profile.fixed_memory.optimizer_step_bytes:
+        peak, peak_time = _optimizer_step(used, step_bytes, step, budget, peak, peak_time)
+        if keep_timeline:
+            timeline += [MemoryPoint(time_ms=step, used_bytes=used + step_bytes),
+                         MemoryPoint(time_ms=step, used_bytes=used)]
     return SimulationResult(
         step_time_ms=step,
         stall_time_ms=max(0.0, step - replay.compute_busy_ms),

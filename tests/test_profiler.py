@@ -17,6 +17,7 @@ from torch import nn  # noqa: E402
 from executor.measure import conv_algorithms  # noqa: E402
 from executor.errors import CaptureError  # noqa: E402
 from executor.measure.profiler import optimizer_state_bytes, plan_step, profile_model, profile_step  # noqa: E402
+from executor.measure.optimizer_step import WRAPPED_SCALARS_BYTES  # noqa: E402
 from planner.errors import MososError  # noqa: E402
 from planner.profile import parse_profile  # noqa: E402
 
@@ -122,7 +123,10 @@ def test_sizes_fixed_memory_and_provenance(small_profile):
     params = sum(p.numel() * 8 for p in model.parameters())
     fixed = profile.fixed_memory
     assert fixed.parameters_bytes == params and fixed.gradients_bytes == params
-    assert fixed.optimizer_state_bytes == 2 * params
+    counters = 4 * len(list(model.parameters()))  # Adam's step count per parameter, a float32 on the CPU
+    assert fixed.optimizer_state_bytes == 2 * params + counters
+    largest = max(p.numel() * 8 for p in model.parameters())  # Adam's step: sqrt of the second moment, the update
+    assert 2 * largest <= fixed.optimizer_step_bytes - WRAPPED_SCALARS_BYTES <= 2 * largest + params
     assert fixed.inputs_bytes == x.numel() * 8 + y.numel() * 8
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     # buffers, their staging copies (written back once at the end of the step), the loss handed back and its gradient

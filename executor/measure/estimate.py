@@ -298,7 +298,7 @@ def estimate_step(
             "h2d_bandwidth_gb_per_s": gpu.h2d_gb_per_s,
             "transfer_latency_ms": TRANSFER_LATENCY_MS,
         },
-        "fixed_memory": fixed_memory(profiled, leaves, optimizer, loss.numel() * loss.element_size()),
+        "fixed_memory": fixed_memory(profiled, leaves, optimizer, loss.numel() * loss.element_size(), "cuda"),
         "nodes": nodes,
         "provenance": {
             "source": "estimated",

@@ -40,6 +40,7 @@ from executor.measure import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
+from executor.measure.optimizer_step import constructor_defaults, optimizer_step_bytes, scalar_state_bytes
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
                                                   convolution_input, native_convolution_scratch_bytes,
                                                   probe_native_scratch, splits_the_batch, sums_over_the_batch,
@@ -159,7 +160,7 @@ def _probed_state_per_parameter_byte(optimizer: torch.optim.Optimizer) -> float:
     that keeps rows and columns apart) is counted as if it were not, which only over-counts."""
     probe_parameter = nn.Parameter(torch.zeros(8, 8))
     try:
-        probe = type(optimizer)([probe_parameter], **optimizer.defaults)
+        probe = type(optimizer)([probe_parameter], **constructor_defaults(type(optimizer), optimizer.defaults))
         probe_parameter.grad = torch.full_like(probe_parameter, 1e-3)
         probe.step()
     except Exception as error:  # noqa: BLE001 - whatever its constructor or step needs that we cannot give
@@ -636,10 +637,12 @@ def _with_batch_splits_offered(error: BudgetError, profiled: ProfiledStep, provi
         f"compile=True, which offers them", minimum_budget_bytes=error.minimum_budget_bytes)
 
 
-def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int) -> dict:
+def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int,
+                 device_type: str | None = None) -> dict:
     """Resident all step: inputs and targets, parameters, gradients, optimizer state; and as other: buffers,
     constants, the staging buffers of written-back values, the loss handed back and its incoming gradient, and the
-    generator states kept for recomputed random nodes."""
+    generator states kept for recomputed random nodes. Then the optimizer step's temporaries, for parameters on a
+    device of `device_type` (the loss's by default)."""
     step = profiled.step
     parameters = [s for s in step.sources.values() if s.kind == "parameter"]
     tensors = {s.name: step.parameter(s.name, s.owner) for s in parameters}
@@ -656,9 +659,11 @@ def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: in
         "inputs_bytes": distinct_storage_bytes(leaves),
         "parameters_bytes": distinct_storage_bytes(list(tensors.values())),
         "gradients_bytes": trainable_bytes,
-        "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes)
+        + scalar_state_bytes(optimizer, trainable, device_type or loss.device.type),
         "other_bytes": distinct_storage_bytes(buffers + constants) + staging + returned + random_state_bytes(profiled)
         + library_workspace_bytes(loss.device),
+        "optimizer_step_bytes": optimizer_step_bytes(optimizer, trainable, device_type or loss.device.type),
     }
 
 

@@ -1,20 +1,23 @@
-"""The optimizer's state against what the plan counted for it.
+"""The optimizer's state and step against what the plan counted for them.
 
 A plan holds the step to its budget with the optimizer's state counted as fixed memory, from what `optimize()` was
 told (`optimizer=`, "sgd" by default: no state). A training loop that steps AdamW instead then holds twice the
 parameters more than the plan allowed for, and the budget no longer holds, silently. So every optimizer step that
 touches a planned module's parameters is checked once per optimizer: before the step, by the state the optimizer's
-kind keeps (Adam's two moments, a momentum buffer), and after its first step by the state it really holds (any
-optimizer, kinds we do not know included). Too much state is refused with what to pass to `optimize()`.
+kind keeps (Adam's two moments, a momentum buffer) and by the temporaries its step takes (measured on fake
+tensors, with its settings), and after its first step by the state it really holds (any optimizer, kinds we do not
+know included). Too much is refused with what to pass to `optimize()`.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
 
 from executor.errors import ReplayError
+from executor.measure.optimizer_step import optimizer_step_bytes
 from executor.measure.profiler import STATE_PER_PARAMETER, distinct_storage_bytes, optimizer_state_bytes
 from planner.errors import MososError
 from planner.units import format_bytes
@@ -69,9 +72,30 @@ def _before_step(optimizer, args, kwargs) -> None:
         try:
             expected = optimizer_state_bytes(optimizer, distinct_storage_bytes(parameters))
         except MososError:
-            continue  # a kind we do not know: its state is measured after its first step
-        if expected > planned.profile.fixed_memory.optimizer_state_bytes:
+            expected = None  # a kind we do not know: its state is measured after its first step
+        if expected is not None and expected > planned.profile.fixed_memory.optimizer_state_bytes:
             _refuse(planned, optimizer, expected, "would keep")
+        _check_step_temporaries(planned, optimizer, parameters)
+
+
+def _check_step_temporaries(planned, optimizer, parameters: list[torch.Tensor]) -> None:
+    counted = planned.profile.fixed_memory.optimizer_step_bytes
+    try:
+        needed = optimizer_step_bytes(optimizer, parameters, parameters[0].device.type)
+    except MososError as error:
+        warnings.warn(f"the budget of {format_bytes(planned.schedule.budget_bytes)} counts {counted} bytes for the "
+                      f"optimizer step's temporaries, but those of {type(optimizer).__name__} are not known: {error}",
+                      stacklevel=4)  # the caller of optimizer.step()
+        return
+    budget = planned.schedule.budget_bytes
+    if needed > counted and planned.profile.fixed_bytes + needed > budget:  # the step comes after the activations
+        name = type(optimizer).__name__
+        raise ReplayError(
+            f"{name}'s step would take {needed} bytes ({format_bytes(needed)}) of temporaries for the planned "
+            f"module's parameters (with its settings: foreach, weight decay), but its plan counted {counted} bytes "
+            f"({format_bytes(counted)}): with the fixed memory, {planned.profile.fixed_bytes + needed - budget} "
+            f"bytes over the budget of {format_bytes(budget)}. Pass this optimizer to optimize(..., optimizer=opt), "
+            "and the plan counts its step")
 
 
 def _after_step(optimizer, args, kwargs) -> None:
