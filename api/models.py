@@ -95,7 +95,8 @@ class PlanStatus(BaseModel):
     profile_name: str
     profile_digest: str
     strategy: str
-    budget_bytes: int | None = None
+    budget_bytes: int | None = Field(default=None, description="As asked. With memory_ratio it is null here; the "
+                                     "budget the ratio came to is the schedule's budget_bytes.")
     memory_ratio: float | None = None
     time_limit_s: float
     workers: int | None = None

@@ -50,6 +50,7 @@ from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
+from planner.units import format_bytes
 
 
 def check_model(profiled: ProfiledStep, profile: GraphProfile) -> None:
@@ -399,6 +400,7 @@ class PlannedModule(nn.Module):
         if not any(p.requires_grad for p in parameters):
             raise ReplayError("the model has no trainable parameters: there is nothing to plan a backward for")
         _refuse_gradient_hooks(self.model, parameters)
+        _refuse_uncounted_gradient_buckets(self)
         self._supersede_live_step()
         feed = prepared.feeder.feed(leaves)
         ledger = Accountant(self.profile, self.profile.fixed_bytes) if self.ledger_enabled else None
@@ -625,6 +627,32 @@ class _StepFunction(torch.autograd.Function):
         if prepared.timed:
             state.planned._step_timed(runtime)
         return (None, None) + _accumulation_signals(ctx.parameters)
+
+
+_BUCKETS_CHECKED: "weakref.WeakSet" = weakref.WeakSet()  # DistributedDataParallel wrappers whose buckets fit
+
+
+def _refuse_uncounted_gradient_buckets(planned: PlannedModule) -> None:
+    """DistributedDataParallel keeps a flat copy of every gradient in its buckets, beside the `.grad` tensors the
+    plan counts, unless it was built with gradient_as_bucket_view=True (then `.grad` is a view of its buckets).
+    One more copy of the gradients all step long: refused where the budget has no room for it."""
+    budget = planned.schedule.budget_bytes
+    if budget is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)  # set while its forward runs ours
+    if ddp is None or getattr(ddp, "gradient_as_bucket_view", True) or ddp in _BUCKETS_CHECKED:
+        return
+    copy_bytes = planned.profile.fixed_memory.gradients_bytes
+    over = planned.simulated_peak_bytes + copy_bytes - budget
+    if over > 0:
+        raise ReplayError(
+            f"DistributedDataParallel keeps a copy of the gradients in its buckets, {copy_bytes} bytes "
+            f"({format_bytes(copy_bytes)}) the plan does not count: with the plan's peak, {over} bytes over the "
+            f"budget of {format_bytes(budget)}. Build it with DistributedDataParallel(..., "
+            "gradient_as_bucket_view=True): the gradients then live in its buckets and nothing more is held")
+    _BUCKETS_CHECKED.add(ddp)
 
 
 def _refuse_gradient_hooks(model: nn.Module, parameters: list[torch.Tensor]) -> None:
