@@ -634,24 +634,30 @@ _BUCKETS_CHECKED: "weakref.WeakSet" = weakref.WeakSet()  # DistributedDataParall
 
 def _refuse_uncounted_gradient_buckets(planned: PlannedModule) -> None:
     """DistributedDataParallel keeps a flat copy of every gradient in its buckets, beside the `.grad` tensors the
-    plan counts, unless it was built with gradient_as_bucket_view=True (then `.grad` is a view of its buckets).
-    One more copy of the gradients all step long: refused where the budget has no room for it."""
+    plan counts, unless it was built with gradient_as_bucket_view=True (then `.grad` is a view of its buckets). One
+    more copy of the gradients all step long, or, with bucket views, at the start of its second forward, where it
+    rebuilds its buckets before any activation is held: refused where the budget has no room for it."""
     budget = planned.schedule.budget_bytes
     if budget is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)  # set while its forward runs ours
-    if ddp is None or getattr(ddp, "gradient_as_bucket_view", True) or ddp in _BUCKETS_CHECKED:
+    if ddp is None or ddp in _BUCKETS_CHECKED:
         return
     copy_bytes = planned.profile.fixed_memory.gradients_bytes
-    over = planned.simulated_peak_bytes + copy_bytes - budget
+    views = getattr(ddp, "gradient_as_bucket_view", False)
+    over = (planned.profile.fixed_bytes if views else planned.simulated_peak_bytes) + copy_bytes - budget
     if over > 0:
+        where = ("while it rebuilds its buckets, at the start of its second forward, with the fixed memory" if views
+                 else "all step long, with the plan's peak")
+        remedy = ("plan for a budget that leaves room for it" if views else
+                  "build it with DistributedDataParallel(..., gradient_as_bucket_view=True): the gradients then live "
+                  "in its buckets and nothing more is held")
         raise ReplayError(
             f"DistributedDataParallel keeps a copy of the gradients in its buckets, {copy_bytes} bytes "
-            f"({format_bytes(copy_bytes)}) the plan does not count: with the plan's peak, {over} bytes over the "
-            f"budget of {format_bytes(budget)}. Build it with DistributedDataParallel(..., "
-            "gradient_as_bucket_view=True): the gradients then live in its buckets and nothing more is held")
+            f"({format_bytes(copy_bytes)}) the plan does not count: {where}, {over} bytes over the budget of "
+            f"{format_bytes(budget)}. To train within it, {remedy}")
     _BUCKETS_CHECKED.add(ddp)
 
 
