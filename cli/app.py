@@ -51,5 +51,13 @@ def friendly(command):
     return wrapper
 
 
+def step_note(profile) -> str:
+    """The optimizer step's temporaries beside the fixed memory in a one-line summary, where there are any."""
+    from planner.units import format_bytes
+
+    step_bytes = profile.fixed_memory.optimizer_step_bytes
+    return f" (and {format_bytes(step_bytes)} during the optimizer's step)" if step_bytes else ""
+
+
 def main() -> None:
     app(prog_name="mosos")

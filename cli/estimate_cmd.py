@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from cli.app import app, console, friendly
+from cli.app import app, console, friendly, step_note
 from cli.checks import distinct_files, whole_number_in, workload_file, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
@@ -150,6 +150,6 @@ def estimate_command(
     console.print(
         f"wrote {output}: {profile.name}, {len(profile.nodes)} nodes, "
         f"{sum(len(node.inputs) for node in profile.nodes)} edges; fastest compute {fastest_ms:.1f} ms; "
-        f"tensors {format_bytes(tensors)}, fixed {format_bytes(profile.fixed_bytes)}, "
+        f"tensors {format_bytes(tensors)}, fixed {format_bytes(profile.fixed_bytes)}{step_note(profile)}, "
         f"device {format_bytes(profile.hardware.memory_capacity_bytes)}"
     )

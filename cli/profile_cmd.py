@@ -16,7 +16,7 @@ from pathlib import Path
 
 import typer
 
-from cli.app import app, console, error_console, friendly
+from cli.app import app, console, error_console, friendly, step_note
 from cli.checks import (distinct_files, positive_finite, time_limit_within, whole_number_in, workload_file,
                         writable_output, write_output)
 from cli.time_limit import time_limited
@@ -102,7 +102,7 @@ def profile_command(
     activations = sum(node.size_bytes for node in profile.nodes if node.kind != "backward")
     console.print(
         f"{label}: {len(profile.nodes)} nodes, fastest compute {total_ms:.2f} ms, forward tensors "
-        f"{format_bytes(activations)}, fixed memory {format_bytes(profile.fixed_bytes)}, "
+        f"{format_bytes(activations)}, fixed memory {format_bytes(profile.fixed_bytes)}{step_note(profile)}, "
         f"spread {profile.provenance.spread_percent}% over {repeats} repeats"
     )
     backward_nodes = sum(1 for node in profile.nodes if node.kind == "backward")

@@ -29,7 +29,8 @@ Times: the roofline model of `models.roofline`; convolutions get one
 implementation per applicable cuDNN algorithm family (`models.cudnn`), their
 filter- and data-gradient nodes the Pareto-optimal ones of theirs.
 Constant memory: inputs and targets, parameters, gradients, buffers and the
-optimizer's state (SGD with momentum by default: one buffer per parameter).
+optimizer's state (SGD with momentum by default: one buffer per parameter), and the temporaries of
+its step (OPTIMIZER_STEP_COPIES).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ HAND_OFF_SUFFIX = ":saved"
 HAND_OFF_MAX_FRACTION = 0.25
 TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
 OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+# Temporaries of the optimizer's step, in copies of all the parameters at once, under the foreach kernels that
+# PyTorch takes by default on a GPU: Adam's square root of its second moment; SGD's updates are in place.
+OPTIMIZER_STEP_COPIES = {"sgd": 0, "sgd-momentum": 0, "adam": 1}
 ALIAS_BACKWARD = {"view", "cat"}  # backward hands on (slices of) the incoming gradient: no work, no new memory
 
 
@@ -448,6 +452,7 @@ def _whole_profile(traced: TracedGraph, gpu: GPU, device: Device, *, name: str, 
         gradients_bytes=params,
         optimizer_state_bytes=params * OPTIMIZER_STATE_BUFFERS[optimizer],
         other_bytes=traced.buffer_bytes,
+        optimizer_step_bytes=params * OPTIMIZER_STEP_COPIES[optimizer],
     )
     hardware = Hardware(
         name=gpu.name,
