@@ -47,17 +47,22 @@ def check_budget(profile: GraphProfile, budget_bytes: int) -> None:
         raise BudgetError(f"budget {budget_bytes} bytes is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")
     minimum = minimum_budget_bytes(profile)
     if budget_bytes < minimum:
-        worst = max(profile.order, key=lambda node_id: node_floor_bytes(profile, node_id))
-        if profile.fixed_bytes + node_floor_bytes(profile, worst) >= minimum:
-            binding = f"node {worst!r} with its inputs and smallest workspace"
-        else:
-            binding = f"the {profile.fixed_memory.optimizer_step_bytes} bytes of temporaries of the optimizer's step"
         raise BudgetError(
             f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below what any plan needs: "
-            f"{minimum} bytes ({format_bytes(minimum)}), that is fixed memory {profile.fixed_bytes} bytes plus "
-            f"{binding}",
+            f"{describe_minimum(profile)}",
             minimum_budget_bytes=minimum,
         )
+
+
+def describe_minimum(profile: GraphProfile) -> str:
+    """`minimum_budget_bytes` in words: what it is made of."""
+    minimum = minimum_budget_bytes(profile)
+    worst = max(profile.order, key=lambda node_id: node_floor_bytes(profile, node_id))
+    if profile.fixed_bytes + node_floor_bytes(profile, worst) >= minimum:
+        binding = f"node {worst!r} with its inputs and smallest workspace"
+    else:
+        binding = f"the {profile.fixed_memory.optimizer_step_bytes} bytes of temporaries of the optimizer's step"
+    return f"{minimum} bytes ({format_bytes(minimum)}), that is fixed memory {profile.fixed_bytes} bytes plus {binding}"
 
 
 def check_memory_ratio(memory_ratio: float) -> None:

@@ -13,7 +13,8 @@ and, for each strategy, searches the batch sizes:
   forward pass, Checkmate's ceiling; None = no limit);
 - before any solve, the batches are bounded above by the floor every plan
   needs (fixed memory plus the largest node with its inputs and smallest
-  workspace, `planner.budget.minimum_budget_bytes`): a batch above that bound
+  workspace, or plus the optimizer step's temporaries,
+  `planner.budget.minimum_budget_bytes`): a batch above that bound
   cannot fit whatever the strategy, so it is never solved;
 - the search tries batch 1 (2 when no profile can be made at 1, as for batch
   norm over a single value), then doubles (2, 4, 8, ...) while the batch fits,
@@ -50,7 +51,7 @@ from typing import Callable, Literal, Protocol, Sequence, Union
 
 from pydantic import BaseModel, Field
 
-from planner.budget import minimum_budget_bytes
+from planner.budget import describe_minimum, minimum_budget_bytes
 from planner.errors import BudgetError, MososError
 from planner.planning import InfeasibleBudget, plan, strategy_names
 from planner.profile import GraphProfile
@@ -167,8 +168,8 @@ class MaxBatchResult(BaseModel):
     max_overhead: float | str | None
     overhead_description: str
     batch_limit: int
-    floor_batch_size: int = Field(description="the largest batch whose floor (fixed memory plus the largest node) "
-                                  "fits the budget: no strategy can fit more")
+    floor_batch_size: int = Field(description="the largest batch whose floor (fixed memory plus the largest node, or "
+                                  "plus the optimizer step's temporaries) fits the budget: no strategy can fit more")
     floor_reason: str
     time_limit_s: float
     wall_time_s: float
@@ -266,8 +267,7 @@ class _Batches:
         except MososError as error:
             return str(error)
         if floor > budget:
-            return (f"the budget is below what any plan needs at batch {batch}: {floor} bytes ({format_bytes(floor)}, "
-                    "fixed memory plus the largest node with its inputs and smallest workspace)")
+            return f"the budget is below what any plan needs at batch {batch}: {describe_minimum(self.profile(batch))}"
         return None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from planner.errors import Issue, ProfileError
 from planner.validation import NumbersAreNumbers, issues_from_validation_error
@@ -80,6 +80,15 @@ class FixedMemory(_Strict):
         "memory above. Held only during the step, after the backward has released every activation, so they count "
         "then and not all step long.",
     )
+
+    @model_serializer(mode="wrap")
+    def _without_a_zero_step(self, handler):
+        """Left out when 0, as in every profile written before the field: their digests, and the schedules made for
+        them, stay valid, and an older mosos still reads what this one writes for them."""
+        dumped = handler(self)
+        if isinstance(dumped, dict) and not dumped.get("optimizer_step_bytes"):
+            dumped.pop("optimizer_step_bytes", None)
+        return dumped
 
     @property
     def total_bytes(self) -> int:
