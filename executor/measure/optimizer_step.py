@@ -78,11 +78,12 @@ def _as_torch_defaults(optimizer: torch.optim.Optimizer, device_type: str) -> No
 
 class StepMemory(NamedTuple):
     temporaries_bytes: int  # the peak of what the step creates and frees
-    scalar_state_bytes: int  # per-parameter step counters and such, on the parameters' device
+    state_bytes: int  # the state it keeps on the parameters' device: moments, buffers, step counters
 
 
 # What real kernels allocate that a fake step does not show: a Python number wrapped as a tensor for the
-# operation that takes it (SGD's `mul_(momentum)`: 16 bytes), freed when it returns.
+# operation that takes it (SGD's `mul_(momentum)`: 16 bytes), freed when it returns. On the CPU only: on a GPU the
+# wrapped number stays in host memory.
 WRAPPED_SCALARS_BYTES = 64
 
 
@@ -92,15 +93,18 @@ def optimizer_step_bytes(optimizer: str | torch.optim.Optimizer | None, paramete
     device of `device_type` (`optimizer`: a kind `optimize()` takes, or the optimizer itself, whose class and
     settings are used)."""
     measured = _measured(optimizer, parameters, device_type)
-    return 0 if measured is None else measured.temporaries_bytes + WRAPPED_SCALARS_BYTES
+    if measured is None:
+        return 0
+    return measured.temporaries_bytes + (WRAPPED_SCALARS_BYTES if device_type == "cpu" else 0)
 
 
-def scalar_state_bytes(optimizer: str | torch.optim.Optimizer | None, parameters: list[torch.Tensor],
-                       device_type: str) -> int:
-    """The state that is not a multiple of the parameters: Adam's step counter per parameter, which lives on the
-    parameters' device where it is a CPU (capturable or fused Adam on a GPU keeps it there too)."""
+def state_bytes(optimizer: str | torch.optim.Optimizer | None, parameters: list[torch.Tensor],
+                device_type: str) -> int:
+    """The state the optimizer keeps on the parameters' device, with its settings (RMSprop's momentum and centred
+    average, Adam's amsgrad maximum), and Adam's step counter per parameter where that is the device (the CPU, or a
+    GPU with capturable or fused Adam)."""
     measured = _measured(optimizer, parameters, device_type)
-    return 0 if measured is None else measured.scalar_state_bytes
+    return 0 if measured is None else measured.state_bytes
 
 
 def _measured(optimizer: str | torch.optim.Optimizer | None, parameters: list[torch.Tensor],
@@ -155,9 +159,10 @@ def _measure(optimizer: str | torch.optim.Optimizer, distinct: list[torch.Tensor
         raise MososError(f"cannot tell how much memory {name}'s step takes (a step of a fresh one on fake tensors "
                          f"of the parameters' shapes failed: {type(error).__name__}: {error}); pass optimizer= the "
                          "torch kind it matches (sgd, momentum, adam, adamw, rmsprop, adagrad)") from None
-    scalars = sum(value.untyped_storage().nbytes() for state in fresh.state.values() for value in state.values()
-                  if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == device_type)
-    return StepMemory(created.peak_bytes, scalars)
+    kept = {StorageWeakRef(value.untyped_storage()): value.untyped_storage().nbytes()
+            for state in fresh.state.values() for value in state.values()
+            if isinstance(value, torch.Tensor) and value.device.type == device_type}
+    return StepMemory(created.peak_bytes, sum(kept.values()))
 
 
 def _fresh(optimizer: str | torch.optim.Optimizer, fakes: dict[int, nn.Parameter]) -> torch.optim.Optimizer:

@@ -40,7 +40,7 @@ from executor.measure import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
-from executor.measure.optimizer_step import constructor_defaults, optimizer_step_bytes, scalar_state_bytes
+from executor.measure.optimizer_step import constructor_defaults, optimizer_step_bytes, state_bytes
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
                                                   convolution_input, native_convolution_scratch_bytes,
                                                   probe_native_scratch, splits_the_batch, sums_over_the_batch,
@@ -659,8 +659,7 @@ def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: in
         "inputs_bytes": distinct_storage_bytes(leaves),
         "parameters_bytes": distinct_storage_bytes(list(tensors.values())),
         "gradients_bytes": trainable_bytes,
-        "optimizer_state_bytes": optimizer_state_bytes(optimizer, trainable_bytes)
-        + scalar_state_bytes(optimizer, trainable, device_type or loss.device.type),
+        "optimizer_state_bytes": state_bytes(optimizer, trainable, device_type or loss.device.type),
         "other_bytes": distinct_storage_bytes(buffers + constants) + staging + returned + random_state_bytes(profiled)
         + library_workspace_bytes(loss.device),
         "optimizer_step_bytes": optimizer_step_bytes(optimizer, trainable, device_type or loss.device.type),

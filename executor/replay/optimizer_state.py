@@ -17,8 +17,8 @@ import weakref
 import torch
 
 from executor.errors import ReplayError
-from executor.measure.optimizer_step import optimizer_step_bytes
-from executor.measure.profiler import STATE_PER_PARAMETER, distinct_storage_bytes, optimizer_state_bytes
+from executor.measure.optimizer_step import optimizer_step_bytes, state_bytes
+from executor.measure.profiler import STATE_PER_PARAMETER, distinct_storage_bytes
 from planner.errors import MososError
 from planner.units import format_bytes
 
@@ -54,57 +54,70 @@ def _planned_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[object, 
     return found
 
 
-def _refuse(planned, optimizer, kind_bytes: int, how: str) -> None:
+def _refuse_state(planned, optimizer, parameters: list[torch.Tensor], kept_bytes: int, how: str) -> None:
+    """More state than counted is resident all step long: refused where the plan's peak leaves no room for it."""
     counted = planned.profile.fixed_memory.optimizer_state_bytes
+    budget = planned.schedule.budget_bytes
+    over = planned.simulated_peak_bytes + kept_bytes - counted - budget
+    if kept_bytes <= counted or over <= 0:
+        return
     name = type(optimizer).__name__
-    named = f" (or name its kind, optimizer='{name.lower()}')" if name.lower() in STATE_PER_PARAMETER else ""
+    named = ""
+    if name.lower() in STATE_PER_PARAMETER:
+        try:
+            if state_bytes(name.lower(), parameters, parameters[0].device.type) >= kept_bytes:
+                named = f" (or name its kind, optimizer='{name.lower()}')"
+        except MososError:
+            pass
     raise ReplayError(
-        f"{name} {how} {kind_bytes} bytes ({format_bytes(kind_bytes)}) of state for the planned module's parameters, "
-        f"but its plan counted {counted} bytes ({format_bytes(counted)}) of optimizer state (optimize()'s "
-        f"optimizer=, 'sgd' by default: none), so the budget of {format_bytes(planned.schedule.budget_bytes)} would "
-        f"not hold. Pass this optimizer to optimize(..., optimizer=opt){named}, and the plan counts its state")
+        f"{name} {how} {kept_bytes} bytes ({format_bytes(kept_bytes)}) of state for the planned module's parameters "
+        f"(with its settings now: momentum, centered, amsgrad), but its plan counted {counted} bytes "
+        f"({format_bytes(counted)}) from optimize(optimizer=...): with the plan's peak, {over} bytes over the budget "
+        f"of {format_bytes(budget)}. Pass this optimizer, as it is now, to optimize(..., optimizer=opt){named}, and "
+        "the plan counts its state")
 
 
 def _before_step(optimizer, args, kwargs) -> None:
     if optimizer in _CHECKED:
         return
     for planned, parameters in _planned_parameters(optimizer):
+        device_type = parameters[0].device.type
         try:
-            expected = optimizer_state_bytes(optimizer, distinct_storage_bytes(parameters))
-        except MososError:
-            expected = None  # a kind we do not know: its state is measured after its first step
-        if expected is not None and expected > planned.profile.fixed_memory.optimizer_state_bytes:
-            _refuse(planned, optimizer, expected, "would keep")
-        _check_step_temporaries(planned, optimizer, parameters)
+            kept = state_bytes(optimizer, parameters, device_type)
+            needed = optimizer_step_bytes(optimizer, parameters, device_type)
+        except MososError as error:
+            warnings.warn(f"the budget of {format_bytes(planned.schedule.budget_bytes)} counts "
+                          f"{planned.profile.fixed_memory.optimizer_step_bytes} bytes for the optimizer step's "
+                          f"temporaries, but those of {type(optimizer).__name__} are not known (its state is checked "
+                          f"after its first step): {error}", stacklevel=4)  # the caller of optimizer.step()
+            continue
+        _refuse_state(planned, optimizer, parameters, kept, "would keep")
+        _refuse_step_temporaries(planned, optimizer, kept, needed)
 
 
-def _check_step_temporaries(planned, optimizer, parameters: list[torch.Tensor]) -> None:
-    counted = planned.profile.fixed_memory.optimizer_step_bytes
-    try:
-        needed = optimizer_step_bytes(optimizer, parameters, parameters[0].device.type)
-    except MososError as error:
-        warnings.warn(f"the budget of {format_bytes(planned.schedule.budget_bytes)} counts {counted} bytes for the "
-                      f"optimizer step's temporaries, but those of {type(optimizer).__name__} are not known: {error}",
-                      stacklevel=4)  # the caller of optimizer.step()
-        return
+def _refuse_step_temporaries(planned, optimizer, kept_bytes: int, needed: int) -> None:
+    """The step's temporaries come after the backward, on the fixed memory (and any state beyond what was counted,
+    which _refuse_state let through because the budget had room for it)."""
+    fixed = planned.profile.fixed_memory
+    counted = fixed.optimizer_step_bytes
     budget = planned.schedule.budget_bytes
-    if needed > counted and planned.profile.fixed_bytes + needed > budget:  # the step comes after the activations
+    during = planned.profile.fixed_bytes + max(0, kept_bytes - fixed.optimizer_state_bytes) + needed
+    if needed > counted and during > budget:
         name = type(optimizer).__name__
         raise ReplayError(
             f"{name}'s step would take {needed} bytes ({format_bytes(needed)}) of temporaries for the planned "
             f"module's parameters (with its settings: foreach, weight decay), but its plan counted {counted} bytes "
-            f"({format_bytes(counted)}): with the fixed memory, {planned.profile.fixed_bytes + needed - budget} "
-            f"bytes over the budget of {format_bytes(budget)}. Pass this optimizer to optimize(..., optimizer=opt), "
-            "and the plan counts its step")
+            f"({format_bytes(counted)}): with the fixed memory, {during - budget} bytes over the budget of "
+            f"{format_bytes(budget)}. Pass this optimizer to optimize(..., optimizer=opt), and the plan counts its "
+            "step")
 
 
 def _after_step(optimizer, args, kwargs) -> None:
     if optimizer in _CHECKED:
         return
     for planned, parameters in _planned_parameters(optimizer):
+        device = parameters[0].device
         state = [value for p in parameters for value in optimizer.state.get(p, {}).values()
-                 if isinstance(value, torch.Tensor) and value.dim() > 0]  # per-parameter tensors, not step counters
-        held = distinct_storage_bytes(state)
-        if held > planned.profile.fixed_memory.optimizer_state_bytes:
-            _refuse(planned, optimizer, held, "keeps")
+                 if isinstance(value, torch.Tensor) and value.device == device]  # Adam's counters stay on the CPU
+        _refuse_state(planned, optimizer, parameters, distinct_storage_bytes(state), "keeps")
     _CHECKED[optimizer] = True
