@@ -15,7 +15,7 @@ from cli.checks import distinct_files, replacing, writable_output
 from planner.errors import ScheduleRejected
 from planner.profile import load_profile
 from planner.schedule import load_schedule
-from planner.simulator import simulate
+from planner.simulator import peak_at_optimizer_step, simulate
 from planner.units import format_bytes, parse_bytes
 
 EXIT_REJECTED = 4
@@ -71,7 +71,9 @@ def simulate_command(
     table.add_row("stall time", f"{result.stall_time_ms:.3f} ms")
     table.add_row("busy: compute / d2h / h2d", f"{result.compute_busy_ms:.3f} / {result.d2h_busy_ms:.3f} / {result.h2d_busy_ms:.3f} ms")
     table.add_row("recompute time", f"{result.recompute_time_ms:.3f} ms")
-    table.add_row("peak memory", f"{format_bytes(result.peak_memory_bytes)} ({result.peak_memory_bytes} bytes) at {result.peak_time_ms:.3f} ms")
+    at_step = " (the optimizer's step)" if peak_at_optimizer_step(profile, result) else ""
+    table.add_row("peak memory", f"{format_bytes(result.peak_memory_bytes)} ({result.peak_memory_bytes} bytes) at "
+                  f"{result.peak_time_ms:.3f} ms{at_step}")
     table.add_row("budget", format_bytes(result.budget_bytes) if result.budget_bytes is not None else "none")
     table.add_row("offloaded / prefetched", f"{format_bytes(result.offloaded_bytes)} / {format_bytes(result.prefetched_bytes)}")
     console.print(table)

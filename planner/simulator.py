@@ -383,6 +383,13 @@ def _over_budget_so_far(replay: _Replay) -> ScheduleRejected | None:
     return None
 
 
+def peak_at_optimizer_step(profile: GraphProfile, result: SimulationFigures) -> bool:
+    """Whether the peak is the optimizer step's moment, its temporaries on what the backward left."""
+    step_bytes = profile.fixed_memory.optimizer_step_bytes
+    return bool(step_bytes) and result.peak_time_ms == result.step_time_ms and (
+        result.peak_memory_bytes >= profile.fixed_bytes + step_bytes)
+
+
 def _optimizer_step(used: int, step_bytes: int, step_ms: float, budget: int | None, peak: int,
                     peak_time_ms: float) -> tuple[int, float]:
     """The optimizer's step at the end, its temporaries on what the backward left: the new peak and its time."""

@@ -39,6 +39,32 @@ def test_the_optimizer_step_raises_the_smallest_budget_and_ends_the_simulated_st
     assert rejected.value.operation == "optimizer step" and rejected.value.over_budget_bytes == 1
 
 
+def test_the_viewer_and_simulate_name_the_optimizer_step_where_it_is_the_peak(tmp_path):
+    import json as json_module
+
+    from typer.testing import CliRunner
+
+    from cli import app
+    from planner.simulator import peak_at_optimizer_step
+    from planner.viewer import plan_view_html
+
+    plain, _ = _with_step_bytes(0)
+    keep_all = simulate(plain, keep_all_schedule(plain)).peak_memory_bytes
+    _, profile = _with_step_bytes(keep_all)
+    schedule = keep_all_schedule(profile)
+    result = simulate(profile, schedule)
+    assert peak_at_optimizer_step(profile, result) and not peak_at_optimizer_step(plain, simulate(
+        plain, keep_all_schedule(plain)))
+    page = plan_view_html(profile, schedule, result)
+    assert "(the optimizer&#x27;s step)" in page and "more during the optimizer&#x27;s step" in page
+    (tmp_path / "p.json").write_text(profile.to_json())
+    (tmp_path / "s.json").write_text(schedule.model_dump_json())
+    shown = CliRunner().invoke(app, ["simulate", str(tmp_path / "p.json"), str(tmp_path / "s.json")])
+    assert shown.exit_code == 0 and "(the optimizer's step)" in shown.output, shown.output
+    assert json_module.loads(profile.to_json())["fixed_memory"]["optimizer_step_bytes"] == keep_all
+    assert "optimizer_step_bytes" not in plain.to_json()  # left out at 0: the digests of older profiles hold
+
+
 def test_small_temporaries_leave_the_plan_as_it_was():
     plain, _ = _with_step_bytes(0)
     _, profile = _with_step_bytes(1024)

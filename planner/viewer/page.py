@@ -14,6 +14,7 @@ from functools import lru_cache
 from importlib import resources
 
 from planner.schedule import Schedule
+from planner.simulator import peak_at_optimizer_step
 from planner.viewer.chart import MemoryScale, chart_svg, layout, memory_instants
 from planner.viewer.facts import SPAN_KINDS, PlanFacts
 from planner.viewer.text import escape, format_ms, format_size, json_for_script
@@ -76,6 +77,7 @@ def _data(facts: PlanFacts, scale: MemoryScale) -> dict:
             )
         spans[stream] = rows
     instants = memory_instants(facts)
+    step_bytes = facts.profile.fixed_memory.optimizer_step_bytes
     return {
         "domain_ms": facts.domain_ms,
         "layout": layout(facts, scale),
@@ -83,7 +85,10 @@ def _data(facts: PlanFacts, scale: MemoryScale) -> dict:
         "fixed_bytes": result.fixed_memory_bytes,
         "nodes": nodes,
         "spans": spans,
-        "memory": [[_round(time_ms) for time_ms, _, _ in instants], [last for _, _, last in instants]],
+        # the hover reads what is in use after each instant; at the step's end, the optimizer's step instead, which
+        # holds for no simulated time but is what the budget must hold
+        "memory": [[_round(time_ms) for time_ms, _, _ in instants],
+                   [last for _, _, last in instants[:-1]] + [instants[-1][1 if step_bytes else 2]]],
     }
 
 
@@ -104,15 +109,19 @@ def _figures(facts: PlanFacts, schedule: Schedule) -> str:
         _figure("stall", format_ms(result.stall_time_ms), "compute waits for copies", bad=result.stall_time_ms > 0),
         _figure("recompute", format_ms(result.recompute_time_ms), _count(facts.count("recompute"), "computation")),
     ]
+    at_step = ", at the optimizer's step" if peak_at_optimizer_step(facts.profile, result) else ""
     if budget is not None:
         share = f"{100 * result.peak_memory_bytes / budget:.1f}% of the budget" if budget else ""
-        figures.append(_figure("peak memory", format_size(result.peak_memory_bytes), share,
+        figures.append(_figure("peak memory", format_size(result.peak_memory_bytes), share + at_step,
                                bad=result.peak_memory_bytes > budget))
         figures.append(_figure("budget", format_size(budget), f"{budget:,} bytes"))
     else:
-        figures.append(_figure("peak memory", format_size(result.peak_memory_bytes), "no budget"))
+        figures.append(_figure("peak memory", format_size(result.peak_memory_bytes), "no budget" + at_step))
+    step_bytes = facts.profile.fixed_memory.optimizer_step_bytes
+    step_note = f"; {format_size(step_bytes)} more during the optimizer's step" if step_bytes else ""
     figures += [
-        _figure("fixed memory", format_size(result.fixed_memory_bytes), "parameters, gradients, optimizer, inputs"),
+        _figure("fixed memory", format_size(result.fixed_memory_bytes),
+                "parameters, gradients, optimizer, inputs" + step_note),
         _figure("offloaded / prefetched", f"{format_size(result.offloaded_bytes)} / {format_size(result.prefetched_bytes)}"),
         _figure("copy streams busy", f"{format_ms(result.d2h_busy_ms)} / {format_ms(result.h2d_busy_ms)}",
                 "device → host / host → device"),
@@ -138,9 +147,10 @@ def _legend(facts: PlanFacts, scale: MemoryScale) -> str:
     if result.budget_bytes is not None:
         items.append('<li><span class="swatch budget"></span>budget</li>')
     items.append('<li><span class="swatch fixed"></span>fixed memory</li>')
+    at_step = " (the optimizer's step)" if peak_at_optimizer_step(facts.profile, result) else ""
     items.append(
         f'<li><span class="swatch peak"></span>peak {escape(format_size(result.peak_memory_bytes))} '
-        f'at {escape(format_ms(result.peak_time_ms))}</li>'
+        f'at {escape(format_ms(result.peak_time_ms))}{escape(at_step)}</li>'
     )
     return f'<ul class="legend">{"".join(items)}</ul>'
 
