@@ -477,6 +477,15 @@ def transient_peak_bytes(planning: PlanningGraph, group: Group) -> int:
     return peak
 
 
+def accumulation_bytes(planning: PlanningGraph, group: Group) -> int:
+    """The parameter gradients the node makes (fixed memory). Added into a `.grad` already there (gradient
+    accumulation, or zero_grad(set_to_none=False)), each is held beside it until the addition ends, as under
+    AccumulateGrad: counted as the node's workspace, so the plan holds for any training loop."""
+    facts = planning.facts
+    return sum(facts.root_bytes.get(facts.storage_of.get(root, root), facts.root_bytes.get(root, 0))
+               for root in planning.gradient_roots if planning.group_of.get(root) == group.index)
+
+
 def node_sizes(planning: PlanningGraph, group: Group) -> tuple[int, int]:
     """(output_bytes, extra_saved_bytes) as a measured profile splits them: the first output's storage, then the
     node's other distinct output storages."""

@@ -49,7 +49,8 @@ from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
 from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
 from executor.capture.feeds import Feeder
-from executor.capture.planning_graph import PlanningGraph, build, node_sizes, reference_run, transient_peak_bytes
+from executor.capture.planning_graph import (PlanningGraph, accumulation_bytes, build, node_sizes, reference_run,
+                                             transient_peak_bytes)
 from executor.replay.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
 from executor.measure.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, substituted,
                                         with_implementations)
@@ -396,7 +397,7 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                      f"the batch in {time.perf_counter() - started:.1f} s")
     nodes = []
     for group in planning.groups:
-        transient = transient_peak_bytes(planning, group)
+        transient = transient_peak_bytes(planning, group) + accumulation_bytes(planning, group)
         allowance = scratch_allowance_bytes(planning, group)
         touched = sum(planning.facts.root_bytes.get(v, 0) for v in group.outputs) + sum(
             planning.size_bytes(planning.groups[i]) for i in group.inputs)
@@ -798,7 +799,8 @@ def _measure(profiled: ProfiledStep, provisional: GraphProfile, chosen: Measurin
             if median > 0 and len(measured) > 1:
                 spread.append(100.0 * (max(measured) - min(measured)) / median)
             implementations.append({"name": implementation, "time_ms": median + glue_ms,
-                                    "workspace_bytes": workspace.get((group.index, implementation), 0)})
+                                    "workspace_bytes": workspace.get((group.index, implementation), 0)
+                                    + accumulation_bytes(planning, group)})
         # measured: a kernel may keep more than its shape says (a view of a larger buffer)
         nodes_doc.append(_node_document(planning, group, implementations, sizes[group.index]))
     frugal = chosen.strategy != "keep-all"
