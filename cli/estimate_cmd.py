@@ -89,7 +89,8 @@ def estimate_command(
     tokens: int = typer.Option(None, help="sequence length for the transformer (default 1024)"),
     small: bool = typer.Option(False, help="the tiny test variant of the model (same layer kinds, few channels)"),
     math: str = typer.Option("fp32", help="fp32, or tf32 to use the tensor cores of A100/H100"),
-    optimizer: str = typer.Option("sgd-momentum", help="sgd, sgd-momentum or adam (sets the optimizer state)"),
+    optimizer: str = typer.Option("sgd-momentum", help="sgd, sgd-momentum (or momentum), adam or adamw (sets the "
+                                  "optimizer state and its step's temporaries)"),
     memory: str = typer.Option(None, help="device memory if not the GPU's own, e.g. 12GiB"),
     compact: bool = typer.Option(False, help="write the JSON on one line (smaller files)"),
     list_: bool = typer.Option(False, "--list", help="list the GPUs and models and exit"),

@@ -59,10 +59,11 @@ HAND_OFF_SUFFIX = ":saved"
 # otherwise hold; executor.capture.capture applies the same rule to captured graphs
 HAND_OFF_MAX_FRACTION = 0.25
 TRANSFER_LATENCY_MS = 0.01  # cudaMemcpyAsync launch and DMA setup
-OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+OPTIMIZER_STATE_BUFFERS = {"sgd": 0, "sgd-momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
 # Temporaries of the optimizer's step, in copies of all the parameters at once, under the foreach kernels that
-# PyTorch takes by default on a GPU: Adam's square root of its second moment; SGD's updates are in place.
-OPTIMIZER_STEP_COPIES = {"sgd": 0, "sgd-momentum": 0, "adam": 1}
+# PyTorch takes by default on a GPU: Adam's square root of its second moment (AdamW's decay is in place); SGD's
+# updates are in place.
+OPTIMIZER_STEP_COPIES = {"sgd": 0, "sgd-momentum": 0, "momentum": 0, "adam": 1, "adamw": 1}
 ALIAS_BACKWARD = {"view", "cat"}  # backward hands on (slices of) the incoming gradient: no work, no new memory
 
 

@@ -39,8 +39,8 @@ from torch import nn
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
-from executor.capture.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph,
-                                             accumulation_bytes, node_sizes, transient_peak_bytes)
+from executor.capture.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, node_sizes,
+                                     transient_peak_bytes)
 from executor.measure.profiler import (ProfiledStep, _Preserved, _first_device, as_tuple, fixed_memory,
                                       optimizer_state_bytes, plan_step)
 from models import cudnn
@@ -228,7 +228,7 @@ def convolution_algorithms(node: fx.Node, graph_module: fx.GraphModule, gpu: GPU
 def node_implementations(planning: PlanningGraph, group: Group, gpu: GPU, math: str) -> list[dict]:
     """`default` (every operation at its roofline time), or one per cuDNN family for a node with a convolution."""
     gm = planning.step.graph_module
-    transient = transient_peak_bytes(planning, group) + accumulation_bytes(planning, group)
+    transient = transient_peak_bytes(planning, group)
     algorithms = None
     if group.convolution is not None:
         algorithms = convolution_algorithms(group.convolution, gm, gpu, math)
