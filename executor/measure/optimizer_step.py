@@ -1,11 +1,12 @@
-"""The temporaries of the optimizer's step, which the plan must leave room for.
+"""The optimizer's state and the temporaries of its step, which the plan must leave room for.
 
 After the backward every activation is gone, but the step itself allocates: single-tensor Adam holds two copies of
 the parameter it is updating (the square root of the second moment, then the update), weight decay another, and
 the foreach kernels (PyTorch's default on a GPU) a copy of every parameter at once. Counted nowhere, a step of a
 model planned to its budget goes over it by that much. They are measured by running two steps of the same kind of
 optimizer, with the same settings, on fake tensors of the parameters' shapes (nothing is allocated) and taking the
-peak of the storage created during the second step.
+peak of the storage created during the second step; the state is what the fresh optimizer then keeps (so RMSprop's
+centred average or Adam's amsgrad maximum count whenever the settings ask for them).
 """
 
 from __future__ import annotations
