@@ -32,7 +32,7 @@ import operator
 import time
 from dataclasses import dataclass, field
 
-from planner.budget import minimum_budget_bytes
+from planner.budget import describe_minimum, minimum_budget_bytes
 from planner.errors import BudgetError, TimeLimitReached
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Schedule
@@ -140,16 +140,11 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
         raise ValueError(f"measuring mode is one of {', '.join(MODES)}, not {mode!r}")
     tried: list[str] = []
     clock = _Clock(deadline, tried)
-    if budget_bytes is not None:
-        floor = minimum_budget_bytes(provisional)
-        if budget_bytes < provisional.fixed_bytes:
-            raise BudgetError(
-                f"budget {format_bytes(budget_bytes)} is below the model's fixed memory "
-                f"{format_bytes(provisional.fixed_bytes)} (parameters {format_bytes(provisional.fixed_memory.parameters_bytes)}, "
-                f"gradients, optimizer state, inputs, buffers), so no step fits; the smallest budget that any plan "
-                f"needs is {format_bytes(floor)} ({floor} bytes)", minimum_budget_bytes=floor)
     keep_all = keep_all_schedule(provisional)
     keep_all_peak = simulate(provisional, keep_all, keep_timeline=False).peak_memory_bytes
+    if budget_bytes is not None and budget_bytes < minimum_budget_bytes(provisional):
+        raise _below_floor(provisional, budget_bytes, keep_all_peak,
+                          clock.left(time_limit_s / 4) if mode != "keep-all" else 0.0)
     if mode == "keep-all" or budget_bytes is None:
         if budget_bytes is not None and keep_all_peak > budget_bytes:
             raise BudgetError(f"measuring keep-all needs about {format_bytes(keep_all_peak)}, over the budget "
@@ -204,6 +199,29 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
         minimum_budget_bytes=minimum)
 
 
+def _below_floor(provisional: GraphProfile, budget_bytes: int, keep_all_peak: int, time_limit_s: float) -> BudgetError:
+    """A budget below what any plan needs, with the smallest budget known to work beside that floor: the floor is
+    only a bound (GPT-2 with AdamW: 18.19 MiB named, and at 18.19 MiB no measuring pass fit, the next error naming
+    18.45), so the greedy pass is tried from the floor up and the error's minimum_budget_bytes is a budget that
+    measures."""
+    floor = minimum_budget_bytes(provisional)
+    working = keep_all_peak  # with no time to search (or measuring keep-all only), the budget keep-all measures in
+    if time_limit_s > 0:
+        working = floor if _greedy(provisional, floor, time.monotonic() + time_limit_s) is not None \
+            else _smallest_greedy_budget(provisional, floor, keep_all_peak, [], time_limit_s)
+    known = (f"; the smallest budget known to work is {format_bytes(working)} ({working} bytes)"
+             if working != floor else ", and a measuring pass fits there")
+    if budget_bytes < provisional.fixed_bytes:
+        parameters_bytes = provisional.fixed_memory.parameters_bytes
+        return BudgetError(
+            f"budget {format_bytes(budget_bytes)} is below the model's fixed memory "
+            f"{format_bytes(provisional.fixed_bytes)} (parameters {format_bytes(parameters_bytes)}, "
+            f"gradients, optimizer state, inputs, buffers), so no step fits; any plan needs at least "
+            f"{format_bytes(floor)} ({floor} bytes){known}", minimum_budget_bytes=working)
+    return BudgetError(f"no measuring pass fits: budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below "
+                       f"what any plan needs: {describe_minimum(provisional)}{known}", minimum_budget_bytes=working)
+
+
 class _Clock:
     """The searches' time limits within a command's deadline (a `time.monotonic()` instant, or None)."""
 
@@ -220,6 +238,12 @@ class _Clock:
             self.stop()
         self.cut |= left_s < time_limit_s
         return min(time_limit_s, left_s)
+
+    def left(self, time_limit_s: float) -> float:
+        """`time_limit_s`, or what is left before the deadline if less (0 once nothing is)."""
+        if self.deadline is None:
+            return time_limit_s
+        return max(0.0, min(time_limit_s, self.deadline - time.monotonic()))
 
     def stop(self):
         done = f" (tried {', '.join(self.tried)})" if self.tried else ""
