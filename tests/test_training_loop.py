@@ -125,6 +125,8 @@ def test_gradient_accumulation_over_four_micro_batches_is_plain_pytorchs():
 
 
 def test_eval_and_no_grad_run_the_plain_forward_and_train_returns_to_the_plan():
+    """Evaluation under torch.no_grad() runs the model's own forward, at any size, planning nothing. model.eval()
+    with gradients on is a step of its own, planned for eval mode: the own forward would save every activation."""
     model = tiny_bert()
     plain = copy.deepcopy(model)
     ids, labels = batch(16, seed=0)
@@ -139,9 +141,19 @@ def test_eval_and_no_grad_run_the_plain_forward_and_train_returns_to_the_plan():
     planned.eval()
     plain.eval()
     assert not model.training
-    evaluated = planned(input_ids=other_ids, targets=other_labels)  # dropout off, with gradients still on
+    with torch.no_grad():
+        evaluated = planned(input_ids=other_ids, targets=other_labels)  # dropout off
     assert torch.equal(evaluated, loss_fn(plain(input_ids=other_ids), other_labels))
     assert planned.signatures_planned == 0
+    evaluated = planned(input_ids=ids, targets=labels)  # dropout off, gradients on: a planned step
+    evaluated.backward()
+    expected = loss_fn(plain(input_ids=ids), labels)
+    expected.backward()
+    assert torch.equal(evaluated, expected) and same_gradients(model, plain)
+    assert planned.signatures_planned == 1 and not model.training
+    assert planned.last_ledger is not None and planned.last_ledger.peak_bytes() <= planned.schedule.budget_bytes
+    model.zero_grad(set_to_none=True)
+    plain.zero_grad(set_to_none=True)
     planned.train()
     plain.train()
     torch.manual_seed(3)

@@ -343,9 +343,12 @@ class PlannedModule(nn.Module):
         if targets is None and self.profile.provenance.target_signature is not None and len(args) >= 2:
             *args, targets = args
         inputs = tuple(args)
-        if not torch.is_grad_enabled() or not self.model.training:
-            # evaluation (torch.no_grad(), or model.eval(): dropout off, BatchNorm's running statistics): the model's
-            # own forward, as the plan was made for the training step; model.train() returns to the plan
+        if not torch.is_grad_enabled() or (not self.model.training
+                                            and not any(p.requires_grad for p in self.model.parameters())):
+            # evaluation (torch.no_grad(), or model.eval() with nothing to train): the model's own forward, which
+            # saves nothing for a backward. model.eval() with gradients on is a step like another: planned for eval
+            # mode (dropout off, BatchNorm's running statistics) as for any change of the model's Python state, since
+            # the own forward would save every activation (a tiny GPT-2 at its smallest budget went 54% over)
             output = self.model(*inputs, **kwargs)
             return self.loss_fn(output, targets) if targets is not None else self.loss_fn(output)
         leaves, spec = tree_flatten(((inputs, kwargs, targets), {}))
