@@ -23,7 +23,9 @@ from planner.errors import MososError
 from planner.units import format_bytes
 
 _PLANNED: "weakref.WeakSet" = weakref.WeakSet()  # PlannedModules whose budget holds
-_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its state was found to fit
+# optimizer -> the plans (schedules) its state and step were checked against: a module planned again (another input
+# signature, parameters frozen) is checked again
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _handles: list = []
 
 
@@ -41,14 +43,25 @@ def watch(planned) -> None:
         _handles.append(register_optimizer_step_post_hook(_after_step))
 
 
+def _unchecked(optimizer: torch.optim.Optimizer) -> list:
+    checked = _CHECKED.get(optimizer, ())
+    return [planned for planned in list(_PLANNED)
+            if planned.schedule.budget_bytes is not None  # no budget, no promise to keep
+            and not any(schedule is planned.schedule for schedule in checked)]
+
+
 def _planned_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[object, list[torch.Tensor]]]:
-    """(planned module, its trainable parameters this optimizer steps) for each planned module it touches."""
+    """(planned module, the parameters of it this optimizer steps or holds state for) for each planned module it
+    touches whose current plan it was not checked against. A frozen parameter's state, kept from before it was
+    frozen, stays resident."""
+    unchecked = _unchecked(optimizer)
+    if not unchecked:
+        return []
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     found = []
-    for planned in list(_PLANNED):
-        if planned.schedule.budget_bytes is None:
-            continue  # no budget, no promise to keep
-        mine = [p for p in planned.model.parameters() if p.requires_grad and id(p) in stepped]
+    for planned in unchecked:
+        mine = [p for p in planned.model.parameters()
+                if id(p) in stepped and (p.requires_grad or optimizer.state.get(p))]
         if mine:
             found.append((planned, mine))
     return found
@@ -63,28 +76,30 @@ def _refuse_state(planned, optimizer, parameters: list[torch.Tensor], kept_bytes
         return
     name = type(optimizer).__name__
     named = ""
-    if name.lower() in STATE_PER_PARAMETER:
+    trainable = [p for p in parameters if p.requires_grad]  # what a kind is counted for
+    if name.lower() in STATE_PER_PARAMETER and trainable:
         try:
-            if state_bytes(name.lower(), parameters, parameters[0].device.type) >= kept_bytes:
+            if state_bytes(name.lower(), trainable, parameters[0].device.type) >= kept_bytes:
                 named = f" (or name its kind, optimizer='{name.lower()}')"
         except MososError:
             pass
+    frozen = len(parameters) - len(trainable)
+    held = f"; {frozen} of them frozen, whose state it still holds" if frozen else ""
     raise ReplayError(
         f"{name} {how} {kept_bytes} bytes ({format_bytes(kept_bytes)}) of state for the planned module's parameters "
-        f"(with its settings now: momentum, centered, amsgrad), but its plan counted {counted} bytes "
+        f"(with its settings now: momentum, centered, amsgrad{held}), but its plan counted {counted} bytes "
         f"({format_bytes(counted)}) from optimize(optimizer=...): with the plan's peak, {over} bytes over the budget "
         f"of {format_bytes(budget)}. Pass this optimizer, as it is now, to optimize(..., optimizer=opt){named}, and "
         "the plan counts its state")
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    if optimizer in _CHECKED:
-        return
     for planned, parameters in _planned_parameters(optimizer):
         device_type = parameters[0].device.type
         try:
             kept = state_bytes(optimizer, parameters, device_type)
-            needed = optimizer_step_bytes(optimizer, parameters, device_type)
+            stepped = [p for p in parameters if p.requires_grad]  # a frozen parameter's state is not updated
+            needed = optimizer_step_bytes(optimizer, stepped, device_type) if stepped else 0
         except MososError as error:
             warnings.warn(f"the budget of {format_bytes(planned.schedule.budget_bytes)} counts "
                           f"{planned.profile.fixed_memory.optimizer_step_bytes} bytes for the optimizer step's "
@@ -113,11 +128,12 @@ def _refuse_step_temporaries(planned, optimizer, kept_bytes: int, needed: int) -
 
 
 def _after_step(optimizer, args, kwargs) -> None:
-    if optimizer in _CHECKED:
-        return
-    for planned, parameters in _planned_parameters(optimizer):
+    unchecked = _unchecked(optimizer)
+    found = _planned_parameters(optimizer) if unchecked else []
+    for planned, parameters in found:
         device = parameters[0].device
         state = [value for p in parameters for value in optimizer.state.get(p, {}).values()
                  if isinstance(value, torch.Tensor) and value.device == device]  # Adam's counters stay on the CPU
         _refuse_state(planned, optimizer, parameters, distinct_storage_bytes(state), "keeps")
-    _CHECKED[optimizer] = True
+    if unchecked:  # those it does not touch too: not looked at again each step
+        _CHECKED[optimizer] = [*_CHECKED.get(optimizer, ()), *(planned.schedule for planned in unchecked)]
