@@ -43,6 +43,7 @@ from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.optimizer_step import constructor_defaults, optimizer_step_bytes, state_bytes
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
                                                   convolution_input, native_convolution_scratch_bytes,
+                                                  native_scratch_bound_bytes,
                                                   probe_native_scratch, splits_the_batch, sums_over_the_batch,
                                                   unprobed_for_room)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
@@ -412,8 +413,8 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                 # the probe measured everything the call allocates beyond its result: no allowance for it on top
                 workspace = (transient + scratch_allowance_bytes(planning, group, measured=(group.convolution,))
                              + profiled.convolution_scratch[group.index])
-            elif geometry is not None and implementation == "native":
-                workspace += native_convolution_scratch_bytes(geometry, element_size)
+            elif group.convolution is not None and implementation == "native":
+                workspace += native_scratch_bound_bytes(group)
             elif geometry is not None and implementation in conv_algorithms.BATCH_SPLITS:
                 # its parts' results (and the whole one beside them), and native's scratch for what it calls
                 workspace += (2 * conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase)
