@@ -131,6 +131,75 @@ def test_python_effects_of_forward_are_refused_at_the_capture(model_class, said)
     assert {name: set(vars(module)) for name, module in model.named_modules()} == attributes
 
 
+class SetUpOnce(Net):
+    """What transformers does at a model's first forward: a field of its configuration set from the call, and a
+    forward hook (its output recorder) registered once, behind an attribute that says so."""
+
+    def forward(self, x):
+        if not getattr(self, "_recorder_ready", False):
+            self.a.register_forward_hook(lambda module, args, output: None)
+            self._recorder_ready = True
+            self.problem_type = "single_label_classification"
+        return super().forward(x)
+
+
+class HookEveryCall(Net):
+    def forward(self, x):
+        self.a.register_forward_hook(lambda module, args, output: None)
+        return super().forward(x)
+
+
+def _hook_counts(model):
+    return {name: len(module._forward_hooks) for name, module in model.named_modules()}
+
+
+def test_a_set_up_done_at_the_first_forward_only_is_kept_as_after_a_first_eager_call():
+    """Refused before (transformers' classification heads with labels, Mixtral's router logits, wav2vec2: a fresh
+    model could not be captured), and the refusal left the hooks registered while it took the attribute that said
+    so away, so the next eager forward registered them twice."""
+    torch.manual_seed(0)
+    model = SetUpOnce()
+    plain = copy.deepcopy(model)
+    x, y = data(0)
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, timed_steps=0, progress=False)
+    assert step_equal(model, plain, planned, seed=1) and step_equal(model, plain, planned, seed=2)
+    assert _hook_counts(model) == _hook_counts(plain) and model.problem_type == plain.problem_type
+
+
+def test_a_forward_that_registers_a_hook_at_every_call_is_refused_and_its_hooks_are_taken_away():
+    torch.manual_seed(0)
+    model = HookEveryCall()
+    before = _hook_counts(model)
+    x, y = data(0)
+    with pytest.raises(CaptureError, match=r"changes the model's Python state \(module a: its hooks changed\) at every"):
+        executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all", cache=False,
+                          progress=False)
+    assert _hook_counts(model) == before
+
+
+def test_a_transformers_classifier_trained_with_its_labels_is_captured_fresh():
+    """transformers sets config.problem_type at the first forward with labels."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).train()
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 128, (4, 16), generator=generator), torch.randint(0, 3, (4,), generator=generator)
+    planned = executor.optimize(model, (), lambda output: output.loss, kwargs={"input_ids": ids, "labels": labels},
+                                memory_ratio=0.8, time_limit_s=2, workers=1, cache=False, progress=False)
+    torch.manual_seed(1)
+    loss = planned(input_ids=ids, labels=labels)
+    loss.backward()
+    torch.manual_seed(1)
+    plain_loss = plain(input_ids=ids, labels=labels).loss
+    plain_loss.backward()
+    assert torch.equal(loss, plain_loss) and model.config.problem_type == plain.config.problem_type
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_other_uses_of_autograd_are_refused_and_leave_grad_alone():
     model, _, planned, _ = planned_pair()

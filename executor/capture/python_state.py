@@ -188,11 +188,23 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
+class StateChanged(CaptureError):
+    """A forward changed the model's Python state while it was captured. `put_back()` returns the model (hooks,
+    attributes, configurations) and the generators to where they were before the capture began."""
+
+    def __init__(self, message: str, change: str, put_back: Callable[[], None]):
+        super().__init__(message)
+        self.change, self.put_back = change, put_back
+
+
 class ForwardSideEffects:
     """Around a capture: refuse a forward whose Python effects the replay could not repeat (see the module's doc).
 
     The model's state is read again as its forward returns, inside the capture: torch.export puts back the
-    attributes a forward changed once it has traced it."""
+    attributes a forward changed once it has traced it, but not the hooks it registered, the attributes it added or
+    what it set in a configuration; a change raises StateChanged with the model as the forward left it, so that the
+    caller may capture once more from there (a one-time set-up: transformers sets `config.problem_type`, and
+    registers the hooks that record its outputs, at the first forward) or put it all back."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable):
         self.model, self.loss_fn = model, loss_fn
@@ -210,11 +222,17 @@ class ForwardSideEffects:
         self.random_state = random.getstate()
         self.numpy_state = _numpy_state()
         self.attribute_names = {module: set(vars(module)) for module in self.model.modules()}
+        self.hook_keys = {(module, name): set(getattr(module, name, None) or {})
+                          for module in self.model.modules() for name in HOOK_DICTS}
+        self.configs = {id(value): (value, dict(vars(value))) for module in self.model.modules()
+                        for value in vars(module).values() if _is_config(value)}
         return self
 
     def _put_back(self) -> None:
         """A refused capture leaves the model and the generators as they were: torch.export restores the attributes
-        a forward changed, not the ones it added, and neither generator."""
+        a forward changed, not the ones it added, nor the hooks it registered or a configuration's fields (left in
+        place, transformers' output recorders were registered again at the next forward, twice over), and neither
+        generator."""
         random.setstate(self.random_state)
         if self.numpy_state is not None:
             import numpy
@@ -223,6 +241,16 @@ class ForwardSideEffects:
         for module, names in self.attribute_names.items():
             for added in set(vars(module)) - names:
                 delattr(module, added)
+        for (module, name), keys in self.hook_keys.items():
+            hooks = getattr(module, name, None)
+            for key in [key for key in (hooks or {}) if key not in keys]:
+                del hooks[key]
+        for config, fields in self.configs.values():
+            for name in set(vars(config)) - set(fields):
+                delattr(config, name)
+            for name, value in fields.items():
+                if vars(config).get(name, _MISSING) is not value:
+                    setattr(config, name, value)
 
     def __exit__(self, kind, error, traceback) -> None:
         self.handle.remove()
@@ -241,11 +269,10 @@ class ForwardSideEffects:
                 f"cannot capture {name}: its forward draws from NumPy's random generator, and the captured graph "
                 "would keep the one draw made while capturing at every step; draw with torch instead")
         if self.change is not None:
-            self._put_back()
-            raise CaptureError(
-                f"cannot capture {name}: its forward changes the model's Python state ({self.change}), which the "
-                "replay, running the captured graph instead of forward, would not do; keep such state outside the "
-                "model, or in a buffer (a tensor the graph updates)")
+            raise StateChanged(
+                f"cannot capture {name}: its forward changes the model's Python state ({self.change}) at every call, "
+                "which the replay, running the captured graph instead of forward, would not do; keep such state "
+                "outside the model, or in a buffer (a tensor the graph updates)", self.change, self._put_back)
 
 
 def _numpy_state():
