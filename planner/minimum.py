@@ -59,10 +59,25 @@ def smallest_budget(
     options = options.started()
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
     if options.out_of_time(2 * finish_margin_s(len(profile.nodes))):
-        return _known_without_search(profile, strategy)
+        answer = _known_without_search(profile, strategy)
+        if features.recompute and not options.out_of_time():
+            # the greedy plan, bisected in what is left (the solver's time reserves a little for it): the keep-all
+            # peak alone was 2x the floor on a T5 whose solve found nothing in its 10 s
+            greedy = _greedy_minimum(profile, answer.budget_bytes, options)
+            if greedy is not None:
+                answer = replace(answer, budget_bytes=greedy[0], schedule=greedy[1],
+                                 known_as="the greedy evict-and-recompute plan's, bisected in the time left")
+        return answer
     # first, while there is time: the model's solve runs to the deadline
     reordered = _memory_aware_answer(profile, strategy, options)
     keep_all = keep_all_schedule(profile)
+    greedy = None
+    if features.recompute:
+        # The strategies also fall back on the greedy plan, which may recompute more often than the model allows;
+        # its bisection takes a fraction of a second, so it comes first, with half the time left at most (after
+        # the solve it often had none: a T5 was told the keep-all peak, 2x its floor)
+        halfway = replace(options, deadline=min(options.deadline, time.monotonic() + 0.5 * options.remaining_s()))
+        greedy = _greedy_minimum(profile, _keep_all_answer(profile, searched=True).budget_bytes, halfway)
     outcome = solve_model(
         profile,
         None,
@@ -80,11 +95,8 @@ def smallest_budget(
         answer = MinimumBudget(budget, outcome.info.status == "OPTIMAL", schedule, outcome.info.wall_time_s)
     if reordered is not None and reordered.budget_bytes < answer.budget_bytes:
         answer = replace(reordered, wall_time_s=answer.wall_time_s)
-    if features.recompute and not options.out_of_time() and answer.schedule is not None:
-        # The strategies also fall back on the greedy plan, which may recompute more often than the model allows.
-        greedy = _greedy_minimum(profile, answer.budget_bytes, options)
-        if greedy is not None:
-            answer = replace(answer, budget_bytes=greedy[0], schedule=greedy[1], proven=False)
+    if greedy is not None and greedy[0] < answer.budget_bytes:
+        answer = replace(answer, budget_bytes=greedy[0], schedule=greedy[1], proven=False)
     return answer
 
 
@@ -127,20 +139,22 @@ def _keep_all_answer(profile: GraphProfile, searched: bool, wall_time_s: float =
 
 
 def _greedy_minimum(profile: GraphProfile, above_bytes: int, options: SolveOptions):
-    """The smallest budget below `above_bytes` at which the greedy recompute plan fits (bisection), if any."""
-    from planner.budget_search import smallest_budget as bisect_budget
+    """(budget, plan): the smallest budget below `above_bytes` found by bisection at which the greedy recompute plan
+    fits, with the plan; None if none is found before `options`' deadline. Each probe's budget becomes its plan's
+    own peak when lower; the budget returned is one a probe was seen to fit (whether the greedy plan fits is not
+    monotone in the budget), and the search stops at the deadline with what it has (a call takes up to half a
+    second on a 300-node graph)."""
     from planner.cpsat.greedy import greedy_recompute_schedule
 
-    def attempt(budget_bytes: int):
-        return greedy_recompute_schedule(profile, budget_bytes, deadline=options.deadline)
-
-    if attempt(above_bytes - 1) is None:
+    low, high, best = minimum_budget_bytes(profile) - 1, above_bytes, None  # below the floor, nothing fits
+    while high - low > 1 and not options.out_of_time():
+        middle = (low + high) // 2
+        schedule = greedy_recompute_schedule(profile, middle, deadline=options.deadline)
+        if schedule is None:
+            low = middle
+            continue
+        high = min(middle, schedule.summary.peak_memory_bytes if schedule.summary is not None else middle)
+        best = schedule
+    if best is None:
         return None
-    low = minimum_budget_bytes(profile) - 1  # fails: below what any plan needs
-    budget = bisect_budget(attempt, low, above_bytes - 1, options)
-    if budget is None:
-        return None
-    schedule = attempt(budget)
-    if schedule is None:  # cut by the deadline on this last call
-        return None
-    return budget, schedule.model_copy(update={"budget_bytes": budget})
+    return high, best.model_copy(update={"budget_bytes": high})

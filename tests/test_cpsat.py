@@ -279,3 +279,27 @@ def test_the_smallest_budget_counts_keep_all_in_the_memory_aware_order():
     assert not known.searched and known.budget_bytes == aware_peak_bytes
     assert "keep-all in the memory-aware order" in known.describe()
     assert smallest_budget(profile, CHECKMATE, spent, "checkmate-auto").known_as == "the keep-all peak"
+
+
+def test_the_smallest_budget_is_searched_with_the_greedy_plan_before_the_solve_takes_the_time(monkeypatch):
+    """A T5 whose solve found nothing in its 10 s was told the keep-all peak, 2.0x its floor, where the greedy
+    plan fits from 1.05x: the solve ran to the deadline and left the greedy bisection no time. It now runs first,
+    with half the time left at most. Here the memory-minimizing solve finds nothing and takes all its time."""
+    import time
+    from types import SimpleNamespace
+
+    import planner.minimum as minimum
+    from planner.profile import load_profile
+    from planner.strategies.keep_all import keep_all_peak_bytes
+    from planner.strategies.recompute_only import RECOMPUTE_ONLY
+
+    def nothing_found(profile, budget_bytes, features, options, *args, **kwargs):
+        time.sleep(max(0.0, options.deadline - time.monotonic()))
+        return SimpleNamespace(schedule=None, objective_value=None,
+                               info=SimpleNamespace(wall_time_s=options.time_limit_s, status="UNKNOWN"))
+
+    monkeypatch.setattr(minimum, "solve_model", nothing_found)
+    profile = load_profile("models/profiles/transformer-small-cpu.json")
+    answer = minimum.smallest_budget(profile, RECOMPUTE_ONLY, SolveOptions(time_limit_s=2, workers=1), "recompute-only")
+    assert answer.budget_bytes < 0.9 * keep_all_peak_bytes(profile)
+    assert simulate(profile, answer.schedule, answer.budget_bytes).peak_memory_bytes <= answer.budget_bytes

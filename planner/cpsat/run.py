@@ -89,17 +89,22 @@ def plan_with_model(
     options = options.started()
     if deadline is not None and deadline < options.deadline:
         options = replace(options, deadline=deadline)
+    solving = options
+    if explain_infeasible and features.recompute and not any(s is not None for _, s in [*others, *fallbacks]):
+        # with no plan in hand, a little time is kept back for the smallest budget's greedy bisection, should the
+        # solve find none
+        solving = replace(options, deadline=options.deadline - min(2.0, 0.1 * options.time_limit_s))
     if windows:
         from planner.cpsat.lns import solve_with_windows
 
         named = [(name, s) for name, s in others if s is not None and any(s is h for h in hints)]
         named += [("hint", h) for h in hints if not any(h is s for _, s in named)]
         outcome, _ = solve_with_windows(
-            profile, budget_bytes, features, options, strategy, hints=named, time_limit_s=time_limit_s
+            profile, budget_bytes, features, solving, strategy, hints=named, time_limit_s=time_limit_s
         )
     else:
         outcome = solve_model(
-            profile, budget_bytes, features, options, strategy, hints=list(hints), time_limit_s=time_limit_s,
+            profile, budget_bytes, features, solving, strategy, hints=list(hints), time_limit_s=time_limit_s,
         )
     best = best_plan(profile, budget_bytes, [("cp-sat", outcome.schedule)] + list(others))
     if best is None:
