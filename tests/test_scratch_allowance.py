@@ -119,3 +119,24 @@ def test_the_measurement_sees_the_scratch_of_kernels_left_out():
     assert batch_norm >= result_bytes // 2
     assert not {"aten.native_dropout_backward.default", "aten.native_batch_norm_backward.default"} \
         & NO_SCRATCH_OPERATIONS
+
+
+def test_operands_of_one_shape_laid_out_apart_get_the_allowance():
+    """gelu_backward on a transposed gradient (wav2vec2 after its feature extractor) made dense copies: twice its
+    result. A kernel of the set is allowed no scratch only where its operands of one shape share a layout."""
+    import torch.fx as fx
+
+    from executor.measure.measuring import _same_layouts
+
+    torch.manual_seed(0)
+    x = torch.randn(SHAPE[0], SHAPE[1], SHAPE[2] * SHAPE[3])
+    transposed = torch.randn(SHAPE[0], SHAPE[2] * SHAPE[3], SHAPE[1]).transpose(1, 2)
+    result_bytes = x.untyped_storage().nbytes()
+    assert _scratch_bytes(lambda: aten.gelu_backward.default(transposed, x)) >= result_bytes // 2
+
+    graph = fx.Graph()
+    a, b, bias = graph.placeholder("a"), graph.placeholder("b"), graph.placeholder("bias")
+    a.meta["val"], b.meta["val"], bias.meta["val"] = x, transposed, torch.randn(SHAPE[1], 1)
+    assert not _same_layouts(graph.call_function(aten.gelu_backward.default, (b, a)))
+    assert _same_layouts(graph.call_function(aten.gelu_backward.default, (a, a)))
+    assert _same_layouts(graph.call_function(aten.add.Tensor, (a, bias)))  # a broadcast operand: no copy

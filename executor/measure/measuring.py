@@ -32,6 +32,8 @@ import operator
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from planner.budget import describe_minimum, minimum_budget_bytes
 from planner.errors import BudgetError, TimeLimitReached
 from planner.profile import GraphProfile
@@ -69,10 +71,22 @@ def scratch_allowance_bytes(planning, group, measured=()) -> int:
     batch)."""
     facts = planning.facts
     sizes = [facts.root_bytes.get(v, 0) for op in group.ops
-             if op not in measured and str(op.target) not in NO_SCRATCH_OPERATIONS
+             if op not in measured and not (str(op.target) in NO_SCRATCH_OPERATIONS and _same_layouts(op))
              for v in [op] + [u for u in op.users if u.target is operator.getitem]]
     return max(sizes, default=0) + max((_half_precision_scratch(op) for op in group.ops), default=0) \
         + SCRATCH_SLACK_BYTES
+
+
+def _same_layouts(op) -> bool:
+    """Whether the tensors of one shape an operation reads are laid out alike (a broadcast operand aside): where
+    they are not, a kernel of NO_SCRATCH_OPERATIONS may make dense copies first (gelu_backward on a transposed
+    gradient, wav2vec2: twice its result)."""
+    layouts: dict[tuple, set] = {}
+    for node in op.all_input_nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            layouts.setdefault(tuple(value.shape), set()).add(tuple(value.stride()))
+    return all(len(strides) == 1 for strides in layouts.values())
 
 
 _HALF = ("torch.bfloat16", "torch.float16")
