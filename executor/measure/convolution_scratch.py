@@ -104,16 +104,17 @@ def convolution_input(group):
     return node.args[0] if node.target is CONVOLUTION else node.args[1]
 
 
-def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
-    node = group.convolution
-    if node is None:
-        return None
+def _convolution_arguments(node) -> tuple:
+    """(input, weight, stride, padding, dilation, transposed, groups) of a convolution or its backward."""
     if node.target is CONVOLUTION:
-        x, w = node.args[0], node.args[1]
-        stride, padding, dilation, transposed, groups = (node.args[i] for i in (3, 4, 5, 6, 8))
-    else:
-        x, w = node.args[1], node.args[2]
-        stride, padding, dilation, transposed, groups = (node.args[i] for i in (4, 5, 6, 7, 9))
+        return tuple(node.args[i] for i in (0, 1, 3, 4, 5, 6, 8))
+    return tuple(node.args[i] for i in (1, 2, 4, 5, 6, 7, 9))
+
+
+def convolution_geometry(group) -> conv_algorithms.ConvGeometry | None:
+    if group.convolution is None:
+        return None
+    x, w, stride, padding, dilation, transposed, groups = _convolution_arguments(group.convolution)
     return conv_algorithms.geometry_of(x.meta["val"].shape, w.meta["val"].shape, stride, padding, dilation,
                                        transposed, groups)
 
@@ -136,15 +137,9 @@ def native_scratch_bound_bytes(group) -> int:
 
 
 def _lifted_1d_geometry(group) -> conv_algorithms.ConvGeometry | None:
-    node = group.convolution
-    if node is None:
+    if group.convolution is None:
         return None
-    if node.target is CONVOLUTION:
-        x, w = node.args[0], node.args[1]
-        stride, padding, dilation, transposed, groups = (node.args[i] for i in (3, 4, 5, 6, 8))
-    else:
-        x, w = node.args[1], node.args[2]
-        stride, padding, dilation, transposed, groups = (node.args[i] for i in (4, 5, 6, 7, 9))
+    x, w, stride, padding, dilation, transposed, groups = _convolution_arguments(group.convolution)
     x_shape, w_shape = tuple(x.meta["val"].shape), tuple(w.meta["val"].shape)
     if transposed or len(x_shape) != 3 or len(w_shape) != 3 or len(list(stride)) != 1:
         return None
