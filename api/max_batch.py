@@ -416,7 +416,8 @@ class MaxBatchSearches:
             spent = options["time_limit_s"] - remaining
             self._finish(search, "failed", reason=f"{max(remaining, 0):.2f} s of the time limit "
                          f"({options['time_limit_s']:g} s) was left after estimating the model's first profile "
-                         f"({spent:.2f} s), and a search needs at least {MIN_SEARCH_S:g} s: give a longer time_limit_s")
+                         f"({spent:.2f} s), and a search needs at least {MIN_SEARCH_S:g} s: give a time_limit_s of "
+                         f"{max(5, math.ceil(2 * (spent + MIN_SEARCH_S))):g} s or more")
             return
         try:
             result = max_batch(
@@ -448,7 +449,8 @@ class MaxBatchSearches:
             # starved by the timer, not an answer: failed, so that the same request is searched again, not served
             self._finish(search, "failed", result=document, reason=(
                 f"the time limit ({options['time_limit_s']:g} s) ran out before any strategy solved a batch "
-                f"({result.strategies[0].stopped_by}): give a longer time_limit_s"))
+                f"({result.strategies[0].stopped_by}): give a time_limit_s of "
+                f"{math.ceil(2.5 * options['time_limit_s']):g} s or more"))
         else:
             self._finish(search, "done", result=document)
 

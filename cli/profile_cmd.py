@@ -44,7 +44,8 @@ def profile_command(
     image_size: int = typer.Option(None, help="input image size (images) instead of the network's default"),
     tokens: int = typer.Option(None, help="sequence length (transformer) instead of the default"),
     dtype: str = typer.Option(None, help="float32 or float64 (reference networks: float32; a workload: as built)"),
-    optimizer: str = typer.Option("sgd", help="optimizer whose state counts as fixed memory: sgd, momentum, adam, adamw"),
+    optimizer: str = typer.Option("sgd", help="optimizer whose state counts as fixed memory: sgd, momentum, adam, adamw, "
+                                   "rmsprop, adagrad, nadam, radam, adamax"),
     repeats: int = typer.Option(5, help="timed runs per node (the median is kept)"),
     warmup: int = typer.Option(2, help="untimed runs per node before timing"),
     d2h_gb_per_s: float = typer.Option(None, "--d2h-gb-per-s", help="device-to-host bandwidth, 1e9 B/s (CPU: none unless given; CUDA: measured unless given)"),

@@ -179,7 +179,7 @@ def test_a_time_limit_too_short_for_any_search_says_so(client):
     body = client.post("/v1/max-batch", json=request(strategies=["chen-sqrt"], time_limit_s=0.9, seed=81)).json()
     assert body["status"] == "failed", body
     assert "was left after estimating the model's first profile" in body["reason"]
-    assert "a search needs at least 1 s: give a longer time_limit_s" in body["reason"]
+    assert "a search needs at least 1 s: give a time_limit_s of 5 s or more" in body["reason"]
 
 
 def test_the_time_limit_bounds_a_search_and_each_solve_keeps_the_servers_limit(client):

@@ -152,8 +152,8 @@ def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainab
         return multiple * trainable_bytes
     if isinstance(optimizer, torch.optim.Optimizer):
         return math.ceil(_probed_state_per_parameter_byte(optimizer) * trainable_bytes)
-    raise MososError(f"unknown optimizer {optimizer!r}: say sgd, momentum (or sgd-momentum), adam, adamw, rmsprop or "
-                     "adagrad, or pass the optimizer itself (optimizer=opt), whose state is then measured")
+    raise MososError(f"unknown optimizer {optimizer!r}: say {', '.join(sorted(STATE_PER_PARAMETER))}, or, from "
+                     "Python, pass the optimizer itself (optimize(..., optimizer=opt)), whose state is then measured")
 
 
 def _probed_state_per_parameter_byte(optimizer: torch.optim.Optimizer) -> float:
@@ -614,7 +614,8 @@ def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provision
         f"convolution(s) ({largest!r}: {format_bytes(ceilings[largest])}), which this budget leaves no room to "
         f"probe on slices of the batch: without their scratch any plan needs at least {format_bytes(lower)} "
         f"({lower} bytes), and from {format_bytes(probing)} ({probing} bytes) the probes run; ask for "
-        f"{format_bytes(worth_asking)} ({worth_asking} bytes) or more and the floor is measured",
+        f"{format_bytes(worth_asking)} ({worth_asking} bytes) or more and the floor is measured (it may be higher: "
+        "the error then names the floor measured, which works)",
         minimum_budget_bytes=worth_asking)
 
 

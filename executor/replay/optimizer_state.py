@@ -90,7 +90,8 @@ def _refuse_state(planned, optimizer, parameters: list[torch.Tensor], kept_bytes
         f"(with its settings now: momentum, centered, amsgrad{held}), but its plan counted {counted} bytes "
         f"({format_bytes(counted)}) from optimize(optimizer=...): with the plan's peak, {over} bytes over the budget "
         f"of {format_bytes(budget)}. Pass this optimizer, as it is now, to optimize(..., optimizer=opt){named}, and "
-        "the plan counts its state")
+        f"the plan counts its state: {kept_bytes - counted} bytes more fixed memory, which the budget may have to "
+        "grow by (optimize() then names the smallest budget that works)")
 
 
 def _before_step(optimizer, args, kwargs) -> None:
@@ -124,7 +125,7 @@ def _refuse_step_temporaries(planned, optimizer, kept_bytes: int, needed: int) -
             f"module's parameters (with its settings: foreach, weight decay), but its plan counted {counted} bytes "
             f"({format_bytes(counted)}): with the fixed memory, {during - budget} bytes over the budget of "
             f"{format_bytes(budget)}. Pass this optimizer to optimize(..., optimizer=opt), and the plan counts its "
-            "step")
+            "step (the budget may have to grow: optimize() then names the smallest budget that works)")
 
 
 def _after_step(optimizer, args, kwargs) -> None:
