@@ -54,30 +54,29 @@ def smallest_budget(
     profile: GraphProfile, features: Features, options: SolveOptions, strategy: str, time_limit_s: float | None = None
 ) -> MinimumBudget:
     """`time_limit_s`: the nominal search time (default: the options' limit, 30 s at most); never past the deadline."""
-    from planner.strategies.keep_all import keep_all_schedule
+    from planner.strategies.keep_all import keep_all_peak_bytes, keep_all_schedule
 
     options = options.started()
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
-    if options.out_of_time(2 * finish_margin_s(len(profile.nodes))):
+    searching = not options.out_of_time(2 * finish_margin_s(len(profile.nodes)))
+    greedy = None
+    if features.recompute and not options.out_of_time():
+        # The strategies also fall back on the greedy plan, which may recompute more often than the model allows;
+        # its bisection takes a fraction of a second, so it comes first, with half the time left at most where the
+        # model's solve is to follow (after the solve it often had none: a T5 whose solve found nothing in its 10 s
+        # was told the keep-all peak, 2x its floor)
+        share = 0.5 if searching else 1.0
+        within = replace(options, deadline=min(options.deadline, time.monotonic() + share * options.remaining_s()))
+        greedy = _greedy_minimum(profile, keep_all_peak_bytes(profile), within)
+    if not searching:
         answer = _known_without_search(profile, strategy)
-        if features.recompute and not options.out_of_time():
-            # the greedy plan, bisected in what is left (the solver's time reserves a little for it): the keep-all
-            # peak alone was 2x the floor on a T5 whose solve found nothing in its 10 s
-            greedy = _greedy_minimum(profile, answer.budget_bytes, options)
-            if greedy is not None:
-                answer = replace(answer, budget_bytes=greedy[0], schedule=greedy[1],
-                                 known_as="the greedy evict-and-recompute plan's, bisected in the time left")
+        if greedy is not None and greedy[0] < answer.budget_bytes:
+            answer = replace(answer, budget_bytes=greedy[0], schedule=greedy[1],
+                             known_as="the greedy evict-and-recompute plan's, bisected in the time left")
         return answer
-    # first, while there is time: the model's solve runs to the deadline
+    # then, while there is time: the model's solve runs to the deadline
     reordered = _memory_aware_answer(profile, strategy, options)
     keep_all = keep_all_schedule(profile)
-    greedy = None
-    if features.recompute:
-        # The strategies also fall back on the greedy plan, which may recompute more often than the model allows;
-        # its bisection takes a fraction of a second, so it comes first, with half the time left at most (after
-        # the solve it often had none: a T5 was told the keep-all peak, 2x its floor)
-        halfway = replace(options, deadline=min(options.deadline, time.monotonic() + 0.5 * options.remaining_s()))
-        greedy = _greedy_minimum(profile, _keep_all_answer(profile, searched=True).budget_bytes, halfway)
     outcome = solve_model(
         profile,
         None,

@@ -465,19 +465,21 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     export.require_supported_torch()
     started = time.perf_counter()
     custom_functions: list[type] = []
+
+    def exported():
+        custom_functions.clear()
+        with python_state.ForwardSideEffects(model, loss_fn), _quiet_torch(), autocast.disabled(), \
+                autocast.eager_mask_branch(), _recording_custom_functions(custom_functions):
+            return export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
+
     try:
         try:
-            with python_state.ForwardSideEffects(model, loss_fn), _quiet_torch(), autocast.disabled(), \
-                    autocast.eager_mask_branch(), _recording_custom_functions(custom_functions):
-                program = export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
+            program = exported()
         except python_state.StateChanged as changed:
             # once more from the state the forward left: a set-up done at the first call only (transformers'
             # config.problem_type, its output recorders' hooks) is then the model's state, as after a first eager call
-            custom_functions.clear()
             try:
-                with python_state.ForwardSideEffects(model, loss_fn), _quiet_torch(), autocast.disabled(), \
-                        autocast.eager_mask_branch(), _recording_custom_functions(custom_functions):
-                    program = export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
+                program = exported()
             except python_state.StateChanged:
                 changed.put_back()  # a forward that changes its state at every call: the model as it was
                 raise changed from None

@@ -130,10 +130,10 @@ def native_scratch_bound_bytes(group) -> int:
     if geometry is not None:
         return native_convolution_scratch_bytes(geometry, element_size)
     node = group.convolution
-    tensors = [node.args[i].meta["val"] for i in ((0, 1) if node.target is CONVOLUTION else (0, 1, 2))]
-    if node.target is CONVOLUTION:
-        tensors.append(node.meta["val"])
-    return int(element_size * 4.5 * sum(t.numel() for t in tensors)) + SCRATCH_FLOOR_BYTES
+    x, w, *_ = _convolution_arguments(node)
+    output = node if node.target is CONVOLUTION else node.args[0]  # backward: the output's gradient
+    elements = sum(value.meta["val"].numel() for value in (x, w, output))
+    return int(element_size * 4.5 * elements) + SCRATCH_FLOOR_BYTES
 
 
 def _lifted_1d_geometry(group) -> conv_algorithms.ConvGeometry | None:

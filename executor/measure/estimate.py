@@ -40,7 +40,7 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
 from executor.capture.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, node_sizes,
-                                     transient_peak_bytes)
+                                             transient_peak_bytes)
 from executor.measure.profiler import (ProfiledStep, _Preserved, _first_device, as_tuple, fixed_memory,
                                       optimizer_state_bytes, plan_step)
 from models import cudnn

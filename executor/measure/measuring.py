@@ -156,9 +156,10 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
     clock = _Clock(deadline, tried)
     keep_all = keep_all_schedule(provisional)
     keep_all_peak = simulate(provisional, keep_all, keep_timeline=False).peak_memory_bytes
-    if budget_bytes is not None and budget_bytes < minimum_budget_bytes(provisional):
-        raise _below_floor(provisional, budget_bytes, keep_all_peak,
-                          clock.left(time_limit_s / 4) if mode != "keep-all" else 0.0)
+    floor = minimum_budget_bytes(provisional)
+    if budget_bytes is not None and budget_bytes < floor:
+        raise _below_floor(provisional, budget_bytes, floor, keep_all_peak,
+                           clock.left(time_limit_s / 4) if mode != "keep-all" else 0.0)
     if mode == "keep-all" or budget_bytes is None:
         if budget_bytes is not None and keep_all_peak > budget_bytes:
             raise BudgetError(f"measuring keep-all needs about {format_bytes(keep_all_peak)}, over the budget "
@@ -213,12 +214,12 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
         minimum_budget_bytes=minimum)
 
 
-def _below_floor(provisional: GraphProfile, budget_bytes: int, keep_all_peak: int, time_limit_s: float) -> BudgetError:
+def _below_floor(provisional: GraphProfile, budget_bytes: int, floor: int, keep_all_peak: int,
+                 time_limit_s: float) -> BudgetError:
     """A budget below what any plan needs, with the smallest budget known to work beside that floor: the floor is
     only a bound (GPT-2 with AdamW: 18.19 MiB named, and at 18.19 MiB no measuring pass fit, the next error naming
     18.45), so the greedy pass is tried from the floor up and the error's minimum_budget_bytes is a budget that
     measures."""
-    floor = minimum_budget_bytes(provisional)
     working = keep_all_peak  # with no time to search (or measuring keep-all only), the budget keep-all measures in
     if time_limit_s > 0:
         working = floor if _greedy(provisional, floor, time.monotonic() + time_limit_s) is not None \

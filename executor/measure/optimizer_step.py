@@ -108,6 +108,13 @@ def state_bytes(optimizer: str | torch.optim.Optimizer | None, parameters: list[
     return 0 if measured is None else measured.state_bytes
 
 
+def held_state(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The state tensors `optimizer` holds now for `parameters`, each on its parameter's device (Adam's step counters,
+    on the CPU beside a GPU's parameters, left out)."""
+    return [value for parameter in parameters for value in optimizer.state.get(parameter, {}).values()
+            if isinstance(value, torch.Tensor) and value.device == parameter.device]
+
+
 def _measured(optimizer: str | torch.optim.Optimizer | None, parameters: list[torch.Tensor],
               device_type: str) -> StepMemory | None:
     if optimizer is None or (isinstance(optimizer, str) and optimizer.lower() == "none"):

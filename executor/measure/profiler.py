@@ -40,7 +40,7 @@ from executor.measure import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
-from executor.measure.optimizer_step import constructor_defaults, optimizer_step_bytes, state_bytes
+from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
                                                   convolution_input, native_convolution_scratch_bytes,
                                                   native_scratch_bound_bytes,
@@ -677,10 +677,7 @@ def state_held_for_untrained_bytes(optimizer, trainable: list[torch.Tensor], par
     if not isinstance(optimizer, torch.optim.Optimizer):
         return 0
     training = {id(t) for t in trainable}
-    held = [value for parameter in parameters if id(parameter) not in training
-            for value in optimizer.state.get(parameter, {}).values()
-            if isinstance(value, torch.Tensor) and value.device == parameter.device]
-    return distinct_storage_bytes(held)
+    return distinct_storage_bytes(held_state(optimizer, [p for p in parameters if id(p) not in training]))
 
 
 _LIBRARY_WORKSPACES: dict[str, int] = {}

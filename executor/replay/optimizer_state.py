@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from executor.errors import ReplayError
-from executor.measure.optimizer_step import optimizer_step_bytes, state_bytes
+from executor.measure.optimizer_step import held_state, optimizer_step_bytes, state_bytes
 from executor.measure.profiler import STATE_PER_PARAMETER, distinct_storage_bytes
 from planner.errors import MososError
 from planner.units import format_bytes
@@ -50,11 +50,9 @@ def _unchecked(optimizer: torch.optim.Optimizer) -> list:
             and not any(schedule is planned.schedule for schedule in checked)]
 
 
-def _planned_parameters(optimizer: torch.optim.Optimizer) -> list[tuple[object, list[torch.Tensor]]]:
-    """(planned module, the parameters of it this optimizer steps or holds state for) for each planned module it
-    touches whose current plan it was not checked against. A frozen parameter's state, kept from before it was
-    frozen, stays resident."""
-    unchecked = _unchecked(optimizer)
+def _planned_parameters(optimizer: torch.optim.Optimizer, unchecked: list) -> list[tuple[object, list[torch.Tensor]]]:
+    """(planned module, the parameters of it this optimizer steps or holds state for) for each of the `unchecked`
+    planned modules it touches. A frozen parameter's state, kept from before it was frozen, stays resident."""
     if not unchecked:
         return []
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -95,7 +93,7 @@ def _refuse_state(planned, optimizer, parameters: list[torch.Tensor], kept_bytes
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    for planned, parameters in _planned_parameters(optimizer):
+    for planned, parameters in _planned_parameters(optimizer, _unchecked(optimizer)):
         device_type = parameters[0].device.type
         try:
             kept = state_bytes(optimizer, parameters, device_type)
@@ -130,11 +128,8 @@ def _refuse_step_temporaries(planned, optimizer, kept_bytes: int, needed: int) -
 
 def _after_step(optimizer, args, kwargs) -> None:
     unchecked = _unchecked(optimizer)
-    found = _planned_parameters(optimizer) if unchecked else []
-    for planned, parameters in found:
-        device = parameters[0].device
-        state = [value for p in parameters for value in optimizer.state.get(p, {}).values()
-                 if isinstance(value, torch.Tensor) and value.device == device]  # Adam's counters stay on the CPU
-        _refuse_state(planned, optimizer, parameters, distinct_storage_bytes(state), "keeps")
+    for planned, parameters in _planned_parameters(optimizer, unchecked):
+        kept_bytes = distinct_storage_bytes(held_state(optimizer, parameters))
+        _refuse_state(planned, optimizer, parameters, kept_bytes, "keeps")
     if unchecked:  # those it does not touch too: not looked at again each step
         _CHECKED[optimizer] = [*_CHECKED.get(optimizer, ()), *(planned.schedule for planned in unchecked)]
