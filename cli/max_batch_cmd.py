@@ -79,7 +79,7 @@ def _strategies(given: list[str] | None) -> list[str]:
 
 
 def _profile_source(model: str, gpu: str | None, *, image_size, tokens, small, math, optimizer, memory, device,
-                    measure_batches, validate_batch, repeats, threads, d2h, h2d, say):
+                    measure_batches, validate_batch, repeats, threads, d2h, h2d, budget, say):
     if importlib.util.find_spec("torch") is None:
         raise MososError("mosos max-batch needs torch to estimate or measure the model (a CPU build is enough): "
                          "pip install torch")
@@ -95,7 +95,7 @@ def _profile_source(model: str, gpu: str | None, *, image_size, tokens, small, m
 
         return MeasuredProfiles(model, device=device, measure_batches=measure_batches, validate_batch=validate_batch,
                                 optimizer=optimizer, repeats=repeats, threads=threads, d2h_gb_per_s=d2h,
-                                h2d_gb_per_s=h2d, progress=say)
+                                h2d_gb_per_s=h2d, budget_bytes=budget, progress=say)
     from models.gpus import GPUS
     from models.registry import list_models
 
@@ -256,7 +256,7 @@ def max_batch_command(
                 model, gpu, image_size=image_size, tokens=tokens, small=small, math=math,
                 optimizer=optimizer or ("sgd" if ":" in model and gpu is None else "sgd-momentum"),
                 memory=memory_bytes, device=device, measure_batches=measures, validate_batch=validate_batch or None,
-                repeats=repeats, threads=threads, d2h=d2h_gb_per_s, h2d=h2d_gb_per_s, say=say,
+                repeats=repeats, threads=threads, d2h=d2h_gb_per_s, h2d=h2d_gb_per_s, budget=budget_bytes, say=say,
             )
         prepared_s = time.monotonic() - started
         search_s = time_limit - prepared_s - FINISH_S

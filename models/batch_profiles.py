@@ -19,7 +19,9 @@
   too, and compared with what scaling the others predicts for it, before it
   joins them: `report` says how far off the sizes, the keep-all peak and the
   step time were. A graph that differs between measured batches (control flow
-  on the batch size) cannot be scaled and is refused. Sizes that step with the
+  on the batch size) cannot be scaled and is refused; implementations offered at
+  one batch only (a convolution algorithm whose workspace did not fit a budget at
+  the larger batch) are left out of all (`common_implementations`). Sizes that step with the
   batch rather than grow with it (the executor's im2col-chunked workspace
   works on a quarter of the batch, rounded up) are exact only at batches
   aligned with the steps: hence measured batches that are multiples of 4, and
@@ -96,7 +98,7 @@ class ScalingReport:
         base = (f"measured at batches {', '.join(map(str, self.measured_batches))}; every other batch scaled "
                 "linearly in the batch from the two measured batches around it (or the nearest two)")
         if self.validate_batch is None or self.size_error_bytes is None:
-            return base + "; not validated against a further measurement"
+            return base + "; not validated against a further measurement" + "".join(f" ({n})" for n in self.notes)
         under = (f" (under by up to {self.size_underestimate_bytes} bytes: plans at scaled batches may need that much "
                  "more)") if self.size_underestimate_bytes else ""
         return (
@@ -117,14 +119,36 @@ class ScalingReport:
 
 
 def _structure(profile: GraphProfile) -> list[tuple]:
-    return [
-        (n.id, n.kind, n.op_type, tuple(n.inputs), n.forward_node, tuple(i.name for i in n.implementations))
-        for n in profile.nodes
-    ]
+    return [(n.id, n.kind, n.op_type, tuple(n.inputs), n.forward_node) for n in profile.nodes]
+
+
+def common_implementations(profiles: dict[int, GraphProfile]) -> dict[int, GraphProfile]:
+    """The profiles (same graph) with only the implementations every one of them offers at each node: the profiler
+    offers an algorithm only where its workspace fits the budget at that moment, which at a larger batch it may not,
+    and scaling needs each implementation at both ends of a line."""
+    shared: dict[str, set[str]] = {}
+    for profile in profiles.values():
+        for node in profile.nodes:
+            names = {implementation.name for implementation in node.implementations}
+            shared[node.id] = shared[node.id] & names if node.id in shared else names
+    for node_id, names in shared.items():
+        if not names:
+            raise BatchProfileError(f"node {node_id!r} has no implementation measured at every batch "
+                                    f"({', '.join(map(str, sorted(profiles)))}): its profiles cannot be scaled")
+    restricted = {}
+    for batch, profile in profiles.items():
+        if all(len(node.implementations) == len(shared[node.id]) for node in profile.nodes):
+            restricted[batch] = profile
+            continue
+        data = profile.model_dump(mode="json")
+        for node in data["nodes"]:
+            node["implementations"] = [i for i in node["implementations"] if i["name"] in shared[node["id"]]]
+        restricted[batch] = parse_profile(data, f"profile at batch {batch}")
+    return restricted
 
 
 def check_same_graph(first: GraphProfile, second: GraphProfile, batches: tuple[int, int]) -> None:
-    """Scaling needs the same nodes, edges and implementations at every batch."""
+    """Scaling needs the same nodes and edges at every batch (implementations: `common_implementations`)."""
     a, b = _structure(first), _structure(second)
     if a == b:
         return

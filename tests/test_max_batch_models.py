@@ -49,6 +49,15 @@ def branchy(batch_size=4):
 
 def one_batch():
     return build(4)
+
+
+def deep(batch_size=4):
+    # activations of 64 KiB a sample: at batch 16 keep-all holds 17.1 MB, a frugal schedule 11.9 MB (fixed 5.4 MB)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Flatten(),
+                          nn.Linear(64 * 256, 10))
+    return {"model": model, "inputs": torch.randn(batch_size, 64, 256), "targets": torch.randint(10, (batch_size,)),
+            "loss_fn": F.cross_entropy}
 """
 
 
@@ -214,6 +223,34 @@ def test_the_cli_measures_a_workload(workload):
     report = json.loads(result.output)
     assert report["scaling"]["measured_batches"] == [4, 8] and report["scaling"]["validate_batch"] is None
     assert report["strategies"][0]["max_batch_size"] > 8
+
+
+@pytest.mark.parametrize("budget_bytes, validated", [(14_000_000, True), (10_000_000, False)])
+def test_measuring_a_workload_holds_the_budget(workload, budget_bytes, validated):
+    """The user asking for the largest batch is the one whose model does not fit: every measurement stays within
+    the budget (measured under keep-all at batch 16, this workload held 17.1 MB of a 10 MB budget, and a
+    BERT-sized one 135 MB of 40 MiB), the validation batch under a frugal schedule where one fits, else left out
+    with the reason."""
+    from executor.measure.allocations import AllocationTrace
+
+    torch.set_num_threads(1)
+    with AllocationTrace() as trace:
+        profiles = MeasuredProfiles(f"{workload}:deep", measure_batches=(4, 8), validate_batch=16, repeats=1,
+                                    threads=1, budget_bytes=budget_bytes)
+    assert 0 < trace.peak_bytes <= budget_bytes
+    if validated:
+        assert profiles.report.validate_batch == 16 and 16 in profiles.measured and not profiles.report.notes
+    else:
+        assert profiles.report.validate_batch is None and 16 not in profiles.measured
+        assert "batch 16 was not measured to check the scaling: no measuring pass fits" in profiles.describe()
+
+
+def test_a_measured_batch_that_does_not_fit_the_budget_says_what_to_do(workload):
+    result = invoke("max-batch", "--model", f"{workload}:deep", "--budget", "8000000", "--repeats", "1",
+                    "--threads", "1", "--strategy", "recompute-only", "--time-limit", "60")
+    assert result.exit_code != 0
+    message = " ".join(result.output.split())
+    assert "at batch 8 within the budget 7.63 MiB" in message and "--measure-batches" in message, message
 
 
 def test_the_time_limit_stops_the_making_of_the_profiles_too(workload):
