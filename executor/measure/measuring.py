@@ -61,6 +61,15 @@ NO_SCRATCH_OPERATIONS = frozenset(f"aten.{name}" for name in (
     "_native_batch_norm_legit_functional.default", "_native_batch_norm_legit.default",
     "_native_batch_norm_legit_no_training.default",
 ))
+# measured to make none where every operand is contiguous, and to copy one that is not (a softmax over a transposed
+# tensor, a layer norm's backward on one: as large as the result, twice): attention's softmax and its backward,
+# whose allowance alone (one more score matrix) set CLIP's floor above plain PyTorch's whole step, and the loss's
+NO_SCRATCH_WHEN_CONTIGUOUS = frozenset(f"aten.{name}" for name in (
+    "_softmax.default", "_softmax_backward_data.default", "_log_softmax.default",
+    "_log_softmax_backward_data.default", "nll_loss_forward.default", "nll_loss_backward.default",
+    "native_layer_norm.default", "masked_fill.Scalar", "where.self", "exp.default", "neg.default",
+    "pow.Tensor_Scalar", "_to_copy.default",
+))
 
 
 def scratch_allowance_bytes(planning, group, measured=()) -> int:
@@ -70,11 +79,25 @@ def scratch_allowance_bytes(planning, group, measured=()) -> int:
     are left out: their scratch is counted from a measurement (a native convolution probed on slices of its
     batch)."""
     facts = planning.facts
-    sizes = [facts.root_bytes.get(v, 0) for op in group.ops
-             if op not in measured and not (str(op.target) in NO_SCRATCH_OPERATIONS and _same_layouts(op))
+    sizes = [facts.root_bytes.get(v, 0) for op in group.ops if op not in measured and not _makes_no_scratch(op)
              for v in [op] + [u for u in op.users if u.target is operator.getitem]]
-    return max(sizes, default=0) + max((_half_precision_scratch(op) for op in group.ops), default=0) \
+    return max(sizes, default=0) + max((_half_precision_scratch(op) for op in group.ops
+                                         if not _makes_no_scratch(op)), default=0) \
         + SCRATCH_SLACK_BYTES
+
+
+def _makes_no_scratch(op) -> bool:
+    target = str(op.target)
+    return (target in NO_SCRATCH_OPERATIONS and _same_layouts(op)) \
+        or (target in NO_SCRATCH_WHEN_CONTIGUOUS and _contiguous_operands(op))
+
+
+def _contiguous_operands(op) -> bool:
+    for node in op.all_input_nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            return False
+    return True
 
 
 def _same_layouts(op) -> bool:
@@ -94,7 +117,9 @@ _HALF = ("torch.bfloat16", "torch.float16")
 
 def _half_precision_scratch(op) -> int:
     """Mixed precision: a CPU kernel on bf16/fp16 tensors may widen them to float32 while it works (oneDNN's matrix
-    products, reductions): twice the bytes of every half-precision tensor it reads or writes."""
+    products, reductions): twice the bytes of every half-precision tensor it reads or writes. The kernels measured
+    to make no scratch make none in bf16 either (tests/test_scratch_allowance.py): a bf16 GPT-2's loss node was
+    allowed twice its logits' cast for it, and its floor stood 1.37x float32's."""
     total = 0
     for node in [op] + list(op.all_input_nodes):
         value = node.meta.get("val")
@@ -357,4 +382,5 @@ def with_implementations(provisional: GraphProfile, schedule: Schedule, choose, 
 
 
 __all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "substituted", "with_implementations",
-           "scratch_allowance_bytes", "NO_SCRATCH_OPERATIONS"]
+           "scratch_allowance_bytes", "NO_SCRATCH_OPERATIONS",
+           "NO_SCRATCH_WHEN_CONTIGUOUS"]
