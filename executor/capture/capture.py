@@ -477,12 +477,14 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
             program = exported()
         except python_state.StateChanged as changed:
             # once more from the state the forward left: a set-up done at the first call only (transformers'
-            # config.problem_type, its output recorders' hooks) is then the model's state, as after a first eager call
+            # config.problem_type, its output recorders' hooks, Funnel's pooling_mult) is then the model's state,
+            # as after a first eager call
+            changed.keep()
             try:
                 program = exported()
-            except python_state.StateChanged:
+            except python_state.StateChanged as again:
                 changed.put_back()  # a forward that changes its state at every call: the model as it was
-                raise changed from None
+                raise again from None  # what changes at every call, not the first call's set-up
             except BaseException:
                 changed.put_back()
                 raise

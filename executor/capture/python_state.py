@@ -192,9 +192,9 @@ class StateChanged(CaptureError):
     """A forward changed the model's Python state while it was captured. `put_back()` returns the model (hooks,
     attributes, configurations) and the generators to where they were before the capture began."""
 
-    def __init__(self, message: str, change: str, put_back: Callable[[], None]):
+    def __init__(self, message: str, change: str, put_back: Callable[[], None], keep: Callable[[], None]):
         super().__init__(message)
-        self.change, self.put_back = change, put_back
+        self.change, self.put_back, self.keep = change, put_back, keep
 
 
 class ForwardSideEffects:
@@ -204,17 +204,21 @@ class ForwardSideEffects:
     attributes a forward changed once it has traced it, but not the hooks it registered, the attributes it added or
     what it set in a configuration; a change raises StateChanged with the model as the forward left it, so that the
     caller may capture once more from there (a one-time set-up: transformers sets `config.problem_type`, and
-    registers the hooks that record its outputs, at the first forward) or put it all back."""
+    registers the hooks that record its outputs, at the first forward) or put it all back. The plain attributes
+    torch.export put back are set, by `keep()`, to what the forward left: Funnel's `pooling_mult` is None before
+    the first call and 2 after every call, as a first eager call leaves it."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable):
         self.model, self.loss_fn = model, loss_fn
         self.change: str | None = None
+        self.left: dict[nn.Module, dict[str, Any]] = {}
 
     def _after_forward(self, module, args, output) -> None:
         if self.change is None:
             after = python_state(self.model, self.loss_fn)
             if after != self.state:
                 self.change = describe_change(self.state, after)
+                self.left = _simple_attributes(self.model)
 
     def __enter__(self) -> "ForwardSideEffects":
         self.handle = self.model.register_forward_hook(self._after_forward)
@@ -226,7 +230,15 @@ class ForwardSideEffects:
                           for module in self.model.modules() for name in HOOK_DICTS}
         self.configs = {id(value): (value, dict(vars(value))) for module in self.model.modules()
                         for value in vars(module).values() if _is_config(value)}
+        self.simple = _simple_attributes(self.model)
         return self
+
+    def _keep(self) -> None:
+        """The plain attributes as the forward left them, where torch.export put them back."""
+        for module, fields in self.left.items():
+            for name, value in fields.items():
+                if vars(module).get(name, _MISSING) != value:
+                    setattr(module, name, value)
 
     def _put_back(self) -> None:
         """A refused capture leaves the model and the generators as they were: torch.export restores the attributes
@@ -251,6 +263,10 @@ class ForwardSideEffects:
             for name, value in fields.items():
                 if vars(config).get(name, _MISSING) is not value:
                     setattr(config, name, value)
+        for module, fields in self.simple.items():
+            for name, value in fields.items():
+                if vars(module).get(name, _MISSING) is not value:
+                    setattr(module, name, value)
 
     def __exit__(self, kind, error, traceback) -> None:
         self.handle.remove()
@@ -272,7 +288,14 @@ class ForwardSideEffects:
             raise StateChanged(
                 f"cannot capture {name}: its forward changes the model's Python state ({self.change}) at every call, "
                 "which the replay, running the captured graph instead of forward, would not do; keep such state "
-                "outside the model, or in a buffer (a tensor the graph updates)", self.change, self._put_back)
+                "outside the model, or in a buffer (a tensor the graph updates)", self.change, self._put_back,
+                self._keep)
+
+
+def _simple_attributes(model: nn.Module) -> dict[nn.Module, dict[str, Any]]:
+    """Each module's attributes of simple values (a flag, a count): the ones a forward may set for the next."""
+    return {module: {name: value for name, value in vars(module).items() if isinstance(value, _SIMPLE)}
+            for module in model.modules()}
 
 
 def _numpy_state():
