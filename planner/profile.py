@@ -139,6 +139,20 @@ class Node(_Strict):
     implementations: list[Implementation] = Field(
         description="At least one; names unique within the node.", json_schema_extra={"minItems": 1}
     )
+    draws_random: bool = Field(
+        default=False, strict=True,
+        description="It draws random numbers (a dropout): the first computations of such nodes keep the order they "
+        "are listed in, so that each draws the numbers the step draws for it.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_not_random(self, handler):
+        """Left out when false, as in every profile written before the field: their digests, and the schedules made
+        for them, stay valid, and an older mosos still reads what this one writes for them."""
+        dumped = handler(self)
+        if isinstance(dumped, dict) and not dumped.get("draws_random"):
+            dumped.pop("draws_random", None)
+        return dumped
 
     @field_validator("implementations")
     @classmethod
@@ -259,6 +273,17 @@ class GraphProfile(_Strict):
         return {node_id: index for index, node_id in enumerate(self.order)}
 
     @cached_property
+    def loss_ids(self) -> list[str]:
+        """The loss nodes: every backward node's first computation comes after them (the backward pass starts from
+        the loss)."""
+        return [node_id for node_id in self.order if self.node_by_id[node_id].kind == "loss"]
+
+    @cached_property
+    def drawing_order(self) -> list[str]:
+        """The nodes that draw random numbers, in the order they draw (their first computations keep it)."""
+        return [node_id for node_id in self.order if self.node_by_id[node_id].draws_random]
+
+    @cached_property
     def consumers(self) -> dict[str, list[str]]:
         readers: dict[str, list[str]] = {node.id: [] for node in self.nodes}
         for node_id in self.order:
@@ -291,7 +316,8 @@ class GraphProfile(_Strict):
 
 
 # "_memory_aware_order": kept there by planner.cpsat.reorder.memory_aware_order
-_DERIVED_VIEWS = ("node_by_id", "order", "position", "consumers", "_digest", "_memory_aware_order")
+_DERIVED_VIEWS = ("node_by_id", "order", "position", "loss_ids", "drawing_order", "consumers", "_digest",
+                  "_memory_aware_order")
 
 
 def check_graph(nodes: list[Node]) -> list[Issue]:

@@ -213,6 +213,17 @@ def _check_complete(profile: GraphProfile, schedule: Schedule, replay: _Replay) 
         )
 
 
+def _check_random_order(replay: _Replay, node, stage: int, index: int, operation: Compute) -> None:
+    """A node that draws random numbers first runs after every such node listed before it: drawing in another order
+    gives each other numbers than the step's (a recomputation draws its first run's again)."""
+    drawing = replay.profile.drawing_order
+    k = drawing.index(node.id)
+    if k and not replay.tensors[drawing[k - 1]].computed:  # the one before was checked against its own, and so on
+        earlier = next(other for other in drawing[:k] if not replay.tensors[other].computed)
+        raise _reject(f"{node.id!r} draws random numbers before {earlier!r}, which draws first in the step",
+                      stage, index, operation, node.id)
+
+
 def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> None:
     node = replay.profile.node_by_id.get(operation.node)
     if node is None:
@@ -239,6 +250,13 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
                 f"{node.id!r} reads {source!r} before waiting for its prefetch", stage, index, operation, source
             )
     state = replay.tensors[node.id]
+    if node.draws_random and not state.computed:
+        _check_random_order(replay, node, stage, index, operation)
+    if node.kind == "backward" and not state.computed:
+        waiting = next((loss for loss in replay.profile.loss_ids if not replay.tensors[loss].computed), None)
+        if waiting is not None:
+            raise _reject(f"backward node {node.id!r} is computed before the loss {waiting!r}: the backward pass starts "
+                          "from the loss", stage, index, operation, node.id)
     if state.on_device:
         raise _reject(f"{node.id!r} is computed while its output is still on the device", stage, index, operation, node.id)
     if state.prefetch_end_ms is not None:

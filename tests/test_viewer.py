@@ -259,3 +259,13 @@ def test_a_bad_page_path_is_refused_before_any_work(tmp_path, offload_profile, c
     result = runner.invoke(app, [command, *arguments, "--html", str(tmp_path / name)])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
     assert not list(tmp_path.glob("*.htm*"))
+
+
+@pytest.mark.parametrize("time_ms", [5e-324, 1e-310, 0.0])
+def test_a_step_of_a_vanishing_time_is_drawn(time_ms):
+    """A node of 5e-324 ms (schemathesis sent one): the tick step's division underflowed to 0, and log10 failed."""
+    profile = make_profile([node("a", time_ms=time_ms), node("loss", kind="loss", inputs=["a"], time_ms=time_ms)])
+    schedule = keep_all_schedule(profile)
+    page = plan_view_html(profile, schedule, simulate(profile, schedule))
+    assert "<svg" in page
+    assert ticks(0.0, time_ms, 8)[0][0] == 0.0

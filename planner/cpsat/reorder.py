@@ -40,10 +40,32 @@ def keep_all_peak_in_order(inputs, users, size, workspace, order: list[int]) -> 
     return peak
 
 
-def _forward(inputs, users, size, rng: random.Random | None, noise: float) -> list[int]:
+def order_pairs(profile: GraphProfile, index: dict[str, int]) -> list[tuple[int, int]]:
+    """(earlier, later) beyond the data's edges, which every order keeps (the simulator rejects a plan that does
+    not): the nodes that draw random numbers first run in the order they draw (else each draws other numbers than
+    the step), and no backward node runs before the loss (the backward pass starts from it)."""
+    drawing = [index[node_id] for node_id in profile.drawing_order]
+    pairs = list(zip(drawing, drawing[1:]))
+    backward = [index[node.id] for node in profile.nodes if node.kind == "backward"]
+    pairs += [(index[loss], later) for loss in profile.loss_ids for later in backward]
+    return pairs
+
+
+def _with_order_pairs(inputs, users, pairs) -> tuple[list[list[int]], list[list[int]]]:
+    """Predecessors and successors for the order alone (memory is still counted from `inputs` and `users`)."""
+    before = [list(sources) for sources in inputs]
+    after = [list(readers) for readers in users]
+    for earlier, later in pairs:
+        before[later].append(earlier)
+        after[earlier].append(later)
+    return before, after
+
+
+def _forward(inputs, users, size, rng: random.Random | None, noise: float, pairs=()) -> list[int]:
     n = len(size)
     readers_left = [len(users[v]) for v in range(n)]
-    missing = [len(inputs[v]) for v in range(n)]
+    before, after = _with_order_pairs(inputs, users, pairs)
+    missing = [len(before[v]) for v in range(n)]
     ready = [v for v in range(n) if not missing[v]]
     order: list[int] = []
     while ready:
@@ -56,17 +78,18 @@ def _forward(inputs, users, size, rng: random.Random | None, noise: float) -> li
         order.append(v)
         for j in inputs[v]:
             readers_left[j] -= 1
-        for u in users[v]:
+        for u in after[v]:
             missing[u] -= 1
             if not missing[u]:
                 ready.append(u)
     return order
 
 
-def _backward(inputs, users, size, rng: random.Random | None, noise: float) -> list[int]:
+def _backward(inputs, users, size, rng: random.Random | None, noise: float, pairs=()) -> list[int]:
     n = len(size)
-    readers_left = [len(users[v]) for v in range(n)]
-    ready = [v for v in range(n) if not readers_left[v]]
+    before, after = _with_order_pairs(inputs, users, pairs)
+    placed_after = [len(after[v]) for v in range(n)]  # nodes that must come later, not yet placed
+    ready = [v for v in range(n) if not placed_after[v]]
     live: set[int] = set()
     reversed_order: list[int] = []
     while ready:
@@ -79,9 +102,9 @@ def _backward(inputs, users, size, rng: random.Random | None, noise: float) -> l
         reversed_order.append(v)
         live.discard(v)
         live.update(inputs[v])
-        for j in inputs[v]:
-            readers_left[j] -= 1
-            if not readers_left[j]:
+        for j in before[v]:
+            placed_after[j] -= 1
+            if not placed_after[j]:
                 ready.append(j)
     return reversed_order[::-1]
 
@@ -105,15 +128,16 @@ def memory_aware_order(
     graph = stage_graph(profile)
     ids, inputs, users, size, workspace = graph.ids, graph.inputs, graph.users, graph.size, graph.workspace
     noise = sum(size) / max(len(size), 1) / 2  # tie-breaking noise: half a mean tensor
+    pairs = order_pairs(profile, {node_id: v for v, node_id in enumerate(ids)})
     candidates = [list(range(len(ids)))]
-    candidates += [_forward(inputs, users, size, None, 0.0), _backward(inputs, users, size, None, 0.0)]
+    candidates += [_forward(inputs, users, size, None, 0.0, pairs), _backward(inputs, users, size, None, 0.0, pairs)]
     complete = True
     for seed in range(tries):
         if deadline is not None and time.monotonic() > deadline:
             complete = False
             break
-        candidates.append(_forward(inputs, users, size, random.Random(seed), noise))
-        candidates.append(_backward(inputs, users, size, random.Random(seed), noise))
+        candidates.append(_forward(inputs, users, size, random.Random(seed), noise, pairs))
+        candidates.append(_backward(inputs, users, size, random.Random(seed), noise, pairs))
     best = min(candidates, key=lambda order: keep_all_peak_in_order(inputs, users, size, workspace, order))
     answer = [ids[v] for v in best], keep_all_peak_in_order(inputs, users, size, workspace, best) + profile.fixed_bytes
     if complete:

@@ -51,9 +51,9 @@ def format_size(size_bytes: int | float | None) -> str:
 
 def nice_step(extent: float, target_count: int) -> float:
     """1, 2 or 5 times a power of ten, so that about `target_count` steps cover `extent`."""
-    if not extent > 0:
-        return 1.0
     raw = extent / max(1, target_count)
+    if not raw > 0 or not math.isfinite(raw):  # also a step so small that the division underflows (5e-324 ms)
+        return 1.0
     power = 10 ** math.floor(math.log10(raw))
     for factor in (1, 2, 5, 10):
         if raw <= factor * power:
