@@ -116,7 +116,9 @@ def _cell_filled(cell) -> bool:
 
 def python_state(model: nn.Module, loss_fn: Callable) -> tuple:
     """What of the model's and the loss's Python state the captured graph depends on (see the module's doc)."""
-    trainable = tuple(p.requires_grad for p in model.parameters())
+    # a parameter's layout too: a checkpoint loaded with assign=True may hold it transposed, and the graph's matrix
+    # products were traced for the old strides (gradients 2.8e-9 off eager's, silently)
+    trainable = tuple((p.requires_grad, p.stride()) for p in model.parameters())
     return (_modules(model, ""), trainable, _callable(loss_fn), _hooks(nn.modules.module, _GLOBAL_HOOKS))
 
 
@@ -141,8 +143,10 @@ def describe_change(before: tuple, after: tuple) -> str:
             return f"module {shown}: its hooks changed"
     for path in paths_before.keys() - paths_after.keys():
         return f"module {path or '<root>'} is gone"
-    if trainable_before != trainable_after:
+    if [t[0] for t in trainable_before] != [t[0] for t in trainable_after]:
         return "which parameters are trainable changed (requires_grad)"
+    if trainable_before != trainable_after:
+        return "a parameter's memory layout changed (its strides)"
     if loss_before != loss_after:
         return "the loss function or its arguments changed"
     if hooks_before != hooks_after:
@@ -211,9 +215,15 @@ class ForwardSideEffects:
     def __init__(self, model: nn.Module, loss_fn: Callable):
         self.model, self.loss_fn = model, loss_fn
         self.change: str | None = None
+        self.member_change: str | None = None
         self.left: dict[nn.Module, dict[str, Any]] = {}
 
+    def _before_forward(self, module, args) -> None:
+        self.traced_members = _members(self.model)  # as torch.export's tracing set them (fake tensors)
+
     def _after_forward(self, module, args, output) -> None:
+        if self.member_change is None:  # here, before torch.export puts back a buffer the forward replaced
+            self.member_change = self._member_change(self.traced_members)
         if self.change is None:
             after = python_state(self.model, self.loss_fn)
             if after != self.state:
@@ -221,7 +231,8 @@ class ForwardSideEffects:
                 self.left = _simple_attributes(self.model)
 
     def __enter__(self) -> "ForwardSideEffects":
-        self.handle = self.model.register_forward_hook(self._after_forward)
+        self.handles = [self.model.register_forward_pre_hook(self._before_forward),
+                        self.model.register_forward_hook(self._after_forward)]
         self.state = python_state(self.model, self.loss_fn)
         self.random_state = random.getstate()
         self.numpy_state = _numpy_state()
@@ -231,6 +242,7 @@ class ForwardSideEffects:
         self.configs = {id(value): (value, dict(vars(value))) for module in self.model.modules()
                         for value in vars(module).values() if _is_config(value)}
         self.simple = _simple_attributes(self.model)
+        self.members = _members(self.model)
         return self
 
     def _keep(self) -> None:
@@ -267,9 +279,33 @@ class ForwardSideEffects:
             for name, value in fields.items():
                 if vars(module).get(name, _MISSING) is not value:
                     setattr(module, name, value)
+        self._members_put_back()
+
+    def _members_put_back(self) -> None:
+        for module, kinds in self.members.items():
+            for kind, members in zip(_MEMBER_DICTS, kinds):
+                now = getattr(module, kind)
+                for name in [name for name in now if name not in members]:
+                    del now[name]
+                for name, value in members.items():
+                    if now.get(name, _MISSING) is not value:
+                        now[name] = value
+
+    def _member_change(self, before: dict | None = None) -> str | None:
+        """A parameter, buffer or submodule the forward added or replaced since `before` (default: the capture's
+        start), described; None if none."""
+        paths = {module: path or "<root>" for path, module in self.model.named_modules(remove_duplicate=False)}
+        for module, kinds in (before or self.members).items():
+            for kind, members in zip(_MEMBER_DICTS, kinds):
+                for name, value in getattr(module, kind).items():
+                    if members.get(name, _MISSING) is not value:
+                        verb = "replaces" if name in members else "registers"
+                        return f"{verb} {kind.strip('_').rstrip('s')} {name!r} of module {paths.get(module, '?')}"
+        return None
 
     def __exit__(self, kind, error, traceback) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
         if kind is not None:
             return
         name = type(self.model).__name__
@@ -284,12 +320,32 @@ class ForwardSideEffects:
             raise CaptureError(
                 f"cannot capture {name}: its forward draws from NumPy's random generator, and the captured graph "
                 "would keep the one draw made while capturing at every step; draw with torch instead")
+        member_change = self.member_change or self._member_change()
+        if member_change is not None:
+            self._put_back()
+            if member_change.startswith("registers"):
+                why = ("and the capture runs the forward on fake tensors, whose values the model would keep; call "
+                       "the model once before optimize() (one sample under torch.no_grad() is enough) so that it "
+                       "exists, or make it in __init__")
+            else:
+                why = ("which the replay, running the captured graph instead of forward, would not do (the model "
+                       "would keep the old one); update it in place (copy_, add_) instead, or keep it outside the "
+                       "model")
+            raise CaptureError(f"cannot capture {name}: its forward {member_change}, {why}")
         if self.change is not None:
             raise StateChanged(
                 f"cannot capture {name}: its forward changes the model's Python state ({self.change}) at every call, "
                 "which the replay, running the captured graph instead of forward, would not do; keep such state "
                 "outside the model, or in a buffer (a tensor the graph updates)", self.change, self._put_back,
                 self._keep)
+
+
+_MEMBER_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+def _members(model: nn.Module) -> dict[nn.Module, tuple[dict, ...]]:
+    """Each module's parameters, buffers and submodules: what a lazy forward adds at its first call."""
+    return {module: tuple(dict(getattr(module, kind)) for kind in _MEMBER_DICTS) for module in model.modules()}
 
 
 def _simple_attributes(model: nn.Module) -> dict[nn.Module, dict[str, Any]]:

@@ -371,6 +371,8 @@ def _node_document(planning: PlanningGraph, group, implementations: list[dict], 
     }
     if group.forward_node is not None:
         document["forward_node"] = groups[group.forward_node].id
+    if group.random:
+        document["draws_random"] = True  # so no plan draws in another order than the step (replay._check_random_order)
     return document
 
 
@@ -522,8 +524,13 @@ def profile_step(
         profiled.measuring = chosen
         say(f"measuring under {chosen.describe()}")
         compiler = NodeCompiler(say) if compile else None
-        nodes_doc, spread, notes, loss_bytes = _measure(profiled, provisional, chosen, leaves, device, repeats,
-                                                        warmup, algorithms, say, compiler)
+        try:
+            nodes_doc, spread, notes, loss_bytes = _measure(profiled, provisional, chosen, leaves, device, repeats,
+                                                            warmup, algorithms, say, compiler)
+        except (RuntimeError, TypeError, ValueError, IndexError) as error:
+            if isinstance(error, (MososError, torch.OutOfMemoryError)):
+                raise
+            raise _failed_on_these_inputs(error, model, inputs, kwargs, targets) from error
         profiled.compiled = compiler.record if compiler is not None else None
     step = profiled.step
     document = {
@@ -547,6 +554,19 @@ def profile_step(
     profile = parse_profile(document, "measured profile")
     _check_measuring_peak(profile, provisional, chosen, say)
     return profile, profiled
+
+
+def _failed_on_these_inputs(error: BaseException, model, inputs, kwargs, targets) -> CaptureError:
+    """The first real run of a step captured on fake tensors, which do not check every dtype (int32 targets for a
+    cross entropy, bf16 inputs to a float32 layer): the error raised inside the generated code, said in the user's
+    terms."""
+    first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
+    return CaptureError(
+        f"{type(model).__name__}'s step fails on these inputs when it first runs: {type(error).__name__}: "
+        f"{first_line}. Inputs {tensor_signature(inputs, kwargs) or 'none'}, targets "
+        f"{tensor_signature(targets) or 'none'}: check the dtypes and shapes given to the model and its loss (the "
+        "capture runs on fake tensors, which do not check them all; if plain PyTorch runs this step, it is a mosos "
+        "bug, please report it)")
 
 
 def _check_measuring_peak(profile: GraphProfile, provisional: GraphProfile, chosen: MeasuringPlan, say) -> None:

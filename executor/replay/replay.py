@@ -435,10 +435,13 @@ class PlannedModule(nn.Module):
             node = reference()
             if node is not None and torch._C._will_engine_execute_node(node):
                 raise ReplayError(
-                    "this backward also goes through the loss of an earlier step of this planned module, whose saved "
-                    "tensors were freed when the next step began (the plan's budget holds one step at a time): call "
-                    "backward() on each loss before the next call (gradients accumulate across calls, as in eager "
-                    "PyTorch); no gradient was written"
+                    "this backward also goes through an earlier call of this planned module, whose saved tensors "
+                    "were freed when the next call began (the plan's budget holds one call at a time): call "
+                    "backward() on each call's loss before the next call (gradients accumulate across calls, as in "
+                    "eager PyTorch); a module used twice in one forward (weights shared) cannot be planned apart: "
+                    "plan the module that contains both uses. No gradient of this planned module was written; the "
+                    "rest of the model's, computed before autograd reached it, may have been: zero them before "
+                    "the next step"
                 )
 
     # -- measured against planned --------------------------------------------------------------------
