@@ -184,6 +184,15 @@ class HookEveryCall(Net):
         return super().forward(x)
 
 
+def _keep_all_beside_plain(model):
+    """(an eager copy made before planning, the planned module) for `model`, planned keep-all on data(0)."""
+    plain = copy.deepcopy(model)
+    x, y = data(0)
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, timed_steps=0, progress=False)
+    return plain, planned
+
+
 def _hook_counts(model):
     return {name: len(module._forward_hooks) for name, module in model.named_modules()}
 
@@ -194,10 +203,7 @@ def test_a_set_up_done_at_the_first_forward_only_is_kept_as_after_a_first_eager_
     so away, so the next eager forward registered them twice."""
     torch.manual_seed(0)
     model = SetUpOnce()
-    plain = copy.deepcopy(model)
-    x, y = data(0)
-    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
-                                cache=False, timed_steps=0, progress=False)
+    plain, planned = _keep_all_beside_plain(model)
     assert step_equal(model, plain, planned, seed=1) and step_equal(model, plain, planned, seed=2)
     assert _hook_counts(model) == _hook_counts(plain) and model.problem_type == plain.problem_type
 
@@ -207,10 +213,7 @@ def test_an_attribute_a_forward_sets_the_same_at_every_call_is_kept_as_after_a_f
     capture saw None -> 2 again."""
     torch.manual_seed(0)
     model = ResetEveryCall()
-    plain = copy.deepcopy(model)
-    x, y = data(0)
-    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
-                                cache=False, timed_steps=0, progress=False)
+    plain, planned = _keep_all_beside_plain(model)
     assert step_equal(model, plain, planned, seed=1) and step_equal(model, plain, planned, seed=2)
     assert model.pooling_mult == plain.pooling_mult == 2
 
@@ -228,9 +231,7 @@ def test_a_buffer_a_forward_registers_is_refused_and_taken_away_and_the_advice_w
     assert "table" not in dict(model.named_buffers())
     with torch.no_grad():
         model(x[:1])  # as the refusal says
-    plain = copy.deepcopy(model)
-    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
-                                cache=False, timed_steps=0, progress=False)
+    plain, planned = _keep_all_beside_plain(model)
     assert step_equal(model, plain, planned, seed=1)
     assert type(model.table) is torch.Tensor
 
@@ -250,9 +251,7 @@ def test_a_parameter_loaded_in_another_layout_is_planned_again():
     traced for the old strides, and the gradients came out 2.8e-9 from eager's, silently."""
     torch.manual_seed(0)
     model = Net()
-    x, y = data(0)
-    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
-                                cache=False, timed_steps=0, progress=False)
+    _, planned = _keep_all_beside_plain(model)
     state = {name: value.clone() for name, value in model.state_dict().items()}
     state["b.weight"] = state["b.weight"].t().contiguous().t()
     model.load_state_dict(state, assign=True)
@@ -266,10 +265,8 @@ def test_inputs_the_fake_capture_accepts_but_the_step_does_not_are_said_in_the_u
     inside the generated code. The module keeps its plans."""
     torch.manual_seed(0)
     model = Net()
-    plain = copy.deepcopy(model)
+    plain, planned = _keep_all_beside_plain(model)
     x, y = data(0)
-    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
-                                cache=False, timed_steps=0, progress=False)
     with pytest.raises(CaptureError, match=r"fails on these inputs when it first runs: RuntimeError: expected target "
                                            r"dtype to be Long or Byte, but got Int\. Inputs float32\[16,8\], targets "
                                            r"int32\[16\]"):
@@ -288,6 +285,27 @@ def test_a_forward_that_registers_a_hook_at_every_call_is_refused_and_its_hooks_
     assert _hook_counts(model) == before
 
 
+def _labelled_steps_equal(model, shape, classes, memory_ratio, seeds):
+    """A transformers classifier planned with its own labels, a step per seed against an eager copy, each bitwise
+    (asserted); the copy."""
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 128, shape, generator=generator), torch.randint(0, classes, shape[:1],
+                                                                                   generator=generator)
+    planned = executor.optimize(model, (), lambda output: output.loss, kwargs={"input_ids": ids, "labels": labels},
+                                memory_ratio=memory_ratio, time_limit_s=5, workers=1, cache=False, progress=False)
+    for seed in seeds:
+        torch.manual_seed(seed)
+        loss = planned(input_ids=ids, labels=labels)
+        loss.backward()
+        torch.manual_seed(seed)
+        plain_loss = plain(input_ids=ids, labels=labels).loss
+        plain_loss.backward()
+        assert torch.equal(loss, plain_loss)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+    return plain
+
+
 def test_a_transformers_classifier_trained_with_its_labels_is_captured_fresh():
     """transformers sets config.problem_type at the first forward with labels."""
     transformers = pytest.importorskip("transformers")
@@ -295,22 +313,10 @@ def test_a_transformers_classifier_trained_with_its_labels_is_captured_fresh():
                                      intermediate_size=64, max_position_embeddings=32, num_labels=3)
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(config).train()
-    plain = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, 128, (4, 16), generator=generator), torch.randint(0, 3, (4,), generator=generator)
-    planned = executor.optimize(model, (), lambda output: output.loss, kwargs={"input_ids": ids, "labels": labels},
-                                memory_ratio=0.8, time_limit_s=2, workers=1, cache=False, progress=False)
-    torch.manual_seed(1)
-    loss = planned(input_ids=ids, labels=labels)
-    loss.backward()
-    torch.manual_seed(1)
-    plain_loss = plain(input_ids=ids, labels=labels).loss
-    plain_loss.backward()
-    assert torch.equal(loss, plain_loss) and model.config.problem_type == plain.config.problem_type
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+    plain = _labelled_steps_equal(model, (4, 16), 3, memory_ratio=0.8, seeds=(1,))
+    assert model.config.problem_type == plain.config.problem_type
 
 
-@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("memory_ratio", [1.0, 0.9])
 def test_a_fresh_funnel_trains_as_plain_pytorch(memory_ratio):
     """transformers' Funnel sets an attribute at every call (refused before: torch.export put it back) and draws its
@@ -321,22 +327,10 @@ def test_a_fresh_funnel_trains_as_plain_pytorch(memory_ratio):
                                        block_sizes=[1, 1], num_decoder_layers=1, num_labels=4)
     torch.manual_seed(0)
     model = transformers.FunnelForSequenceClassification(config).train()
-    plain = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, 128, (2, 64), generator=generator), torch.randint(0, 4, (2,), generator=generator)
-    planned = executor.optimize(model, (), lambda output: output.loss, kwargs={"input_ids": ids, "labels": labels},
-                                memory_ratio=memory_ratio, time_limit_s=5, workers=1, cache=False, progress=False)
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        loss = planned(input_ids=ids, labels=labels)
-        loss.backward()
-        torch.manual_seed(seed)
-        plain_loss = plain(input_ids=ids, labels=labels).loss
-        plain_loss.backward()
-        assert torch.equal(loss, plain_loss)
-        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+    _labelled_steps_equal(model, (2, 64), 4, memory_ratio=memory_ratio, seeds=(1, 2))
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_other_uses_of_autograd_are_refused_and_leave_grad_alone():
     model, _, planned, _ = planned_pair()
     x, y = data(1)
