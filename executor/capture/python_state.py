@@ -294,13 +294,14 @@ class ForwardSideEffects:
     def _member_change(self, before: dict | None = None) -> str | None:
         """A parameter, buffer or submodule the forward added or replaced since `before` (default: the capture's
         start), described; None if none."""
-        paths = {module: path or "<root>" for path, module in self.model.named_modules(remove_duplicate=False)}
         for module, kinds in (before or self.members).items():
             for kind, members in zip(_MEMBER_DICTS, kinds):
                 for name, value in getattr(module, kind).items():
                     if members.get(name, _MISSING) is not value:
                         verb = "replaces" if name in members else "registers"
-                        return f"{verb} {kind.strip('_').rstrip('s')} {name!r} of module {paths.get(module, '?')}"
+                        path = next((path or "<root>" for path, other in self.model.named_modules(
+                            remove_duplicate=False) if other is module), "?")
+                        return f"{verb} {kind.strip('_').rstrip('s')} {name!r} of module {path}"
         return None
 
     def __exit__(self, kind, error, traceback) -> None:

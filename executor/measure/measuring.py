@@ -79,11 +79,10 @@ def scratch_allowance_bytes(planning, group, measured=()) -> int:
     are left out: their scratch is counted from a measurement (a native convolution probed on slices of its
     batch)."""
     facts = planning.facts
-    sizes = [facts.root_bytes.get(v, 0) for op in group.ops if op not in measured and not _makes_no_scratch(op)
+    scratchy = [op for op in group.ops if not _makes_no_scratch(op)]
+    sizes = [facts.root_bytes.get(v, 0) for op in scratchy if op not in measured
              for v in [op] + [u for u in op.users if u.target is operator.getitem]]
-    return max(sizes, default=0) + max((_half_precision_scratch(op) for op in group.ops
-                                         if not _makes_no_scratch(op)), default=0) \
-        + SCRATCH_SLACK_BYTES
+    return max(sizes, default=0) + max(map(_half_precision_scratch, scratchy), default=0) + SCRATCH_SLACK_BYTES
 
 
 def _makes_no_scratch(op) -> bool:

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from executor.measure import conv_algorithms
 from executor.capture import autocast
-from executor.capture.capture import CapturedStep, capture, tensor_signature
+from executor.capture.capture import CapturedStep, _first_line, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
@@ -560,10 +560,9 @@ def _failed_on_these_inputs(error: BaseException, model, inputs, kwargs, targets
     """The first real run of a step captured on fake tensors, which do not check every dtype (int32 targets for a
     cross entropy, bf16 inputs to a float32 layer): the error raised inside the generated code, said in the user's
     terms."""
-    first_line = (str(error).strip().splitlines() or [""])[0].rstrip(".")
     return CaptureError(
-        f"{type(model).__name__}'s step fails on these inputs when it first runs: {type(error).__name__}: "
-        f"{first_line}. Inputs {tensor_signature(inputs, kwargs) or 'none'}, targets "
+        f"{type(model).__name__}'s step fails on these inputs when it first runs: {_first_line(error).rstrip('.')}. "
+        f"Inputs {tensor_signature(inputs, kwargs) or 'none'}, targets "
         f"{tensor_signature(targets) or 'none'}: check the dtypes and shapes given to the model and its loss (the "
         "capture runs on fake tensors, which do not check them all; if plain PyTorch runs this step, it is a mosos "
         "bug, please report it)")
