@@ -124,6 +124,28 @@ def test_gradient_accumulation_over_four_micro_batches_is_plain_pytorchs():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
 
 
+def test_a_regulariser_in_the_loss_function_accumulates_bitwise():
+    """A term on the parameters outside the planned module is summed in another order than eager's while .grad
+    holds gradients (README); given in the loss function, it is part of the planned step, bitwise."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+
+    def regularised(module):
+        return lambda output, labels: (F.cross_entropy(output, labels)
+                                       + 1e-3 * sum(p.pow(2).sum() for p in module.parameters()))
+
+    generator = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator))
+              for _ in range(3)]
+    planned = executor.optimize(model, (inputs[0][0],), regularised(model), targets=inputs[0][1], budget=None,
+                                strategy="keep-all", cache=False, progress=False)
+    for x, y in inputs:
+        planned(x, targets=y).backward()
+        regularised(plain)(plain(x), y).backward()
+        assert same_gradients(model, plain)
+
+
 def test_eval_and_no_grad_run_the_plain_forward_and_train_returns_to_the_plan():
     """Evaluation under torch.no_grad() runs the model's own forward, at any size, planning nothing. model.eval()
     with gradients on is a step of its own, planned for eval mode: the own forward would save every activation."""
