@@ -89,6 +89,23 @@ def test_the_zoo_under_bf16_autocast_is_eager_autocast_bit_for_bit(name):
         assert planned.peak_memory_bytes == planned.simulated_peak_bytes, kind
 
 
+def _sgd_steps_like_eager(planned, model, plain, x, y, autocast: dict, steps: int) -> None:
+    """SGD steps of the planned module and of an eager copy under the same autocast, each step bit for bit."""
+    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
+    for step in range(steps):
+        with torch.autocast(**autocast):
+            loss = planned(x, targets=y)
+        loss.backward()
+        with torch.autocast(**autocast):
+            plain_loss = F.cross_entropy(plain(x), y)
+        plain_loss.backward()
+        _assert_same(f"step {step}", loss, plain_loss, model, plain)
+        optimizer.step()
+        plain_optimizer.step()
+        optimizer.zero_grad()
+        plain_optimizer.zero_grad()
+
+
 class SharedWeights(nn.Module):
     """One weight used four times in a region (eager casts it once, and sums its four gradients in bf16)."""
 
@@ -122,19 +139,39 @@ def test_a_parameter_cast_many_times_sums_its_gradients_as_eager_autocast_does(c
     weight = next(n for n, s in planned._prepared.profiled.step.sources.items() if s.name == "b.weight")
     casts = [u for u in weight.users if u.target is torch.ops.aten._to_copy.default]
     assert (len(casts) == 1) == cache_enabled, f"b.weight is cast {len(casts)} times in {graph}"
-    optimizer, plain_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain))
-    for step in range(3):
-        with torch.autocast(**autocast):
-            loss = planned(x, targets=y)
-        loss.backward()
-        with torch.autocast(**autocast):
-            plain_loss = F.cross_entropy(plain(x), y)
-        plain_loss.backward()
-        _assert_same(f"step {step}", loss, plain_loss, model, plain)
-        optimizer.step()
-        plain_optimizer.step()
-        optimizer.zero_grad()
-        plain_optimizer.zero_grad()
+    _sgd_steps_like_eager(planned, model, plain, x, y, autocast, steps=3)
+
+
+class WeightNormedLowRank(nn.Module):
+    """peft's DoRA: the low-rank factors' product normalises the output through a detached norm (no gradient),
+    and the factors are used again for the update itself. Eager casts each factor once; only one use has a
+    gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(64, 64).requires_grad_(False)
+        self.down = nn.Parameter(torch.randn(4, 64) * 0.1)
+        self.up = nn.Parameter(torch.randn(64, 4) * 0.1)
+        self.magnitude = nn.Parameter(torch.ones(64))
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        norm = (self.base.weight + self.up @ self.down).norm(dim=1).detach()
+        update = F.linear(F.linear(x, self.down), self.up)
+        return self.head((self.magnitude / norm) * (self.base(x) + update))
+
+
+def test_a_parameter_cast_twice_with_a_gradient_through_one_cast_is_eager_autocasts():
+    """Refused before ("cast to lower precision 2 times and its gradient is not a plain sum of their cast-backs"):
+    a cast whose uses give no gradient adds no term to the sum."""
+    torch.manual_seed(0)
+    model = WeightNormedLowRank()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    with torch.autocast(**BF16):
+        planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                    cache=False, progress=False)
+    _sgd_steps_like_eager(planned, model, plain, x, y, BF16, steps=2)
 
 
 def test_fp16_autocast_with_grad_scaler_matches_eager_including_the_scaler_state():
@@ -250,8 +287,32 @@ def test_dropout_on_a_bfloat16_model_is_eager_pytorchs():
             m.zero_grad()
 
 
+def test_dropout_over_a_transposed_bfloat16_tensor_draws_eagers_mask():
+    """Eager's mask is laid out as its input and drawn in memory order; over nn.TransformerEncoderLayer's first
+    dropout (attention's batch-first output, transposed) the capture drew another mask: loss 5.59 against 5.41."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True),
+                          nn.Flatten(), nn.Linear(16 * 64, 10)).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 16, 64, generator=generator).to(torch.bfloat16), torch.randint(0, 10, (4,))
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, progress=False)
+    assert "permute" in planned.code and "bernoulli" in planned.code
+    for step in range(2):
+        torch.manual_seed(step)
+        loss = planned(x, targets=y)
+        loss.backward()
+        torch.manual_seed(step)
+        plain_loss = F.cross_entropy(plain(x), y)
+        plain_loss.backward()
+        _assert_same(f"step {step}", loss, plain_loss, model, plain)
+
+
 @pytest.mark.parametrize("norm", [nn.BatchNorm2d, lambda c: nn.GroupNorm(2, c)], ids=["batch", "group"])
-@pytest.mark.parametrize("ratio", [None, 0.5], ids=["keep-all", "ratio-0.5"])
+# 0.6: the head's bf16 product is allowed its threads' packing buffers (executor.measure.measuring), which set the
+# floor of this small a model above 0.5 of its keep-all step
+@pytest.mark.parametrize("ratio", [None, 0.6], ids=["keep-all", "ratio-0.6"])
 def test_compiled_replay_under_autocast_runs_mixed_dtype_norms_eagerly(norm, ratio):
     """A batch or group norm on autocast's bfloat16 activations with float32 weights: torch's shape functions give
     its statistics bfloat16 where ATen's kernel gives float32, so a kernel compiled around it handed the norm's

@@ -127,8 +127,15 @@ def _eager_gradient(graph: fx.Graph, placeholder: fx.Node, name: str, casts: lis
         raise CaptureError(refuse)
     cast_back = [t for t in terms if t.target is _TO_COPY and t in backward and t.meta.get("seq_nr") in seq
                  and isinstance(t.args[0], fx.Node) and len(t.users) == 1]
-    if len(cast_back) != len(casts) or len({t.meta.get("seq_nr") for t in cast_back}) != len(casts):
+    if len(seq) != len(casts) or len({t.meta.get("seq_nr") for t in cast_back}) != len(cast_back):
         raise CaptureError(refuse)
+    # a cast whose uses give no gradient (peft's DoRA normalises by a detached norm of the factors' product) adds
+    # no term: no backward node differentiates it
+    silent = seq - {t.meta.get("seq_nr") for t in cast_back}
+    if any(node.meta.get("seq_nr") in silent for node in backward):
+        raise CaptureError(refuse)
+    if len(cast_back) < 2:  # one cast-back (or none): eager's sum in lower precision is the traced gradient
+        return gradient
     kwargs = dict(cast_back[0].kwargs)
     if any(dict(t.kwargs) != kwargs for t in cast_back):
         raise CaptureError(refuse)
@@ -199,9 +206,12 @@ def eager_half_dropout(gm: fx.GraphModule) -> int:
         backward_users = list(items[1].users) if 1 in items else []
         if any(u.target is not _NATIVE_DROPOUT_BACKWARD for u in backward_users):
             raise CaptureError(f"the mask of dropout node {node.name} is read by something other than its backward")
+        order = _memory_order(value)
+        if order is None:
+            raise CaptureError(f"dropout node {node.name} draws its mask over a {tuple(value.shape)} tensor of "
+                               f"strides {value.stride()}, whose eager draw order the executor does not reproduce")
         with graph.inserting_before(node):
-            noise = graph.call_function(torch.ops.aten.bernoulli.p, (source, 1 - p))
-            _tag(noise, node)
+            noise = _drawn_in_memory_order(graph, node, source, 1 - p, order)
             scaled = graph.call_function(torch.ops.aten.div.Scalar, (noise, 1 - p))
             _tag(scaled, node)
             output = graph.call_function(torch.ops.aten.mul.Tensor, (source, scaled))
@@ -223,6 +233,31 @@ def eager_half_dropout(gm: fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _memory_order(value: torch.Tensor) -> list[int] | None:
+    """The dimensions from outermost to innermost in memory, where the tensor is dense (its permutation so ordered
+    is contiguous); None where it is not."""
+    order = sorted(range(value.dim()), key=lambda d: (-value.stride(d), -value.shape[d]))
+    return order if value.permute(order).is_contiguous() else None
+
+
+def _drawn_in_memory_order(graph: fx.Graph, like: fx.Node, source: fx.Node, keep: float, order: list[int]) -> fx.Node:
+    """Eager's mask is `empty_like(input).bernoulli_(keep)`: laid out as the input, its numbers drawn in memory
+    order. `bernoulli.p` draws into a contiguous tensor, so over a transposed input (nn.TransformerEncoderLayer's
+    first dropout, on attention's batch-first output) it drew another mask: drawn here over the input permuted to
+    memory order, and permuted back."""
+    identity = order == list(range(len(order)))
+    permuted = source if identity else graph.call_function(torch.ops.aten.permute.default, (source, order))
+    if not identity:
+        _tag(permuted, like)
+    noise = graph.call_function(torch.ops.aten.bernoulli.p, (permuted, keep))
+    _tag(noise, like)
+    if identity:
+        return noise
+    back = graph.call_function(torch.ops.aten.permute.default, (noise, [order.index(d) for d in range(len(order))]))
+    _tag(back, like)
+    return back
 
 
 @contextlib.contextmanager
