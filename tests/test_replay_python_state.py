@@ -260,6 +260,43 @@ def test_a_parameter_loaded_in_another_layout_is_planned_again():
     assert step_equal(model, plain, planned, seed=1)
 
 
+def test_a_model_cast_to_another_type_is_planned_again_within_its_budget_or_refused_saying_why():
+    """After model.to(torch.float64) the float32 plan ran on, its ledger 1.58x over the budget it was made for, and
+    the inputs' types alone did not tell (the model may cast them itself)."""
+    from planner.errors import BudgetError
+
+    class CastsItsInputs(Net):
+        def forward(self, x):
+            return super().forward(x.to(self.a.weight.dtype))
+
+    torch.manual_seed(0)
+    model = CastsItsInputs()
+    x, y = data(0)
+    messages: list[str] = []
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, strategy="keep-all",
+                                cache=False, timed_steps=0, progress=messages.append)
+    model.double()
+    plain = copy.deepcopy(model)
+    assert step_equal(model, plain, planned, seed=1)
+    assert any("a parameter's type changed (float32 -> float64)): planning it again" in m for m in messages)
+    assert planned.peak_memory_bytes == planned.simulated_peak_bytes
+
+    budget = executor.optimize(CastsItsInputs(), (x,), F.cross_entropy, targets=y, budget=None, memory_ratio=1.0,
+                               cache=False, progress=False, time_limit_s=2, workers=1).schedule.budget_bytes
+    torch.manual_seed(0)
+    model = CastsItsInputs()
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=budget, cache=False,
+                                timed_steps=0, progress=False, time_limit_s=2, workers=1)
+    planned(x, y).backward()  # the replay's .grad: a view kept its float32 base under model.double()
+    model.double()
+    with pytest.raises(BudgetError, match=r"the model changed since its step was captured \(a parameter's type "
+                                          r"changed \(float32 -> float64\)\), and planning it again failed"):
+        planned(x, y)
+    model.float()
+    planned(x, y).backward()  # the float32 plan is kept
+    assert planned.peak_memory_bytes <= budget
+
+
 def test_inputs_the_fake_capture_accepts_but_the_step_does_not_are_said_in_the_users_terms():
     """int32 targets for a cross entropy: the capture on fake tensors took them, and the first real run raised from
     inside the generated code. The module keeps its plans."""

@@ -117,15 +117,17 @@ def _cell_filled(cell) -> bool:
 def python_state(model: nn.Module, loss_fn: Callable) -> tuple:
     """What of the model's and the loss's Python state the captured graph depends on (see the module's doc)."""
     # a parameter's layout too: a checkpoint loaded with assign=True may hold it transposed, and the graph's matrix
-    # products were traced for the old strides (gradients 2.8e-9 off eager's, silently)
-    trainable = tuple((p.requires_grad, p.stride()) for p in model.parameters())
-    return (_modules(model, ""), trainable, _callable(loss_fn), _hooks(nn.modules.module, _GLOBAL_HOOKS))
+    # products were traced for the old strides (gradients 2.8e-9 off eager's, silently); and every parameter's and
+    # buffer's type, device and shape: after model.to(torch.float64) the float32 plan ran on, 1.58x over its budget
+    tensors = tuple((p.requires_grad, p.dtype, p.device, p.shape, p.stride()) for p in model.parameters()) + tuple(
+        (None, b.dtype, b.device, b.shape, b.stride()) for b in model.buffers())
+    return (_modules(model, ""), tensors, _callable(loss_fn), _hooks(nn.modules.module, _GLOBAL_HOOKS))
 
 
 def describe_change(before: tuple, after: tuple) -> str:
     """The first difference between two fingerprints, in the model's terms."""
-    modules_before, trainable_before, loss_before, hooks_before = before
-    modules_after, trainable_after, loss_after, hooks_after = after
+    modules_before, tensors_before, loss_before, hooks_before = before
+    modules_after, tensors_after, loss_after, hooks_after = after
     paths_before = {entry[0]: entry for entry in modules_before}
     paths_after = {entry[0]: entry for entry in modules_after}
     for path, entry in paths_after.items():
@@ -143,15 +145,27 @@ def describe_change(before: tuple, after: tuple) -> str:
             return f"module {shown}: its hooks changed"
     for path in paths_before.keys() - paths_after.keys():
         return f"module {path or '<root>'} is gone"
-    if [t[0] for t in trainable_before] != [t[0] for t in trainable_after]:
+    if [t[0] for t in tensors_before if t[0] is not None] != [t[0] for t in tensors_after if t[0] is not None]:
         return "which parameters are trainable changed (requires_grad)"
-    if trainable_before != trainable_after:
+    for before_entry, after_entry in zip(tensors_before, tensors_after):
+        kind = "a parameter's" if after_entry[0] is not None else "a buffer's"
+        for index, what in ((1, "type"), (2, "device"), (3, "shape")):
+            if before_entry[index] != after_entry[index]:
+                old, new = _tensor_fact(before_entry[index]), _tensor_fact(after_entry[index])
+                return f"{kind} {what} changed ({old} -> {new})"
+    if len(tensors_before) != len(tensors_after):
+        return "the model's parameters or buffers changed"
+    if tensors_before != tensors_after:
         return "a parameter's memory layout changed (its strides)"
     if loss_before != loss_after:
         return "the loss function or its arguments changed"
     if hooks_before != hooks_after:
         return "the global module hooks changed"
     return "its Python state changed"
+
+
+def _tensor_fact(value) -> str:
+    return str(tuple(value)) if isinstance(value, torch.Size) else str(value).removeprefix("torch.")
 
 
 def _attribute_change(before: dict, after: dict) -> str:

@@ -289,10 +289,11 @@ class PlannedModule(nn.Module):
                 setattr(self, name, value)
             self._signature = signature
             return
+        reason = None
         if self._signature is not None and _without_state(signature) == _without_state(self._signature):
-            self._say(f"the model changed since its step was captured "
-                      f"({describe_change(self._signature[_STATE], signature[_STATE])}): planning it again (plans kept "
-                      f"for the last {self.max_signatures} signatures)")
+            reason = (f"the model changed since its step was captured "
+                      f"({describe_change(self._signature[_STATE], signature[_STATE])})")
+            self._say(f"{reason}: planning it again (plans kept for the last {self.max_signatures} signatures)")
         else:
             self._say(f"new input signature {signature[0]}"
                       + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "")
@@ -302,7 +303,12 @@ class PlannedModule(nn.Module):
             self._say(f"dropping the plan for input signature {evicted[0]} (least recently used)")
         # until the new plan exists, no plan is in use: a failure below leaves the kept ones as they were
         self._signature, self._prepared, self._timed = None, None, None
-        profile, schedule, profiled, token = self._plan_signature(inputs, kwargs, targets)
+        try:
+            profile, schedule, profiled, token = self._plan_signature(inputs, kwargs, targets)
+        except MososError as error:
+            if reason is not None:  # a budget that held for the model as it was (model.to(torch.float64) after it)
+                error.args = (f"{reason}, and planning it again failed: {error}", *error.args[1:])
+            raise
         self._plans.pop(signature, None)
         self.profile, self.schedule, self._plan_token = profile, schedule, token
         simulated = simulate(profile, schedule, keep_timeline=False)
