@@ -181,8 +181,10 @@ def test_a_non_contiguous_operand_gets_the_allowance():
     graph = fx.Graph()
     strided, dense = graph.placeholder("strided"), graph.placeholder("dense")
     strided.meta["val"], dense.meta["val"] = transposed, transposed.contiguous()
-    assert not _makes_no_scratch(graph.call_function(aten._softmax.default, (strided, -1, False)))
-    assert _makes_no_scratch(graph.call_function(aten._softmax.default, (dense, -1, False)))
+    for operand, makes_none in ((strided, False), (dense, True)):
+        softmax = graph.call_function(aten._softmax.default, (operand, -1, False))
+        softmax.meta["val"] = aten._softmax.default(operand.meta["val"], -1, False)
+        assert _makes_no_scratch(softmax) == makes_none
 
 
 def test_the_measurement_sees_the_scratch_of_kernels_left_out():
@@ -223,3 +225,46 @@ def test_operands_of_one_shape_laid_out_apart_get_the_allowance():
     assert not _same_layouts(graph.call_function(aten.gelu_backward.default, (b, a)))
     assert _same_layouts(graph.call_function(aten.gelu_backward.default, (a, a)))
     assert _same_layouts(graph.call_function(aten.add.Tensor, (a, bias)))  # a broadcast operand: no copy
+
+
+def test_operands_of_two_floating_types_get_the_allowance():
+    """On the CPU TensorIterator copies an operand of another floating type into the common one first (autocast's
+    float32 residual plus a bf16 projection): a result's size of scratch, which the set's kernels were allowed
+    none of. Scalars (0-dim) it reads as they are."""
+    import torch.fx as fx
+
+    from executor.measure.measuring import _makes_no_scratch
+
+    torch.manual_seed(0)
+    stream = torch.randn(256, 1024)
+    projection = torch.randn(256, 1024).to(torch.bfloat16)
+    assert _scratch_bytes(lambda: aten.add.Tensor(stream, projection)) >= stream.untyped_storage().nbytes()
+
+    graph = fx.Graph()
+    scalar = torch.tensor(2.0, dtype=torch.float64)
+    a, b, c = graph.placeholder("a"), graph.placeholder("b"), graph.placeholder("c")
+    a.meta["val"], b.meta["val"], c.meta["val"] = stream, projection, scalar
+    mixed = graph.call_function(aten.add.Tensor, (a, b))
+    mixed.meta["val"] = stream + projection
+    scaled = graph.call_function(aten.mul.Tensor, (a, c))
+    scaled.meta["val"] = stream * scalar
+    assert not _makes_no_scratch(mixed)
+    assert _makes_no_scratch(scaled)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_half_precision_products_scratch_is_within_its_allowance(threads):
+    """oneDNN widens a bf16 product's operands and packs them in buffers of each thread's own: on small products
+    (peft's DoRA, a 32x512 by 512x4 product with the first transposed) more than twice the operands' bytes."""
+    from executor.measure.measuring import HALF_PRECISION_PACKING_BYTES_PER_STEP
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    for m, k, n, transposed in [(32, 512, 4, True), (32, 512, 4, False), (4, 512, 64, True), (128, 2048, 128, True),
+                                (64, 64, 64, True), (512, 32, 4, True)]:
+        a = torch.randn(k, m).to(torch.bfloat16).t() if transposed else torch.randn(m, k).to(torch.bfloat16)
+        b = torch.randn(k, n).to(torch.bfloat16)
+        half_bytes = 2 * (m * k + k * n + m * n)
+        packing = threads * k * HALF_PRECISION_PACKING_BYTES_PER_STEP
+        allowance = m * n * 2 + 2 * half_bytes + packing + SCRATCH_SLACK_BYTES
+        assert _scratch_bytes(lambda: torch.mm(a, b)) <= allowance, (m, k, n, transposed)

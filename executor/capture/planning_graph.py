@@ -470,11 +470,24 @@ def transient_peak_bytes(planning: PlanningGraph, group: Group) -> int:
             live.setdefault(storage, facts.root_bytes.get(storage, 0))
             readers = [r for r in planning.readers.get(root, []) if r in members]
             last[storage] = max([last.get(storage, op), *readers], key=lambda n: group.ops.index(n))
-        peak = max(peak, sum(live.values()))
+        peak = max(peak, sum(live.values()) + (0 if op in facts.alias_of else unread_result_bytes(op)))
         for storage in [s for s, end in last.items() if end is op]:
             live.pop(storage, None)
             last.pop(storage)
     return peak
+
+
+def unread_result_bytes(op: fx.Node) -> int:
+    """Results of a several-result operation that nothing reads (the graph has no getitem for them) are made all
+    the same and freed as the operation returns: a dropout's mask where no backward needs it (LoRA's dropout
+    before a frozen layer's input went 16 KiB over the provisional workspace, and the measuring pass over its
+    budget)."""
+    value = op.meta.get("val")
+    if not isinstance(value, (tuple, list)):
+        return 0
+    read = {user.args[1] for user in op.users if user.target is operator.getitem}
+    return sum(storage_bytes(tensor) for index, tensor in enumerate(value)
+               if index not in read and isinstance(tensor, torch.Tensor) and not tensor._is_view())
 
 
 def accumulation_bytes(planning: PlanningGraph, group: Group) -> int:
