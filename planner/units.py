@@ -24,9 +24,16 @@ MAX_SIZE_BYTES = 2**60  # 1 EiB: a bound that keeps budgets finite and inside in
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int | float) -> int:
     if isinstance(text, bool):
         raise BudgetError(f"a size is a number of bytes or a string like '10GiB', not {text!r}")
+    if isinstance(text, float):
+        if text != text or text in (float("inf"), float("-inf")):
+            raise BudgetError(f"a size is a finite number of bytes, not {text!r}")
+        if not text.is_integer():  # 4.5 is no number of bytes: a unit left out ('4.5GiB'), not 4 bytes
+            raise BudgetError(f"a size in bytes is a whole number, not {text!r}: give a unit for a fraction "
+                              f"({text!r} GiB is '{text:g}GiB')")
+        text = int(text)
     if isinstance(text, int):
         if text < 0:
             raise BudgetError(f"a size in bytes cannot be negative: {text}")
@@ -40,6 +47,9 @@ def parse_bytes(text: str | int) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB")
+    if factor == 1 and "." in number and float(number) != int(float(number)):
+        raise BudgetError(f"a size in bytes is a whole number, not {text!r}: give a unit for a fraction "
+                          f"('{number}GiB')")
     value = float(number) * factor
     if not value <= MAX_SIZE_BYTES:
         raise BudgetError(f"{text!r} is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from planner import plan
@@ -23,6 +25,22 @@ from planner.strategies.keep_all import keep_all_schedule
 def test_plan_refuses_budgets_that_are_not_sizes(offload_profile, budget, ratio, fragment):
     with pytest.raises(BudgetError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         plan(offload_profile, budget, memory_ratio=ratio, strategy="checkmate-auto", time_limit_s=5)
+
+
+@pytest.mark.parametrize(("size", "fragment"), [
+    (4.5, "a size in bytes is a whole number, not 4.5: give a unit for a fraction (4.5 GiB is '4.5GiB')"),
+    ("4.5", "a size in bytes is a whole number, not '4.5'"),
+    ("4.5B", "a size in bytes is a whole number, not '4.5B'"),
+    (float("nan"), "a size is a finite number of bytes, not nan"),
+    (float("inf"), "a size is a finite number of bytes, not inf"),
+])
+def test_a_size_with_a_fraction_of_a_byte_is_refused(size, fragment):
+    """optimize(budget=4.5) took it as 4 bytes, silently (a unit left out, most likely)."""
+    from planner.units import parse_bytes
+
+    with pytest.raises(BudgetError, match=re.escape(fragment)):
+        parse_bytes(size)
+    assert parse_bytes(4.0) == parse_bytes("4.0") == 4 and parse_bytes("4.5KB") == 4500
 
 
 def test_a_profile_name_with_dollars_is_drawn_as_text(offload_profile, tmp_path):
