@@ -24,6 +24,11 @@ MAX_SIZE_BYTES = 2**60  # 1 EiB: a bound that keeps budgets finite and inside in
 _PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+def _fraction_of_a_byte(shown: str, number: str) -> BudgetError:
+    return BudgetError(f"a size in bytes is a whole number, not {shown}: give a unit for a fraction "
+                       f"({number} GiB is '{number}GiB')")
+
+
 def parse_bytes(text: str | int | float) -> int:
     if isinstance(text, bool):
         raise BudgetError(f"a size is a number of bytes or a string like '10GiB', not {text!r}")
@@ -31,8 +36,7 @@ def parse_bytes(text: str | int | float) -> int:
         if text != text or text in (float("inf"), float("-inf")):
             raise BudgetError(f"a size is a finite number of bytes, not {text!r}")
         if not text.is_integer():  # 4.5 is no number of bytes: a unit left out ('4.5GiB'), not 4 bytes
-            raise BudgetError(f"a size in bytes is a whole number, not {text!r}: give a unit for a fraction "
-                              f"({text!r} GiB is '{text:g}GiB')")
+            raise _fraction_of_a_byte(repr(text), f"{text:g}")
         text = int(text)
     if isinstance(text, int):
         if text < 0:
@@ -47,9 +51,8 @@ def parse_bytes(text: str | int | float) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB")
-    if factor == 1 and "." in number and float(number) != int(float(number)):
-        raise BudgetError(f"a size in bytes is a whole number, not {text!r}: give a unit for a fraction "
-                          f"('{number}GiB')")
+    if factor == 1 and not float(number).is_integer():
+        raise _fraction_of_a_byte(repr(text), number)
     value = float(number) * factor
     if not value <= MAX_SIZE_BYTES:
         raise BudgetError(f"{text!r} is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")

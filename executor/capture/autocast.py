@@ -247,16 +247,15 @@ def _drawn_in_memory_order(graph: fx.Graph, like: fx.Node, source: fx.Node, keep
     order. `bernoulli.p` draws into a contiguous tensor, so over a transposed input (nn.TransformerEncoderLayer's
     first dropout, on attention's batch-first output) it drew another mask: drawn here over the input permuted to
     memory order, and permuted back."""
-    identity = order == list(range(len(order)))
-    permuted = source if identity else graph.call_function(torch.ops.aten.permute.default, (source, order))
-    if not identity:
-        _tag(permuted, like)
-    noise = graph.call_function(torch.ops.aten.bernoulli.p, (permuted, keep))
-    _tag(noise, like)
-    if identity:
+    if order == list(range(len(order))):
+        noise = graph.call_function(torch.ops.aten.bernoulli.p, (source, keep))
+        _tag(noise, like)
         return noise
+    permuted = graph.call_function(torch.ops.aten.permute.default, (source, order))
+    noise = graph.call_function(torch.ops.aten.bernoulli.p, (permuted, keep))
     back = graph.call_function(torch.ops.aten.permute.default, (noise, [order.index(d) for d in range(len(order))]))
-    _tag(back, like)
+    for node in (permuted, noise, back):
+        _tag(node, like)
     return back
 
 

@@ -132,8 +132,9 @@ def _same_layouts(op) -> bool:
 
 
 _HALF = ("torch.bfloat16", "torch.float16")
-_MATRIX_PRODUCTS = frozenset(f"aten.{name}" for name in (
-    "mm.default", "bmm.default", "addmm.default", "baddbmm.default", "addbmm.default"))
+# matrix products -> the argument whose last dimension they contract (after the added input, where there is one)
+_MATRIX_PRODUCTS = {"aten.mm.default": 0, "aten.bmm.default": 0, "aten.addmm.default": 1, "aten.baddbmm.default": 1,
+                    "aten.addbmm.default": 1}
 
 
 def _half_precision_scratch(op) -> int:
@@ -147,12 +148,13 @@ def _half_precision_scratch(op) -> int:
         for tensor in value if isinstance(value, (tuple, list)) else (value,):
             if hasattr(tensor, "dtype") and str(tensor.dtype) in _HALF:
                 total += tensor.numel() * tensor.element_size()
-    if not total or str(op.target) not in _MATRIX_PRODUCTS:
+    operand = _MATRIX_PRODUCTS.get(str(op.target))
+    if not total or operand is None:
         return 2 * total
     # and oneDNN packs a product's operands in buffers of each thread's own, 128 bytes per step of the contracted
     # dimension (measured on small bf16 products: 32x512 by 512x4 with the first transposed, as peft's DoRA makes,
     # held 27 KiB over twice its bytes on one thread, 94 KiB on two)
-    first = op.args[0] if str(op.target) in ("aten.mm.default", "aten.bmm.default") else op.args[1]
+    first = op.args[operand]
     value = first.meta.get("val") if isinstance(first, fx.Node) else None
     contracted = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() else 0
     return 2 * total + torch.get_num_threads() * contracted * HALF_PRECISION_PACKING_BYTES_PER_STEP
