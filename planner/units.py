@@ -51,11 +51,11 @@ def parse_bytes(text: str | int | float) -> int:
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise BudgetError(f"unknown size unit {unit!r} in {text!r}; use B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB")
-    if factor == 1 and not float(number).is_integer():
-        raise _fraction_of_a_byte(repr(text), number)
     value = float(number) * factor
     if not value <= MAX_SIZE_BYTES:
         raise BudgetError(f"{text!r} is larger than any memory ({format_bytes(MAX_SIZE_BYTES)} at most)")
+    if factor == 1 and not value.is_integer():
+        raise _fraction_of_a_byte(repr(text), number)
     return int(round(value))
 
 
