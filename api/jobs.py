@@ -159,8 +159,10 @@ class JobQueue:
         """Lock-free (a dict read is atomic): status calls never wait for a result being written."""
         return self._active.get(plan_id)
 
-    def cancel(self, plan_id: str) -> bool:
-        """Cancel a queued or running plan; False if it is not active here."""
+    def cancel(self, plan_id: str, *, forget: bool = False) -> bool:
+        """Cancel a queued or running plan; False if it is not active here. With `forget`, its row is deleted in
+        the same step as the cancel, so a request waiting on the plan never reads it as cancelled: it finds it
+        gone (and is queued again)."""
         with self._lock:
             job = self._active.get(plan_id)
             if job is None:
@@ -172,7 +174,7 @@ class JobQueue:
                 job.cancel_requested = time.monotonic()
                 if self._running.get(job.seq) is job:
                     self.backend.request_stop(job.seq)
-            self._finish(job, "cancelled", reason="cancelled by request")
+            self._finish(job, "cancelled", forget=forget, reason="cancelled by request")
             return True
 
     def _retry_after_s(self) -> int:
@@ -250,12 +252,14 @@ class JobQueue:
                 self._finish(job, "failed", reason=payload.get("reason", "the solve process died while solving this plan"))
                 self.metrics.solves.labels(strategy=job.strategy, outcome="failed").inc()
 
-    def _finish(self, job: Job, status: str, **fields) -> None:
-        """Record the end of a job in one transaction, then release waiters."""
+    def _finish(self, job: Job, status: str, *, forget: bool = False, **fields) -> None:
+        """Record the end of a job in one transaction (or delete its row, when forgotten), then release waiters."""
         with self._lock:
             if job.finished.is_set():
                 return
-            if not self.store.finish(job.id, status, progress=job.progress, **fields):
+            if forget:
+                self.store.delete(job.id)
+            elif not self.store.finish(job.id, status, progress=job.progress, **fields):
                 self._not_stored(job, status, fields)
             job.status = status
             self._active.pop(job.id, None)

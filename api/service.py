@@ -90,8 +90,8 @@ class Service:
     def delete(self, plan_id: str) -> None:
         """Forget a plan, cancelling it first if it runs (its outcome is then ignored, never stored)."""
         row = self.get_row(plan_id)
-        if row.status in ("queued", "solving"):
-            self.queue.cancel(plan_id)
+        if row.status in ("queued", "solving") and self.queue.cancel(plan_id, forget=True):
+            return
         if not self.store.delete(plan_id):
             raise ApiError(404, "not_found", f"no plan with id {plan_id!r}")
 

@@ -199,15 +199,27 @@ def test_the_time_limit_bounds_a_search_and_each_solve_keeps_the_servers_limit(c
     assert client.post(f"/v1/max-batch/{body['id']}/cancel").status_code == 409  # it has ended
 
 
-def test_a_waiting_post_survives_another_client_deleting_the_plan_it_shares(client):
+@pytest.mark.parametrize("store_delete_delay_s", [0.0, 0.5])
+def test_a_waiting_post_survives_another_client_deleting_the_plan_it_shares(client, monkeypatch,
+                                                                             store_delete_delay_s):
     """Identical requests share one plan; when one client deletes it, a request still waiting on it is queued
-    again and answered, not told 404."""
+    again and answered, not told 404, nor told "cancelled" (the delete's cancel and its removal of the row are one
+    step for a waiter: a slow delete in the store, as under load, once let the waiter read the cancelled row)."""
     import json
     import threading
     from pathlib import Path
 
+    store = client.app.state.service.store
+    store_delete = store.delete
+
+    def slow_delete(plan_id):
+        time.sleep(store_delete_delay_s)
+        return store_delete(plan_id)
+
+    monkeypatch.setattr(store, "delete", slow_delete)
     profile = json.loads((Path(__file__).resolve().parents[1] / "models/profiles/vgg16-small-cpu.json").read_text())
-    body = {"profile": profile, "strategy": "test-slow-keep", "budget_bytes": 2**30, "time_limit_s": 1.0, "seed": 82}
+    body = {"profile": profile, "strategy": "test-slow-keep", "budget_bytes": 2**30, "time_limit_s": 1.0,
+            "seed": 82 + int(store_delete_delay_s * 10)}
     first = client.post("/v1/plans", json={**body, "wait_s": 0}).json()
     answers: dict = {}
     waiting = threading.Thread(target=lambda: answers.setdefault(
