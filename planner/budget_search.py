@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from planner.auto_algorithms import apply_auto, with_smallest_workspaces
 from planner.builder import PlannerBug, certify
 from planner.errors import ScheduleRejected
 from planner.planning import InfeasibleBudget
@@ -96,3 +97,24 @@ def plan_within(
         f"the smallest budget it can meet is {minimum} bytes ({format_bytes(minimum)}){searched}",
         minimum_budget_bytes=minimum,
     )
+
+
+def plan_fixed_recompute(
+    profile: GraphProfile, fastest: Schedule, budget_bytes: int, strategy: str, options: SolveOptions
+) -> Schedule:
+    """A recompute-only plan with a fixed program (checkpointing policies): its fastest algorithms where they fit,
+    else Auto's; InfeasibleBudget with the smallest budget it meets otherwise.
+
+    Nothing moves, so memory does not depend on timing: Auto fits wherever the smallest workspaces do.
+    """
+    smallest = with_smallest_workspaces(profile, fastest)
+
+    def attempt(budget: int) -> Schedule | None:
+        plain = fastest.model_copy(update={"budget_bytes": budget})
+        if fitting(profile, plain, budget, strategy):
+            return plain
+        auto = apply_auto(profile, fastest, budget)
+        return auto if fitting(profile, auto, budget, strategy) else None
+
+    return plan_within(profile, budget_bytes, strategy, attempt, peak_bytes(profile, smallest, strategy),
+                       options.started())

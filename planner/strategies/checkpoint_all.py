@@ -27,8 +27,7 @@ cannot say whose backward it is, so what it reads is kept.
 from __future__ import annotations
 
 from planner.attribute_plans import Attribute, AttributeProgram, GraphFacts
-from planner.auto_algorithms import apply_auto, with_smallest_workspaces
-from planner.budget_search import fitting, peak_bytes, plan_within
+from planner.budget_search import plan_fixed_recompute
 from planner.liveness import build_schedule
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
@@ -61,15 +60,4 @@ def checkpoint_all_schedule(profile: GraphProfile, facts: GraphFacts | None = No
     "backward needs it; fastest algorithms, Auto when they do not fit",
 )
 def plan_checkpoint_all(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
-    fastest = checkpoint_all_schedule(profile)
-    smallest = with_smallest_workspaces(profile, fastest)
-
-    def attempt(budget: int) -> Schedule | None:
-        plain = fastest.model_copy(update={"budget_bytes": budget})
-        if fitting(profile, plain, budget, NAME):
-            return plain
-        auto = apply_auto(profile, fastest, budget)
-        return auto if fitting(profile, auto, budget, NAME) else None
-
-    # Nothing moves, so memory does not depend on timing: Auto fits wherever the smallest workspaces do.
-    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME), options.started())
+    return plan_fixed_recompute(profile, checkpoint_all_schedule(profile), budget_bytes, NAME, options)

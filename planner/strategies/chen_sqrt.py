@@ -19,8 +19,7 @@ from __future__ import annotations
 import math
 
 from planner.attribute_plans import AttributeProgram, GraphFacts
-from planner.auto_algorithms import apply_auto, with_smallest_workspaces
-from planner.budget_search import fitting, peak_bytes, plan_within
+from planner.budget_search import plan_fixed_recompute
 from planner.liveness import build_schedule
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
@@ -85,16 +84,5 @@ def chen_schedule(profile: GraphProfile, facts: GraphFacts | None = None) -> Sch
 
 @strategy(NAME, "Chen et al. sqrt(n) checkpointing: keep about sqrt(n) segment boundaries, recompute each segment in backward; fastest algorithms, Auto when they do not fit")
 def plan_chen_sqrt(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
-    fastest = chen_schedule(profile)
-    smallest = with_smallest_workspaces(profile, fastest)
-
-    def attempt(budget: int) -> Schedule | None:
-        plain = fastest.model_copy(update={"budget_bytes": budget})
-        if fitting(profile, plain, budget, NAME):
-            return plain
-        auto = apply_auto(profile, fastest, budget)
-        return auto if fitting(profile, auto, budget, NAME) else None
-
-    # Recompute only, nothing moves: memory does not depend on timing, so Auto fits wherever the smallest workspaces do.
-    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME), options.started())
+    return plan_fixed_recompute(profile, chen_schedule(profile), budget_bytes, NAME, options)
 

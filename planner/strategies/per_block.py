@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from planner.attribute_plans import Attribute, AttributeProgram, GraphFacts
-from planner.auto_algorithms import apply_auto, with_smallest_workspaces
-from planner.budget_search import fitting, peak_bytes, plan_within
+from planner.budget_search import plan_fixed_recompute
 from planner.errors import MososError
 from planner.liveness import build_schedule
 from planner.profile import GraphProfile
@@ -92,15 +91,4 @@ def per_block_schedule(profile: GraphProfile, facts: GraphFacts | None = None) -
     "around each layer: keep each block's input, recompute the block in its backward (blocks from module paths)",
 )
 def plan_per_block(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
-    fastest = per_block_schedule(profile)
-    smallest = with_smallest_workspaces(profile, fastest)
-
-    def attempt(budget: int) -> Schedule | None:
-        plain = fastest.model_copy(update={"budget_bytes": budget})
-        if fitting(profile, plain, budget, NAME):
-            return plain
-        auto = apply_auto(profile, fastest, budget)
-        return auto if fitting(profile, auto, budget, NAME) else None
-
-    # Recompute only, nothing moves: memory does not depend on timing, so Auto fits wherever the smallest workspaces do.
-    return plan_within(profile, budget_bytes, NAME, attempt, peak_bytes(profile, smallest, NAME), options.started())
+    return plan_fixed_recompute(profile, per_block_schedule(profile), budget_bytes, NAME, options)
