@@ -62,6 +62,8 @@ def _arguments() -> argparse.Namespace:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, not {args.steps}")
+    if args.budget is not None and args.memory_ratio is not None:
+        parser.error("give --budget or --memory-ratio, not both")
     if args.budget is None and args.memory_ratio is None:
         args.memory_ratio = 0.7
     return args

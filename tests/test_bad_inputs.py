@@ -63,6 +63,15 @@ def test_executor_refuses_what_it_would_get_wrong():
     inputs, targets = spec.example_inputs(8)
     with pytest.raises(MososError, match="unknown optimizer 'bogus'"):
         executor.optimize(model, inputs, spec.loss, targets=targets, optimizer="bogus", progress=False)
+    with pytest.raises(BudgetError, match=re.escape("give either a budget (budget='2MiB') or a memory ratio "
+                                                    "(memory_ratio=0.9), not both")):
+        executor.optimize(model, inputs, spec.loss, "2MiB", targets=targets, memory_ratio=0.9, progress=False)
+    with pytest.raises(MososError, match=re.escape("(optimize(..., optimizer=opt), opt = AdamW(model.parameters(), "
+                                                   "...)) or its kind as a word ('adamw'), not the class AdamW")):
+        executor.optimize(model, inputs, spec.loss, targets=targets, optimizer=torch.optim.AdamW, progress=False)
+    with pytest.raises(MososError, match=re.escape("d2h_gb_per_s is a copy bandwidth in GB/s, a positive number, "
+                                                   "not -1.0")):
+        executor.optimize(model, inputs, spec.loss, targets=targets, d2h_gb_per_s=-1.0, progress=False)
     with pytest.raises(MososError, match="needs loss_fn"):
         executor.optimize(model, inputs, None, targets=targets, progress=False)
     with pytest.raises(MososError, match="not ndarray"):

@@ -193,3 +193,74 @@ def test_a_kind_that_leaves_out_the_frozen_parameters_state_is_refused_without_a
                                           r"optimize\(\.\.\., optimizer=opt\), and the plan") as refused:
         _step(planned, optimizer)
     assert "optimizer='adamw'" not in str(refused.value)
+
+
+def _planned_tightly(model, optimizer):
+    """Planned at the smallest budget that works, so that state beyond what was counted breaks it."""
+    from planner.errors import BudgetError
+
+    with pytest.raises(BudgetError) as below:
+        _planned(model, optimizer=optimizer, budget=1, memory_ratio=None)
+    return _planned(model, optimizer=optimizer, budget=below.value.minimum_budget_bytes, memory_ratio=None)
+
+
+def test_state_that_comes_after_the_first_step_is_checked_when_it_comes():
+    """The state was checked at an optimizer's first step only: a param group added later (the backbone, after the
+    head was fine-tuned alone) or momentum turned on later went 10-15% over the budget, silently."""
+    model = _model()
+    head, backbone = list(model)[-1], list(model)[:-1]
+    adding = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    planned = _planned_tightly(model, adding)
+    _step(planned, adding)
+    _step(planned, adding)  # the same optimizer, unchanged: not refused, not looked at again
+    adding.add_param_group({"params": [p for layer in backbone for p in layer.parameters()], "lr": 1e-4})
+    with pytest.raises(ReplayError, match=r"AdamW would keep \d+ bytes .* its plan counted \d+ bytes"):
+        _step(planned, adding)
+
+    model = _model()
+    momentum = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.0)
+    planned = _planned_tightly(model, momentum)
+    _step(planned, momentum)
+    momentum.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ReplayError, match=r"SGD would keep \d+ bytes .*\(with its settings now: momentum, "
+                                          r"nesterov\), but its plan counted 0 bytes"):
+        _step(planned, momentum)
+
+
+def test_the_state_of_every_optimizer_stepping_the_module_is_counted_together():
+    """Two optimizers over two halves of a model, the first passed to optimize(): each held less than the plan
+    counted for the first, so neither was refused, while together they went 9% over the budget."""
+    model = _model()
+    layers = list(model)
+    first = torch.optim.AdamW([p for layer in layers[:8] for p in layer.parameters()], lr=1e-3)
+    second = torch.optim.AdamW([p for layer in layers[8:] for p in layer.parameters()], lr=1e-3)
+    planned = _planned_tightly(model, first)
+    x, y = _data()
+    planned(x, y).backward()
+    first.step()
+    with pytest.raises(ReplayError, match=r"AdamW would keep \d+ bytes .*, and the other optimizers stepping the "
+                                          r"module hold \d+ bytes .* optimize\(\) takes one optimizer"):
+        second.step()
+    assert not second.state
+
+
+def test_a_parameter_that_gets_no_gradient_gets_no_state():
+    """A parameter read under no_grad only has no gradient, so SGD keeps no momentum for it; the check counted one
+    and refused a step that fits, telling the user to pass the optimizer they had passed."""
+
+    class PartlyFrozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.shift = _model(), nn.Parameter(torch.zeros(256, 1024))
+
+        def forward(self, x):
+            with torch.no_grad():
+                hint = self.shift[0, :16]
+            return self.body(x + hint)
+
+    model = PartlyFrozen()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    planned = _planned_tightly(model, optimizer)
+    _step(planned, optimizer)
+    _step(planned, optimizer)
+    assert model.shift.grad is None and model.shift not in optimizer.state

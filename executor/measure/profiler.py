@@ -133,6 +133,18 @@ STATE_PER_PARAMETER = {"sgd": 0, "none": 0, "momentum": 1, "sgd-momentum": 1, "r
                        "adam": 2, "adamw": 2, "nadam": 2, "radam": 2, "adamax": 2}
 
 
+def check_optimizer_argument(optimizer) -> None:
+    """`optimizer=` is an optimizer, a kind as a word or None: its class, or anything else, is refused saying so."""
+    if optimizer is None or isinstance(optimizer, (str, torch.optim.Optimizer)):
+        return
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        raise MososError(f"optimizer is the optimizer itself (optimize(..., optimizer=opt), opt = "
+                         f"{optimizer.__name__}(model.parameters(), ...)) or its kind as a word "
+                         f"({optimizer.__name__.lower()!r}), not the class {optimizer.__name__}")
+    raise MososError(f"optimizer is a torch.optim.Optimizer, a kind as a word or None, not "
+                     f"{type(optimizer).__name__} {optimizer!r}")
+
+
 def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainable_bytes: int) -> int:
     """Optimizer state as a multiple of the trainable parameters (momentum: 1, Adam: 2)."""
     if optimizer is None:
@@ -143,6 +155,7 @@ def optimizer_state_bytes(optimizer: str | torch.optim.Optimizer | None, trainab
         if any(group.get("amsgrad", False) for group in optimizer.param_groups):
             return 3 * trainable_bytes  # Adam's two moments and the running maximum of the second
     else:
+        check_optimizer_argument(optimizer)
         name = optimizer.lower()
         momentum = False
     multiple = STATE_PER_PARAMETER.get(name)
@@ -490,6 +503,10 @@ def profile_step(
     if measuring not in MODES:
         raise MososError(f"measuring is one of {', '.join(MODES)}, not {measuring!r}")
     optimizer_state_bytes(optimizer, 0)  # an unknown optimizer is refused before any work
+    for argument, bandwidth in (("d2h_gb_per_s", d2h_gb_per_s), ("h2d_gb_per_s", h2d_gb_per_s)):
+        if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                      or not math.isfinite(bandwidth) or bandwidth <= 0):
+            raise MososError(f"{argument} is a copy bandwidth in GB/s, a positive number, not {bandwidth!r}")
     if not isinstance(model, nn.Module):
         raise MososError(f"the model must be a torch.nn.Module, not {type(model).__name__}")
     if not callable(loss_fn):

@@ -19,8 +19,8 @@ from torch import nn
 from executor.capture import autocast
 from executor.capture.capture import tensor_signature
 from executor.plan.cache import PlanKey, open_cache, plan_key
-from executor.measure.profiler import (ProfiledStep, as_tuple, plan_step, planning_of, preserved, profile_step,
-                                      provisional_profile)
+from executor.measure.profiler import (ProfiledStep, as_tuple, check_optimizer_argument, plan_step, planning_of,
+                                      preserved, profile_step, provisional_profile)
 from executor.replay.replay import PlannedModule
 from planner.errors import BudgetError, MososError
 from planner.planning import plan
@@ -133,6 +133,13 @@ def _algorithms(algorithms) -> tuple[str, ...]:
     return tuple(algorithms)
 
 
+class _DefaultBudget(str):
+    """optimize()'s default budget: a str like any other, told apart from one the caller gave."""
+
+
+DEFAULT_BUDGET = _DefaultBudget("10GiB")
+
+
 def _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url) -> None:
     """What the solve would refuse, refused by the planner's own checks before the capture and the measuring pass
     (and before a cache hit, which would otherwise accept it until the first re-plan)."""
@@ -148,7 +155,7 @@ def optimize(
     model: nn.Module,
     example_inputs,
     loss_fn: Callable,
-    budget: str | int | None = "10GiB",
+    budget: str | int | None = DEFAULT_BUDGET,
     *,
     targets=None,
     kwargs: dict | None = None,
@@ -174,7 +181,7 @@ def optimize(
     compile: bool = False,
     compile_regions: bool = True,
 ) -> PlannedModule:
-    """Profile `model` on its device with `example_inputs`, plan within `budget` (or `memory_ratio` of the
+    """Profile `model` on its device with `example_inputs`, plan within `budget` (or, not both, `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
 
     The budget holds from the first allocation: the capture needs no memory (fake tensors), the profile is
@@ -222,6 +229,10 @@ def optimize(
         raise MososError(f"optimize() plans the model itself, not a {type(model).__name__} around it: plan the model, "
                          f"then wrap the planned module (DistributedDataParallel(optimize(model, ...)))")
     _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url)
+    if memory_ratio is not None and budget is not None and budget is not DEFAULT_BUDGET:
+        raise BudgetError(f"give either a budget (budget={budget!r}) or a memory ratio "
+                          f"(memory_ratio={memory_ratio!r}), not both: the ratio would decide alone")
+    check_optimizer_argument(optimizer)
     if not callable(loss_fn):
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
     if kwargs is not None and not isinstance(kwargs, dict):
