@@ -128,6 +128,30 @@ def test_a_custom_autograd_function_is_refused_since_its_backward_would_be_lost(
     assert "replace with the derivative of its forward" in message
 
 
+class _ScalesItsGradient(nn.Module):
+    def forward(self, x):
+        hidden = torch.tanh(x)
+        hidden.register_hook(lambda gradient: gradient * 10)  # eager multiplies the gradient below by 10
+        return hidden
+
+
+def test_a_hook_on_a_tensor_of_the_step_is_refused_since_the_replay_would_never_call_it():
+    """A hook registered on an activation (in the model) or an output (in the loss function) was dropped by the
+    capture: a gradient 10x smaller than eager's, or a logging hook never called, silently."""
+    message = _refusal(_ScalesItsGradient())
+    assert "registers a hook on a tensor (Tensor.register_hook at test_capture.py:" in message
+    assert "(forward))" in message and "would never call it" in message
+    calls = []
+
+    def logging_loss(out):
+        out.register_hook(lambda gradient: calls.append(gradient.norm()))
+        return out.sum()
+
+    with pytest.raises(CaptureError, match=r"Tensor.register_hook at test_capture.py:\d+ \(logging_loss\)"):
+        capture(nn.Linear(4, 4), (torch.randn(2, 4),), None, None, logging_loss)
+    assert not calls
+
+
 def test_reentrant_checkpointing_is_refused_and_the_other_kind_captured():
     """torch.utils.checkpoint's reentrant variant runs its forward without autograd: the trace has no gradient there
     (the layers before it would silently get none); the non-reentrant one is captured."""

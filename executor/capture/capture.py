@@ -34,6 +34,7 @@ import logging
 import operator
 import os
 import traceback
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -265,6 +266,40 @@ def _recording_custom_functions(found: list[type]):
         function_class.apply = original
 
 
+@contextlib.contextmanager
+def _recording_tensor_hooks(found: list[str]):
+    """Note where the step registers a hook on one of its tensors (Tensor.register_hook), still registering it."""
+    original = torch.Tensor.register_hook
+    torch_folder = os.path.dirname(torch.__file__) + os.sep
+
+    def register_hook(tensor, hook):
+        caller = sys._getframe(1)
+        if not caller.f_code.co_filename.startswith(torch_folder):  # torch's own dispatch calls it again
+            found.append(f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno} ({caller.f_code.co_name})")
+        return original(tensor, hook)
+
+    torch.Tensor.register_hook = register_hook
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original
+
+
+def _refuse_tensor_hooks(found: list[str], model: nn.Module) -> None:
+    """Eager calls a hook registered on an activation or an output with its gradient in backward and uses what it
+    returns; the captured backward never calls it: a hook that scales or clips trains another model, one that
+    logs is silent. Refused, as hooks on parameters are."""
+    if not found:
+        return
+    raise CaptureError(
+        f"cannot capture {type(model).__name__}: its step registers a hook on a tensor (Tensor.register_hook at "
+        f"{', '.join(dict.fromkeys(found))}), which eager calls in backward with the tensor's gradient, using what it "
+        "returns; the replay runs the captured backward, which would never call it (another gradient where the hook "
+        "changes it, silence where it logs). Take the hook out of the model and the loss function (read parameters' "
+        ".grad after backward() to log, register_post_accumulate_grad_hook on a parameter, which the replay runs), "
+        "or train this model without the plan")
+
+
 def _refuse_custom_functions(found: list[type], model: nn.Module) -> None:
     """The joint graph differentiates what a Function's forward traced to, not what its backward says (a
     straight-through estimator, a hand-written gradient), and a forward run under no_grad (torch.utils.checkpoint's
@@ -465,11 +500,14 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     export.require_supported_torch()
     started = time.perf_counter()
     custom_functions: list[type] = []
+    tensor_hooks: list[str] = []
 
     def exported():
         custom_functions.clear()
+        tensor_hooks.clear()
         with python_state.ForwardSideEffects(model, loss_fn), _quiet_torch(), autocast.disabled(), \
-                autocast.eager_mask_branch(), _recording_custom_functions(custom_functions):
+                autocast.eager_mask_branch(), _recording_custom_functions(custom_functions), \
+                _recording_tensor_hooks(tensor_hooks):
             return export.export_program(model, inputs, kwargs, targets, loss_fn, autocast_state)
 
     try:
@@ -495,6 +533,7 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
         if fails:
             raise _inputs_error(error, model, loss_fn, module, inputs, kwargs, targets) from None
         raise capture_error(error, model, loss_fn, "torch.export") from None
+    _refuse_tensor_hooks(tensor_hooks, model)
     _refuse_custom_functions(custom_functions, model)
     _refuse_unreproducible_operations(program, model)
     _check_static(program, model)
