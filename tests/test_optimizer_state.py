@@ -264,3 +264,15 @@ def test_a_parameter_that_gets_no_gradient_gets_no_state():
     _step(planned, optimizer)
     _step(planned, optimizer)
     assert model.shift.grad is None and model.shift not in optimizer.state
+
+
+@pytest.mark.parametrize("copied_by", ["deepcopy", "pickle"])
+def test_a_copy_of_a_planned_module_has_its_optimizer_checked_too(copied_by):
+    import copy
+    import pickle
+
+    planned = _planned(_model())  # optimizer="sgd": no state counted
+    copied = copy.deepcopy(planned) if copied_by == "deepcopy" else pickle.loads(pickle.dumps(planned))
+    optimizer = torch.optim.AdamW(copied.model.parameters(), lr=1e-3)
+    with pytest.raises(ReplayError, match=r"AdamW would keep \d+ bytes .* its plan counted 0 bytes"):
+        _step(copied, optimizer)

@@ -484,6 +484,24 @@ def test_a_deep_copy_trains_under_the_same_plan_on_its_own_weights():
         assert torch.equal(copied(*data(3)), F.cross_entropy(plain_copy(data(3)[0]), data(3)[1]))
 
 
+def test_a_pickled_planned_module_loads_and_trains_under_the_same_plan():
+    """torch.save of the whole planned module failed ("Can't pickle local object 'optimize.<locals>.replan'"); it
+    is saved as a deep copy is made, and the loaded module captures its step again at its first training call."""
+    import io
+    import pickle
+
+    model, plain, planned, _ = planned_pair()
+    assert step_equal(model, plain, planned, 1)
+    buffer = io.BytesIO()
+    torch.save(planned, buffer)
+    buffer.seek(0)
+    for loaded in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(planned))):
+        assert loaded.schedule == planned.schedule and loaded.model is not model
+        plain_copy = copy.deepcopy(plain)
+        assert step_equal(loaded.model, plain_copy, loaded, 2)
+    assert step_equal(model, plain, planned, 3)
+
+
 @pytest.mark.parametrize("loss_fn", [
     lambda output, targets: F.cross_entropy(output, targets).detach(),
     lambda output, targets: (output.argmax(1) == targets).sum(),

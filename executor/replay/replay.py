@@ -217,7 +217,7 @@ class PlannedModule(nn.Module):
         self.compile_regions = compile_regions
         self.profile = profile
         self.schedule = schedule
-        self.loss_fn = loss_fn or (lambda output: output)
+        self.loss_fn = loss_fn or _output_is_the_loss
         self.strict = strict
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.ledger_enabled = (self.device.type == "cpu") if ledger is None else bool(ledger)
@@ -329,11 +329,26 @@ class PlannedModule(nn.Module):
         for name, value in self.__dict__.items():
             if name not in _NOT_COPIED:
                 copied.__dict__[name] = copy.deepcopy(value, memo)
-        copied._prepared = copied._timed = copied._live_step = copied.last_ledger = None
-        copied._superseded_nodes = []
-        copied._plans = OrderedDict()
-        copied._plan_signature = copied._replan = None
+        copied._without_step()
         return copied
+
+    def __getstate__(self) -> dict:
+        """Pickled (torch.save of the whole module) as a deep copy is made: the model and its plan, not the
+        generated code or the runtime, which the loaded module makes again at its first training call. Its
+        progress messages are left behind (optimize()'s printer is a closure); the loaded module is quiet."""
+        return {name: value for name, value in self.__dict__.items() if name not in (*_NOT_COPIED, "_say")}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._say = _quiet
+        self._without_step()
+
+    def _without_step(self) -> None:
+        self._prepared = self._timed = self._live_step = self.last_ledger = None
+        self._superseded_nodes = []
+        self._plans = OrderedDict()
+        self._plan_signature = self._replan = None
+        optimizer_state.watch(self)  # its own optimizer is checked against its plan too
 
     @property
     def code(self) -> str | None:
@@ -541,6 +556,14 @@ class PlannedModule(nn.Module):
 
 _PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_time_ms", "_steps_timed", "_timings",
                "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token")
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def _output_is_the_loss(output):
+    return output
 
 
 _NOT_COPIED = ("_prepared", "_timed", "_live_step", "_superseded_nodes", "last_ledger", "_plans", "_plan_signature",
