@@ -41,9 +41,9 @@ from executor.capture import autocast
 from executor.capture.capture import CapturedStep, _first_line, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
-from executor.measure.convolution_scratch import (batch_split_scratch_bytes, convolution_geometry,
-                                                  convolution_input, native_convolution_scratch_bytes,
-                                                  native_scratch_bound_bytes,
+from executor.measure.convolution_scratch import (batch_split_scratch_bytes, covering_blocked_filter_gradient,
+                                                  convolution_geometry, convolution_input,
+                                                  native_convolution_scratch_bytes, native_scratch_bound_bytes,
                                                   probe_native_scratch, splits_the_batch, sums_over_the_batch,
                                                   unprobed_for_room)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
@@ -439,7 +439,8 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                 # the formula counts the columns and products; the unfold's and the matmul's own copies come on top
                 # (measured on the CPU up to 1.8 x the formula, ResNet-18 small at batch 8 and 256, the zoo's CNNs)
                 workspace += 2 * conv_algorithms.workspace_bytes(implementation, geometry, element_size, phase) \
-                    + (64 << 10)
+                    + (64 << 10) + (covering_blocked_filter_gradient(0, group, channels_last=True)
+                                    if implementation == "channels-last" else 0)
             # native first: it is what the measuring pass runs wherever it fits, so keep-all must pick it
             implementations.append({"name": implementation, "workspace_bytes": workspace,
                                     "time_ms": time_ms if implementation in ("native", "default") else 2 * time_ms})
@@ -641,8 +642,8 @@ def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provision
     worth_asking = max(lower, probing)
     if worth_asking >= error.minimum_budget_bytes:
         return error
-    ceilings = {group.id: native_convolution_scratch_bytes(convolution_geometry(group),
-                                                           convolution_input(group).meta["val"].element_size())
+    ceilings = {group.id: covering_blocked_filter_gradient(native_convolution_scratch_bytes(
+                    convolution_geometry(group), convolution_input(group).meta["val"].element_size()), group)
                 for group, _ in unprobed}
     largest = max(ceilings, key=ceilings.get)
     return BudgetError(
