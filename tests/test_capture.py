@@ -152,6 +152,30 @@ def test_a_hook_on_a_tensor_of_the_step_is_refused_since_the_replay_would_never_
     assert not calls
 
 
+class _CausalByMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.encoder(x, mask=nn.Transformer.generate_square_subsequent_mask(x.shape[1]))
+
+
+def test_torch_modules_deciding_by_values_are_named_with_what_to_pass_them():
+    """A causal mask without is_causal (nn.TransformerEncoder compares it with a causal one by value), a batch norm
+    with momentum=None: the error named the user's outer class and told them to rewrite with torch.where."""
+    with pytest.raises(CaptureError) as causal:
+        capture(_CausalByMask(), (torch.randn(2, 5, 8),), None, None, lambda out: out.sum())
+    assert "in module encoder (TransformerEncoder)" in str(causal.value)
+    assert "pass is_causal=True with a causal mask" in str(causal.value)
+    cumulative = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(CaptureError) as batch_norm:
+        capture(cumulative, (torch.randn(8, 4),), None, None, lambda out: out.sum())
+    assert "in module 1 (BatchNorm1d)" in str(batch_norm.value)
+    assert "a batch norm with momentum=None" in str(batch_norm.value)
+
+
 def test_reentrant_checkpointing_is_refused_and_the_other_kind_captured():
     """torch.utils.checkpoint's reentrant variant runs its forward without autograd: the trace has no gradient there
     (the layers before it would silently get none); the non-reentrant one is captured."""

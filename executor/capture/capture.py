@@ -168,6 +168,13 @@ def _module_names(model: nn.Module, loss_fn) -> dict[int, str]:
 
 def _user_frames(error: BaseException) -> list:
     """Frames of the user's code (not torch's, not ours) in the tracebacks of the error and its causes."""
+    return [(frame, lineno) for frame, lineno in _frames(error) if _is_user_file(frame.f_code.co_filename)]
+
+
+def _frames(error: BaseException) -> list:
+    """Every frame of the deepest exception, in the error's chain of causes, whose traceback passed through the
+    user's code (torch's modules' frames with them: the user's model may be made of them); of the error itself where
+    none did (a model made of torch's modules alone)."""
     frames: list = []
     seen = set()
     current: BaseException | None = error
@@ -176,14 +183,28 @@ def _user_frames(error: BaseException) -> list:
         tb = current.__traceback__
         chain = []
         while tb is not None:
-            frame = tb.tb_frame
-            if _is_user_file(frame.f_code.co_filename):
-                chain.append((frame, tb.tb_lineno))
+            chain.append((tb.tb_frame, tb.tb_lineno))
             tb = tb.tb_next
-        if chain:
+        if not seen - {id(error)} or any(_is_user_file(frame.f_code.co_filename) for frame, _ in chain):
             frames = chain  # the deepest exception that passed through user code wins
         current = current.__cause__ or current.__context__
     return frames
+
+
+def _torch_module_advice(error: BaseException) -> str | None:
+    """What to change where the value-dependent decision is one of torch's own modules', with an argument the user
+    gives it."""
+    for frame, _ in reversed(_frames(error)):
+        name, owner = frame.f_code.co_name, frame.f_locals.get("self")
+        if name == "_detect_is_causal_mask":
+            return ("nn.Transformer's layers compare a mask given without is_causal with a causal mask, value by "
+                    "value, to choose a kernel: pass is_causal=True with a causal mask (mask=causal, is_causal=True), "
+                    "which computes the same")
+        if isinstance(owner, nn.modules.batchnorm._BatchNorm) and owner.momentum is None and owner.training:
+            return ("a batch norm with momentum=None (a cumulative average of the statistics) divides by its batch "
+                    "count read as a Python number, which cannot be captured: give it a momentum (0.1 is PyTorch's "
+                    "default), or train this model without the plan")
+    return None
 
 
 def _describe_frame(frame, lineno: int, names: dict[int, str]) -> tuple[str | None, str]:
@@ -207,6 +228,9 @@ def _first_line(error: BaseException) -> str:
 
 def _advice(error: BaseException) -> str:
     text = f"{type(error).__name__} {error}"
+    torch_module = _torch_module_advice(error)
+    if torch_module is not None:
+        return torch_module
     if "data-dependent" in text or "GuardOnDataDependent" in text:
         return ("control flow or a shape that depends on tensor values cannot be captured: compute both branches "
                 "and select with torch.where, or move the decision out of the model")
@@ -227,11 +251,13 @@ def _module_and_line(error: BaseException, model: nn.Module, loss_fn) -> tuple[s
     """The innermost module of the user's code the error passed through, and the user's source line."""
     names = _module_names(model, loss_fn)
     module = where = None
-    for frame, lineno in reversed(_user_frames(error)):
+    for frame, lineno in reversed(_frames(error)):
+        user = _is_user_file(frame.f_code.co_filename)
         found, line = _describe_frame(frame, lineno, names)
-        where = where or line
-        if found:
-            module = found
+        if user:
+            where = where or line
+        module = module or found  # the innermost module, torch's own (a batch norm, an encoder) included
+        if module and where:
             break
     return module, where
 
