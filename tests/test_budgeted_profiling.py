@@ -395,6 +395,9 @@ def test_the_budget_a_refused_measuring_pass_names_measures():
     message = str(raised.value)
     floor = int(re.search(r"any plan needs at least [\d.]+ [KMG]?i?B \((\d+) bytes\)", message).group(1))
     assert named > floor and f"the smallest budget known to work is {format_bytes(named)} ({named} bytes)" in message
+    # the budget to ask for first, the floor after it as a bound (a reader took the floor, and was refused again)
+    assert message.index("known to work") < message.index("any plan needs at least")
+    assert "but no measuring pass fits there" in message
     with AllocationTrace() as trace:
         profile, profiled = profile_step(model, args, loss_fn, targets, kwargs=kwargs, budget_bytes=named, repeats=1,
                                          warmup=0)

@@ -280,17 +280,24 @@ def _below_floor(provisional: GraphProfile, budget_bytes: int, floor: int, keep_
     if time_limit_s > 0:
         working = floor if _greedy(provisional, floor, time.monotonic() + time_limit_s) is not None \
             else _smallest_greedy_budget(provisional, floor, keep_all_peak, [], time_limit_s)
-    known = (f"; the smallest budget known to work is {format_bytes(working)} ({working} bytes)"
-             if working != floor else ", and a measuring pass fits there")
+    # the budget to ask for comes first; the floor, where no pass was seen to fit, is a bound and said to be one
+    known = f"the smallest budget known to work is {format_bytes(working)} ({working} bytes)"
     if budget_bytes < provisional.fixed_bytes:
         parameters_bytes = provisional.fixed_memory.parameters_bytes
+        floor_text = f"any plan needs at least {format_bytes(floor)} ({floor} bytes)"
         return BudgetError(
             f"budget {format_bytes(budget_bytes)} is below the model's fixed memory "
             f"{format_bytes(provisional.fixed_bytes)} (parameters {format_bytes(parameters_bytes)}, "
-            f"gradients, optimizer state, inputs, buffers), so no step fits; any plan needs at least "
-            f"{format_bytes(floor)} ({floor} bytes){known}", minimum_budget_bytes=working)
+            f"gradients, optimizer state, inputs, buffers), so no step fits; "
+            + (f"{known} ({floor_text}, but no measuring pass fits there)" if working != floor
+               else f"{floor_text}, and a measuring pass fits there"), minimum_budget_bytes=working)
+    if working == floor:
+        return BudgetError(f"no measuring pass fits: budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is "
+                           f"below what any plan needs: {describe_minimum(provisional)}, and a measuring pass fits "
+                           "there", minimum_budget_bytes=working)
     return BudgetError(f"no measuring pass fits: budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below "
-                       f"what any plan needs: {describe_minimum(provisional)}{known}", minimum_budget_bytes=working)
+                       f"what any plan needs; {known} (any plan needs at least {describe_minimum(provisional)}, "
+                       "but no measuring pass fits there)", minimum_budget_bytes=working)
 
 
 class _Clock:
