@@ -82,6 +82,27 @@ def test_a_model_changed_after_its_capture_is_planned_again_and_stays_plain_pyto
     assert len([m for m in messages if m.startswith("the model changed")]) == 1
 
 
+def test_a_python_number_among_the_targets_that_changes_is_said_to_be_the_reason_for_a_new_plan():
+    """mixup's weight as a float among the targets planned every step under "new input signature float32[64,16]",
+    the shapes it had before: the message now names the value that changed and how to keep one plan."""
+    torch.manual_seed(0)
+    model = Net()
+    x, y = data(0)
+    messages: list[str] = []
+
+    def mixed(output, targets):
+        labels, weight = targets
+        return weight * F.cross_entropy(output, labels)
+
+    planned = executor.optimize(model, (x,), mixed, targets=(y, 0.5), budget=None, strategy="keep-all",
+                                cache=False, timed_steps=0, progress=messages.append)
+    planned(x, targets=(y, 0.5)).backward()
+    planned(x, targets=(y, 0.8)).backward()
+    said = [m for m in messages if "planning it once" in m]
+    assert len(said) == 1 and "an input that is not a tensor changed value" in said[0] and "0.5" in said[0], said
+    assert "0.8" in said[0] and "better passed as a 0-d tensor" in said[0]
+
+
 def test_without_new_signatures_a_changed_model_is_refused():
     model, plain, planned, _ = planned_pair(new_signatures=False)
     model.scale = 2.0

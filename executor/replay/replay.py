@@ -295,9 +295,9 @@ class PlannedModule(nn.Module):
                       f"({describe_change(self._signature[_STATE], signature[_STATE])})")
             self._say(f"{reason}: planning it again (plans kept for the last {self.max_signatures} signatures)")
         else:
-            self._say(f"new input signature {signature[0]}"
-                      + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "")
-                      + f": planning it once (plans kept for the last {self.max_signatures} signatures)")
+            what, advice = _what_is_new(self._signature, signature)
+            self._say(f"{what}: planning it once (plans kept for the last {self.max_signatures} signatures)"
+                      + (f"; {advice}" if advice else ""))
         while len(self._plans) >= self.max_signatures:  # the current one is about to join them
             evicted, _ = self._plans.popitem(last=False)
             self._say(f"dropping the plan for input signature {evicted[0]} (least recently used)")
@@ -575,6 +575,26 @@ def _signature_parts(input_signature: str, target_signature: str | None, spec, c
                      autocast_state: tuple, model_state: tuple) -> tuple:
     return (input_signature, target_signature, str(spec), repr(sorted(constants.items())), model_state,
             tuple(autocast_state))
+
+
+def _what_is_new(previous: tuple | None, signature: tuple) -> tuple[str, str | None]:
+    """(why a call needs a plan of its own, against the signature in use; advice). A Python number among the inputs
+    that changes every step (a mixup weight) plans every step, which the message says, with the cure."""
+    new = f"new input signature {signature[0]}" + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "")
+    if previous is None or previous[:2] != signature[:2] or previous[-1] != signature[-1]:
+        return new, None
+    if previous[2] != signature[2]:
+        return f"{new} (the inputs' structure changed: {_shortened(signature[2])})", None
+    if previous[3] != signature[3]:
+        return (f"{new} (an input that is not a tensor changed value: {_shortened(previous[3])} -> "
+                f"{_shortened(signature[3])})",
+                "each such value is a step of its own: one that changes every step (a mixup weight, a scale) is "
+                "better passed as a 0-d tensor, planned once")
+    return new, None
+
+
+def _shortened(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _without_state(signature: tuple) -> tuple:
