@@ -580,7 +580,8 @@ def _signature_parts(input_signature: str, target_signature: str | None, spec, c
 def _what_is_new(previous: tuple | None, signature: tuple) -> tuple[str, str | None]:
     """(why a call needs a plan of its own, against the signature in use; advice). A Python number among the inputs
     that changes every step (a mixup weight) plans every step, which the message says, with the cure."""
-    new = f"new input signature {signature[0]}" + (f" under {autocast.describe(signature[-1])}" if signature[-1] else "")
+    new = f"new input signature {signature[0]}" + (
+        f" under {autocast.describe(signature[-1])}" if signature[-1] else "")
     if previous is None or previous[:2] != signature[:2] or previous[-1] != signature[-1]:
         return new, None
     if previous[2] != signature[2]:
