@@ -222,3 +222,43 @@ def test_cache_off_keeps_nothing_and_the_cli_lists_and_clears(project, tmp_path)
     assert cleared.returncode == 0 and "removed 1 kept plan" in cleared.stdout
     assert "no plans kept" in mosos("list", "--dir", str(elsewhere)).stdout
     assert "no plans kept" in mosos("list").stdout  # $MOSOS_CACHE_DIR: this test's own, still empty
+
+
+@pytest.mark.parametrize("algorithms, kept", [(("native",), False), ("all", True)])
+def test_a_plan_from_the_cache_whose_picks_decide_the_rounding_is_not_replanned_on_timings(tmp_path, monkeypatch,
+                                                                                          algorithms, kept):
+    """Compiled steps (or convolution algorithms beyond ATen's own) round by the plan's picks. A restart that took
+    the kept plan, found its timed steps 10% off (timing noise) and re-planned ran other bits from its third step
+    than a restart that did not (a helper's GPT-2 under compile=True, three processes sharing the cache). Such a
+    plan from the cache is kept as it is; the eager replay, bitwise whatever the plan, still re-plans. In one
+    process here, every step counted as off."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import executor
+    from executor.measure import measured
+
+    monkeypatch.setattr(measured, "REPLAN_OFF", -1.0)  # every timed step is "off"
+    x, y = torch.randn(256, 32), torch.randint(0, 4, (256,))
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        messages: list[str] = []
+        planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=1.0, algorithms=algorithms,
+                                    cache=tmp_path, time_limit_s=3, workers=1, progress=messages.append)
+        for _ in range(5):  # two timed steps, a re-plan, the new plan's two timed steps
+            planned(x, y).backward()
+        return planned, messages
+
+    made, made_messages = run()
+    assert made.report().history[0].replanned  # a plan this process made re-plans as before
+    loaded, loaded_messages = run()
+    assert any("no profile or solve" in m for m in loaded_messages)
+    report = loaded.report()
+    if kept:
+        assert report.replan_kept and not report.replanned and not report.history
+        assert any("kept as it is" in m for m in loaded_messages) and "kept as it is" in report.describe()
+    else:
+        assert report.history[0].replanned and not report.replan_kept

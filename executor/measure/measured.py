@@ -50,6 +50,7 @@ class StepReport:
     replanned: bool = False
     replan_step_time_ms: float | None = None  # the new plan's simulated step
     replan_failed: str | None = None  # why re-planning found no plan (the current one stays: it fits the budget)
+    replan_kept: bool = False  # off, but its plan came from the cache and decides the rounding: not re-planned
     history: list["StepReport"] = field(default_factory=list)  # reports before a re-plan
     compiled: "CompiledNodes | None" = None  # compile=True: the nodes run as kernels, the eager ones and why
 
@@ -78,6 +79,10 @@ class StepReport:
         if self.replan_failed:
             lines.append(f"more than {REPLAN_OFF:.0%} off, but re-planning on the measured node times found no plan, "
                          f"so the current one stays (it fits the budget): {self.replan_failed}")
+        if self.replan_kept:
+            lines.append(f"more than {REPLAN_OFF:.0%} off, but the plan came from the cache and its picks decide the "
+                         "rounding (compiled kernels, convolution algorithms): kept as it is, so runs sharing it run "
+                         "the same bits")
         if self.compiled is not None:
             lines.append(f"compiled: {self.compiled.describe()}")
             for node_id, reason in self.compiled.eager.items():

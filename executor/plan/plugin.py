@@ -255,6 +255,10 @@ def optimize(
         return (tensor_signature(tuple(inputs), dict(kwargs or {})),
                 tensor_signature(targets) if targets is not None else None, tuple(autocast_state))
     store = open_cache(cache)
+    # a compiled step, or convolution algorithms other than ATen's own, rounds by the plan's picks: a plan taken from
+    # the cache is then not re-planned on this process's timings (restarts sharing it stay bitwise alike)
+    rounding_follows_plan = compile or any(algorithm != "native" for algorithm in algorithms)
+    taken_from_cache: set[str] = set()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
     def key_of(inputs, kwargs, targets, autocast_state: tuple) -> PlanKey:
@@ -314,6 +318,7 @@ def optimize(
             if memory_ratio is not None and not ratio_resolved_bytes and cached.schedule.budget_bytes is not None:
                 ratio_resolved_bytes[:] = [cached.schedule.budget_bytes,
                                            shapes_of(inputs, kwargs, targets, autocast_state)]
+            taken_from_cache.add(key.digest)
             return cached.profile, cached.schedule, profiled, key
         say("capturing the step with torch.export")
         with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
@@ -357,7 +362,11 @@ def optimize(
             say(f"plan kept for later runs in {store.plans / key.digest[:12]}...")
         return profile, schedule, profiled, key
 
-    def replan(measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule:
+    def replan(measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule | None:
+        if rounding_follows_plan and key is not None and key.digest in taken_from_cache:
+            say("the planned step is more than 10% off the simulated one, but its plan was taken from the cache and "
+                "picks kernels that round differently: kept as it is, so that every run using it runs the same bits")
+            return None
         say("the planned step is more than 10% off the simulated one: re-planning on the measured node times")
         replanned = make_plan(measured, schedule.budget_bytes)
         if store is not None and key is not None:

@@ -202,7 +202,7 @@ class PlannedModule(nn.Module):
         ledger: bool | None = None,
         profiled: ProfiledStep | None = None,
         timed_steps: int = 0,
-        replan: Callable[[GraphProfile, Schedule, object], Schedule] | None = None,
+        replan: Callable[[GraphProfile, Schedule, object], Schedule | None] | None = None,
         plan_signature: Callable[[tuple, dict, object], tuple] | None = None,
         max_signatures: int = 4,
         progress: Callable[[str], None] | None = None,
@@ -484,7 +484,7 @@ class PlannedModule(nn.Module):
         self._timed = None
         report = self._compare()
         self._reports.append(report)
-        if report.off and self._replan is not None and not any(r.replanned or r.replan_failed
+        if report.off and self._replan is not None and not any(r.replanned or r.replan_failed or r.replan_kept
                                                                 for r in self._reports[:-1]):
             profile = measured_profile(self.profile, self.schedule, self._measured_node_ms())
             try:
@@ -494,6 +494,9 @@ class PlannedModule(nn.Module):
                 # service down): the current plan holds the budget, and the report says why it stays
                 report.replan_failed = f"{type(error).__name__}: {error}"
                 self._say(f"re-planning found no plan; the current one stays: {error}")
+                return
+            if schedule is None:  # kept on purpose (a plan from the cache whose picks decide the rounding)
+                report.replan_kept = True
                 return
             report.replanned = True
             report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
