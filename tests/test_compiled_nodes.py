@@ -725,3 +725,35 @@ def test_kernels_holding_a_batch_norm_compile_where_inductor_checks_fallbacks_ag
     else:
         assert result.returncode != 0 and "both a fallback and a decomp for same op" in result.stderr, \
             result.stderr[-3000:]
+
+
+def test_measuring_passes_are_checked_against_the_budget_where_the_profile_drops_what_they_ran():
+    """A compiled CNN's profile (one thread, one repeat) offered its forward convolutions on channels-last only, so
+    the measuring passes, which ran native, could not be replayed on the measured figures: the check that they held
+    within the budget was skipped, with a warning that read like an internal error. The replay now takes the
+    provisional figures (upper estimates) for what the profile does not offer."""
+    from torch.utils._pytree import tree_flatten
+
+    from executor.measure.profiler import _check_measuring_peak, provisional_profile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1), nn.Flatten(),
+                          nn.LazyLinear(10))
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    model(x)
+    algorithms = ("native", "channels-last")
+    profile, profiled = profile_step(model, (x,), nn.functional.cross_entropy, y, repeats=1, warmup=0,
+                                     algorithms=algorithms, budget_bytes=2**30)
+    provisional = provisional_profile(profiled, tree_flatten((((x,), {}, y), {}))[0], torch.device("cpu"), "sgd",
+                                      algorithms, None, None, "provisional", None, lambda message: None)
+    document = profile.model_dump(mode="json")
+    for node in document["nodes"]:
+        if node["id"].endswith("convolution") and len(node["implementations"]) > 1:
+            node["implementations"] = [i for i in node["implementations"] if i["name"] != "native"]
+    dropped = type(profile).model_validate(document)
+    chosen = profiled.measuring
+    chosen.measured_peak_bytes = None
+    messages: list[str] = []
+    _check_measuring_peak(dropped, provisional, chosen, messages.append)
+    assert not messages and chosen.measured_peak_bytes is not None
+    assert chosen.measured_peak_bytes <= 2**30
