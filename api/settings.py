@@ -119,14 +119,18 @@ def token_problem(token: str) -> str | None:
 
 
 def read_token(token_file: Path | None) -> str | None:
-    """The token file (UTF-8) wins over the environment; blank means no token; a token no client could send is
-    refused with the reason (ValueError), rather than starting a server nobody can call."""
+    """The token file (UTF-8) wins over the environment; a blank environment variable means no token, but a blank
+    token file is refused (asked for a token, the server would otherwise start open to anyone); a token no client
+    could send is refused with the reason (ValueError), rather than starting a server nobody can call."""
     if token_file is not None:
         source = f"the token file {token_file}"
         try:
             token = token_file.read_bytes().decode("utf-8").strip()
         except UnicodeDecodeError:
             raise ValueError(f"{source} is not valid UTF-8") from None
+        if not token:
+            raise ValueError(f"{source} is empty (or only whitespace): write the token in it, or leave "
+                             "--token-file out to serve without one (on a loopback address only)")
     else:
         source = f"${TOKEN_ENV}"
         token = os.environ.get(TOKEN_ENV, "").strip()

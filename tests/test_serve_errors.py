@@ -57,6 +57,15 @@ def test_a_token_file_that_is_not_utf8_is_refused(tmp_path):
                    f"the token file {token_file} is not valid UTF-8")
 
 
+@pytest.mark.parametrize("content", [b"", b"  \n\t\n"])
+def test_an_empty_token_file_is_refused_not_taken_as_no_token(tmp_path, content):
+    """An empty token file started a server that answered everyone, with no word: the operator asked for a token."""
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content)
+    assert_refused(serve("--db", str(tmp_path / "p.sqlite3"), "--token-file", str(token_file)),
+                   f"the token file {token_file} is empty (or only whitespace)")
+
+
 def test_a_token_no_http_client_can_send_is_refused(tmp_path):
     result = serve("--db", str(tmp_path / "p.sqlite3"), env={"MOSOS_API_TOKEN": "abc\x01def"})
     assert_refused(result, "$MOSOS_API_TOKEN contains a control character", "position 3")
