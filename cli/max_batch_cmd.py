@@ -183,8 +183,9 @@ def max_batch_command(
     gpu: str = typer.Option(None, "--gpu", "-g", help="GPU to estimate on (a reference network, or your "
                             "file.py:build without measuring it): titanx, p40, p100, v100, a100, h100"),
     budget: str = typer.Option(None, help="memory budget (16GB, 16GiB, bytes); default: the GPU's (or device's) memory"),
-    max_overhead: str = typer.Option("10%", help="slowest acceptable step over each batch's lower bound: 10%, 0.1, "
-                                     "'forward' (one extra forward pass, Checkmate's) or 'none'"),
+    max_overhead: str = typer.Option("10%", help="slowest acceptable step over each batch's lower bound: 10%, 0.1 "
+                                     "(a bare number above 1 is refused: write 150%), 'forward' (one extra forward "
+                                     "pass, Checkmate's) or 'none'"),
     strategy: list[str] = typer.Option(None, "--strategy", "-s", help="strategy to search (repeat, or comma-separated; "
                                        f"'all'); default: {', '.join(DEFAULT_STRATEGIES)}"),
     time_limit: float = typer.Option(120.0, help="seconds for the whole command: profiles, then the search (each "

@@ -214,6 +214,10 @@ def parse_overhead(text: str) -> OverheadLimit:
             f"cannot read {text!r} as an overhead limit: write a percentage (10%), a fraction (0.1), 'forward' "
             "(at most one extra forward pass) or 'none'"
         ) from None
+    if not value.endswith("%") and number > 1:
+        raise MaxBatchError(
+            f"{text!r} as an overhead limit is {number:g} times the lower bound ({100 * number:g}%), most likely a "
+            f"percentage without its sign: write {value}% for {value} percent, or {100 * number:g}% if you meant it")
     return check_overhead(number)
 
 

@@ -274,3 +274,20 @@ def test_solve_limits_below_the_first_ladder_step_are_the_smallest_solve():
 
     assert _quantized(0.2155) == _quantized(0.2423) == MIN_SOLVE_S
     assert _quantized(0.3) == 0.25 and _quantized(7.9) == 6
+
+
+@pytest.mark.parametrize("text, expected", [("10%", 0.1), ("0.1", 0.1), ("1", 1.0), ("150%", 1.5),
+                                            ("forward", "forward"), ("none", None)])
+def test_overhead_limits_read_as_written(text, expected):
+    from planner.max_batch import parse_overhead
+
+    assert parse_overhead(text) == expected
+
+
+def test_a_bare_overhead_above_one_is_refused_as_a_percentage_without_its_sign():
+    """`--max-overhead 10` was read as 1000% with no word: the search then allowed any recomputation."""
+    from planner.max_batch import MaxBatchError, parse_overhead
+
+    with pytest.raises(MaxBatchError, match=r"'10' as an overhead limit is 10 times the lower bound \(1000%\), most "
+                                            r"likely a percentage without its sign: write 10% for 10 percent"):
+        parse_overhead("10")
