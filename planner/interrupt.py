@@ -7,17 +7,23 @@ cannot do it either: it runs its signal handlers in the main thread between byte
 C++, and with one worker a KeyboardInterrupt raised inside a solution callback is swallowed by OR-Tools. Here the
 signal's byte, written by Python's C-level handler to a wakeup file descriptor the moment it arrives, is read by a
 thread that sets an event; the solves' `should_stop` polls it (`StopWatcher`) and they stop within a fraction of a
-second. A second Ctrl-C raises KeyboardInterrupt at once. Only in the main thread, and only where SIGINT is Python's
-KeyboardInterrupt.
+second. Phases between the solves that run in Python (a reordering, the greedy pass, a bound's linear programs, on
+a 2,000-node graph several seconds each) poll nothing, so while the block has not ended after Ctrl-C, KeyboardInterrupt
+is raised in the main thread every NUDGE_S (`_thread.interrupt_main`): such a phase ends at its next bytecode (a
+nudge swallowed by a solution callback is followed by the next). A second Ctrl-C raises KeyboardInterrupt at once.
+Only in the main thread, and only where SIGINT is Python's KeyboardInterrupt.
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import threading
 from collections.abc import Iterator
+
+NUDGE_S = 0.25  # after Ctrl-C, how often the main thread is interrupted until the block ends
 
 
 @contextlib.contextmanager
@@ -33,11 +39,20 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
+    ended = threading.Event()
+    nudging = threading.Lock()  # no nudge once the block has ended
 
     def on_sigint(signum, frame) -> None:
         if interrupted.is_set():
             raise KeyboardInterrupt  # asked twice: at once, without waiting for the solver
         interrupted.set()
+
+    def nudge() -> None:
+        while not ended.wait(NUDGE_S):
+            if interrupted.is_set():
+                with nudging:
+                    if not ended.is_set():
+                        _thread.interrupt_main()  # runs on_sigint in the main thread: KeyboardInterrupt
 
     def watch() -> None:
         while True:
@@ -53,7 +68,9 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     watcher = threading.Thread(target=watch, name="mosos-interrupt", daemon=True)
+    nudger = threading.Thread(target=nudge, name="mosos-interrupt-nudge", daemon=True)
     watcher.start()
+    nudger.start()
     try:
         yield interrupted
     except BaseException:
@@ -61,6 +78,14 @@ def stop_on_interrupt() -> Iterator[threading.Event]:
             raise KeyboardInterrupt from None
         raise
     finally:
+        while True:  # a nudge delivered as the block ends is taken here, not in the caller's code
+            try:
+                with nudging:
+                    ended.set()
+                break
+            except KeyboardInterrupt:
+                pass
+        nudger.join(timeout=1.0)
         signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGINT, previous_handler)
         os.close(write_fd)

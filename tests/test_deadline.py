@@ -142,6 +142,20 @@ def test_ctrl_c_stops_a_plan_at_once_and_writes_nothing(tmp_path):
     assert output.read_text() == "kept"
 
 
+def test_ctrl_c_stops_a_plan_within_a_python_phase_of_a_large_graph(tmp_path):
+    """On a 2,093-node graph the phases between solves (a memory-aware reordering, the greedy pass) run seconds of
+    Python that poll no stop: Ctrl-C took 4-10 s to end `mosos plan`. The main thread is now interrupted until the
+    plan ends."""
+    profile = Path(__file__).resolve().parents[1] / "models/profiles/vgg416-b32-titanx.json"
+    output = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "cli", "plan", str(profile), "--memory-ratio", "0.3", "--time-limit", "30",
+               "--workers", "1", "-o", str(output)]
+    result, took_s = _interrupted(command, 3.0)
+    assert result.returncode == 130 and "interrupted" in result.stderr, (result.returncode, result.stderr[-500:])
+    assert took_s < 2.0, took_s
+    assert not output.exists()
+
+
 def test_a_process_that_ignores_sigint_keeps_ignoring_it_while_planning():
     """The service's solve processes ignore SIGINT (the server stops them itself); plan() must not take it back."""
     code = (
