@@ -185,7 +185,7 @@ def _frames(error: BaseException) -> list:
         while tb is not None:
             chain.append((tb.tb_frame, tb.tb_lineno))
             tb = tb.tb_next
-        if not seen - {id(error)} or any(_is_user_file(frame.f_code.co_filename) for frame, _ in chain):
+        if current is error or any(_is_user_file(frame.f_code.co_filename) for frame, _ in chain):
             frames = chain  # the deepest exception that passed through user code wins
         current = current.__cause__ or current.__context__
     return frames

@@ -121,8 +121,7 @@ def batch_split_scratch_bytes(group, algorithm: str, element_size: int, probed_b
     bias gradient, batch-split's is native's own call on the whole batch. `probed_bytes`: the whole call's bound as
     probed, if it was."""
     geometry = convolution_geometry(group)
-    whole = (probed_bytes if probed_bytes is not None
-             else covering_blocked_filter_gradient(native_convolution_scratch_bytes(geometry, element_size), group))
+    whole = probed_bytes if probed_bytes is not None else native_scratch_bound_bytes(group)
     if sums_over_the_batch(group) and algorithm != "batch-split-sum":
         return whole
     batch = geometry.input_shape[0]
@@ -303,7 +302,6 @@ def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dic
         for group, batch in members:
             # the line through the two probes, or the larger probe scaled, whichever is more
             carried = max(at_small + per_sample * (batch - small), at_large * batch / large)
-            formula = covering_blocked_filter_gradient(native_convolution_scratch_bytes(
-                convolution_geometry(group), convolution_input(group).meta["val"].element_size()), group)
-            bounds[group.index] = min(formula, int(SCRATCH_MARGIN * carried) + SCRATCH_FLOOR_BYTES)
+            bounds[group.index] = min(native_scratch_bound_bytes(group),
+                                      int(SCRATCH_MARGIN * carried) + SCRATCH_FLOOR_BYTES)
     return bounds

@@ -43,7 +43,7 @@ from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
 from executor.measure.convolution_scratch import (batch_split_scratch_bytes, covering_blocked_filter_gradient,
                                                   convolution_geometry, convolution_input,
-                                                  native_convolution_scratch_bytes, native_scratch_bound_bytes,
+                                                  native_scratch_bound_bytes,
                                                   probe_native_scratch, splits_the_batch, sums_over_the_batch,
                                                   unprobed_for_room)
 from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
@@ -660,9 +660,7 @@ def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provision
     worth_asking = max(lower, probing)
     if worth_asking >= error.minimum_budget_bytes:
         return error
-    ceilings = {group.id: covering_blocked_filter_gradient(native_convolution_scratch_bytes(
-                    convolution_geometry(group), convolution_input(group).meta["val"].element_size()), group)
-                for group, _ in unprobed}
+    ceilings = {group.id: native_scratch_bound_bytes(group) for group, _ in unprobed}
     largest = max(ceilings, key=ceilings.get)
     return BudgetError(
         f"{error}. That floor counts the shape formula's ceiling for the scratch of {len(unprobed)} native "
