@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import gc
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from cli.time_limit import counted_from_process_start
 from planner.errors import MososError
 
 app = typer.Typer(
@@ -60,4 +62,10 @@ def step_note(profile) -> str:
 
 
 def main() -> None:
-    app(prog_name="mosos")
+    try:
+        with counted_from_process_start():
+            app(prog_name="mosos")
+    finally:
+        # Nothing is left to do but exit: without a last collection over every object a large plan left behind,
+        # the interpreter's exit takes 0.05 s instead of 0.2 s (vgg416 --compare all), time --time-limit counts.
+        gc.freeze()

@@ -19,7 +19,7 @@ import typer
 from cli.app import app, console, error_console, friendly, step_note
 from cli.checks import (distinct_files, positive_finite, time_limit_within, whole_number_in, workload_file,
                         writable_output, write_output)
-from cli.time_limit import time_limited
+from cli.time_limit import command_started, time_limited
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
 
@@ -64,7 +64,7 @@ def profile_command(
     output: Path = typer.Option(..., "-o", "--output", help="write the profile here"),
 ) -> None:
     """Profile one training step of your model (or a reference network), planning node by node, on this machine."""
-    started = time.monotonic()  # --time-limit counts from here
+    started = command_started()  # --time-limit counts from here: from the start of `mosos` itself
     writable_output(output, "-o")
     distinct_files({"the workload's file": workload_file(workload)}, {"-o": output})
     time_limit_within(time_limit)

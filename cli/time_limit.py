@@ -11,6 +11,7 @@ code that catches even that.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -20,6 +21,42 @@ from typing import Iterator
 from planner.errors import MososError, TimeLimitReached
 
 REPEAT_S = 0.5
+
+
+# The process's start as a time.monotonic() instant, set by `mosos` itself (cli.app.main) before anything else;
+# None where the commands run inside a longer process (tests, a notebook), which count from the command's start.
+_process_started: float | None = None
+STARTUP_AT_MOST_S = 30.0  # an older start is not this command's: it was not started as `mosos ...`
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc), so that a limit counts Python's start-up and imports
+    as `time mosos ...` does: about 0.3 s before a command's first line runs. None where it cannot be read."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        start_ticks = int(fields[19])  # field 22 of proc(5), counted from field 3
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, AttributeError):
+        return None
+    return age_s if 0.0 <= age_s <= STARTUP_AT_MOST_S else None
+
+
+@contextmanager
+def counted_from_process_start() -> Iterator[None]:
+    """The commands run within it count their limits from the process's start (`mosos` itself runs them so)."""
+    global _process_started
+    age_s = process_age_s()
+    _process_started = None if age_s is None else time.monotonic() - age_s
+    try:
+        yield
+    finally:
+        _process_started = None
+
+
+def command_started() -> float:
+    """Where a command's --time-limit counts from: the process's start when it runs as `mosos`, else now."""
+    return time.monotonic() if _process_started is None else _process_started
 
 
 class _TimeUp(BaseException):
