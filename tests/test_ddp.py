@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parent.parent
 
 RANK = '''
-import copy, json, os, sys
+import copy, gc, json, os, sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -65,7 +65,12 @@ gathered = [torch.empty_like(flat) for _ in range(2)]
 dist.all_gather(gathered, flat)
 print(json.dumps({"rank": rank, "steps_bitwise": same, "weights_bitwise": weights,
                   "ranks_agree": torch.equal(gathered[0], gathered[1])}), flush=True)
-# both ranks reach the teardown together: a rank that tears gloo down while its peer still talks to it can abort
+# Teardown in order, as torch's examples do: the DDP wrappers (their reducers hold the process group and gloo's work)
+# go first, then both ranks meet and the group is destroyed while the interpreter is whole. Once in CI, with the
+# wrappers left to the interpreter's exit, rank 0 aborted after its answer ("terminate called without an active
+# exception", a C++ thread of gloo's torn down by the exit).
+del ddp, plain_ddp, optimizer, plain_optimizer
+gc.collect()
 dist.barrier()
 dist.destroy_process_group()
 '''
@@ -98,7 +103,7 @@ def test_ddp_over_a_planned_module_is_plain_ddp_bit_for_bit(tmp_path):
 
 
 ONE_RANK = '''
-import json, os, sys
+import gc, json, os, sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -150,6 +155,8 @@ for step in range(4):
     optimizer.step()
 result["view_peaks"] = peaks
 print(json.dumps(result), flush=True)
+del ddp, optimizer  # the reducer before the group it holds (see RANK)
+gc.collect()
 dist.destroy_process_group()
 '''
 
