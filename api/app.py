@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -17,7 +18,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.docs import add_docs
-from api.errors import ApiError, BodyTooLarge
+from api.errors import ApiError, BodyTooLarge, invalid
 from api.examples import EXAMPLE_PROFILE
 from api.http_rules import HeadAsGet, method_not_allowed, refuse_if_shutting_down, require_json_body
 from api.jobs import JobQueue, QueueFull, ServiceStopping
@@ -38,6 +39,7 @@ from planner.validation import issues_from_validation_error
 from planner.viewer import content_security_policy
 
 log = logging.getLogger("mosos.api")
+CURSOR_PATTERN = r"^[0-9]{1,18}$"  # a row's sequence number, as next_cursor gives it
 WAIT_POLL_S = 0.02
 REQUEUES_AFTER_DELETE = 2  # a waiting POST whose shared plan another client deletes is queued again, this often
 # The viewer page runs only its own inline script and style (by hash), fetches nothing, and is never framed.
@@ -249,8 +251,13 @@ def create_app(settings: Settings | None = None, owned_store: OwnedStore | None 
     async def list_plans(
         request: Request,
         limit: int = Query(20, ge=1, le=100, description="Plans per page."),
-        cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$", description="next_cursor of the previous page."),
+        cursor: str | None = Query(None, description="next_cursor of the previous page.",
+                                   json_schema_extra={"pattern": CURSOR_PATTERN}),
     ):
+        if cursor is not None and not re.fullmatch(CURSOR_PATTERN, cursor):
+            shown = f"{cursor[:30]!r}" + ("..." if len(cursor) > 30 else "")
+            raise invalid([Issue("query.cursor", f"must be the next_cursor of an earlier page (up to 18 digits), "
+                                                 f"not {shown}; leave it out for the first page")])
         return JSONResponse(service(request).list(limit, cursor))
 
     @app.get("/v1/plans/{plan_id}", summary="A plan's status, and its schedule when done", response_model=PlanStatus,

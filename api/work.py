@@ -29,7 +29,7 @@ from planner.profile import json_problem, parse_profile
 from planner.schedule import parse_schedule
 from planner.simulator import simulate
 from planner.strategies import load_all
-from planner.validation import issues_from_validation_error
+from planner.validation import issues_from_validation_error, json_kind
 
 PLANNER_VERSION = planner.__version__
 log = logging.getLogger("mosos.api")
@@ -81,9 +81,12 @@ def read_json_body(raw: bytes, what: str) -> dict:
     """Decode a JSON object with the CLI's wording for broken JSON."""
     data, problem = json_problem(raw)
     if problem is not None:
+        if problem.startswith("not UTF-8"):  # a client that declared charset=latin-1 is told why that did not count
+            problem += ("; a request body is read as UTF-8 (or UTF-16/32 with a BOM) whatever charset its "
+                        "Content-Type names, as RFC 8259 says: send it as UTF-8")
         raise invalid([Issue("", problem)])
     if not isinstance(data, dict):
-        raise invalid([Issue("", f"a {what} is a JSON object, not {type(data).__name__}")])
+        raise invalid([Issue("", f"a {what} is a JSON object, not {json_kind(data)}")])
     return data
 
 

@@ -375,7 +375,17 @@ def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
         assert all(issue["message"] for issue in body["issues"])
     broken = client.post("/v1/plans", content=b'{"profile": ', headers={"content-type": "application/json"})
     assert broken.status_code == 422 and broken.json()["issues"][0]["message"].startswith("not valid JSON")
-    assert client.post("/v1/plans", json=[1, 2]).json()["issues"][0]["message"] == "a plan request is a JSON object, not list"
+    assert client.post("/v1/plans", json=[1, 2]).json()["issues"][0]["message"] == (
+        "a plan request is a JSON object, not a JSON list")
+    # in JSON's words, not pydantic's ("Input should be a valid dictionary or instance of GraphProfile")
+    listed = client.post("/v1/plans", json=plan_request(profile=[1, 2])).json()["issues"]
+    assert listed == [{"path": "profile", "message": "must be a JSON object, not a JSON list"}], listed
+    # a declared charset changes nothing (RFC 8259), and a body in another one is told so
+    latin = json.dumps(plan_request(seed=1)).replace('"seed"', '"caf\u00e9": 1, "seed"', 1)
+    latin = json.dumps(json.loads(latin), ensure_ascii=False).encode("latin-1")
+    refused = client.post("/v1/plans", content=latin, headers={"content-type": "application/json; charset=latin-1"})
+    message = refused.json()["issues"][0]["message"]
+    assert refused.status_code == 422 and message.startswith("not UTF-8 text") and "RFC 8259" in message, message
     # Numbers so large that a step's sums would overflow are refused at their path, never answered with a 500.
     huge = json.loads(json.dumps(shipped_profile()))
     huge["nodes"][0]["implementations"][0]["time_ms"] = 1e308
@@ -431,7 +441,11 @@ def test_listing_pages_newest_first(client):
     assert all("schedule" not in plan for plan in first["plans"])
     second = client.get("/v1/plans", params={"limit": 2, "cursor": first["next_cursor"]}).json()
     assert second["plans"][0]["id"] == ids[0]
-    assert client.get("/v1/plans", params={"cursor": "x"}).status_code == 422
+    for cursor in ("x", ""):
+        refused = client.get("/v1/plans", params={"cursor": cursor})
+        assert refused.status_code == 422 and refused.json()["issues"] == [{
+            "path": "query.cursor", "message": f"must be the next_cursor of an earlier page (up to 18 digits), not "
+                                               f"{cursor!r}; leave it out for the first page"}], refused.text
 
 
 def test_simulate_returns_figures_or_the_first_violation(client):
