@@ -72,9 +72,10 @@ def issues_from_validation_error(error: ValidationError) -> list[Issue]:
 
 _KINDS = {
     "model_type": "a JSON object", "model_attributes_type": "a JSON object", "dict_type": "a JSON object",
-    "list_type": "a JSON list", "string_type": "a string", "int_type": "a whole number", "int_parsing": "a whole number",
-    "int_from_float": "a whole number", "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
-    "bool_parsing": "true or false",
+    "list_type": "a JSON list", "string_type": "a string",
+    "int_type": "a whole number", "int_parsing": "a whole number", "int_from_float": "a whole number",
+    "float_type": "a number", "float_parsing": "a number",
+    "bool_type": "true or false", "bool_parsing": "true or false",
 }
 
 
