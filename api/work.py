@@ -29,7 +29,7 @@ from planner.profile import json_problem, parse_profile
 from planner.schedule import parse_schedule
 from planner.simulator import simulate
 from planner.strategies import load_all
-from planner.validation import issues_from_validation_error, json_kind
+from planner.validation import describe, issues_from_validation_error
 
 PLANNER_VERSION = planner.__version__
 log = logging.getLogger("mosos.api")
@@ -86,7 +86,7 @@ def read_json_body(raw: bytes, what: str) -> dict:
                         "Content-Type names, as RFC 8259 says: send it as UTF-8")
         raise invalid([Issue("", problem)])
     if not isinstance(data, dict):
-        raise invalid([Issue("", f"a {what} is a JSON object, not {json_kind(data)}")])
+        raise invalid([Issue("", f"a {what} is a JSON object, not {describe(data)}")])
     return data
 
 

@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from planner.errors import Issue, MososError, ProfileError
 from planner.profile import MAX_BANDWIDTH_GB_PER_S, MAX_BYTES, MIN_BANDWIDTH_GB_PER_S
 from planner.units import format_bytes
-from planner.validation import format_location
+from planner.validation import describe, format_location
 
 class GraphImportError(ProfileError):
     document = "graph to import"
@@ -48,29 +48,6 @@ OPTIONS = {
 # no 1.5 or "3" as a size).
 
 
-def describe(value: Any) -> str:
-    """A JSON value as a person would name it: 'the string "false"', 'the number 1.5', 'true', 'null'."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        digits = len(str(abs(value)))
-        return f"an integer of {digits} digits" if digits > 30 else f"the number {value}"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
-        return f"the number {value!r}"
-    if isinstance(value, str):
-        shown = value if len(value) <= 40 else value[:40] + "..."
-        return f"the string {json.dumps(shown)}"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a JSON object"
-    return type(value).__name__
 
 
 def _json_id(value: int | str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo, field_validator
@@ -60,7 +62,7 @@ def issues_from_validation_error(error: ValidationError) -> list[Issue]:
         elif detail["type"] == "int_parsing_size":  # a float beyond 64 bits, such as 1e40
             message = f"is far too large for this field, not {detail.get('input')!r}"
         elif detail["type"] in _KINDS:  # pydantic names Python types ("a valid dictionary or instance of X")
-            message = f"must be {_KINDS[detail['type']]}, not {json_kind(detail.get('input'))}"
+            message = f"must be {_KINDS[detail['type']]}, not {describe(detail.get('input'))}"
         elif detail["type"] == "too_short":  # pydantic: "List should have at least 1 item after validation, not 0"
             least = (detail.get("ctx") or {}).get("min_length", 1)
             given = (detail.get("ctx") or {}).get("actual_length")
@@ -72,26 +74,36 @@ def issues_from_validation_error(error: ValidationError) -> list[Issue]:
 
 _KINDS = {
     "model_type": "a JSON object", "model_attributes_type": "a JSON object", "dict_type": "a JSON object",
-    "list_type": "a JSON list", "string_type": "a string",
+    "list_type": "a list", "string_type": "a string",
     "int_type": "a whole number", "int_parsing": "a whole number", "int_from_float": "a whole number",
     "float_type": "a number", "float_parsing": "a number",
     "bool_type": "true or false", "bool_parsing": "true or false",
 }
 
 
-def json_kind(value: Any) -> str:
-    """What the client sent, in JSON's words: 'a list', 'the string \'x\'', '2.5'."""
+def describe(value: Any) -> str:
+    """A JSON value as a person would name it: 'the string "false"', 'the number 1.5', 'true', 'null'."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int):
+        digits = len(str(abs(value)))
+        return f"an integer of {digits} digits" if digits > 30 else f"the number {value}"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        return f"the string {json.dumps(shown)}"
+    if isinstance(value, list):
+        return "a list"
     if isinstance(value, dict):
         return "a JSON object"
-    if isinstance(value, (list, tuple)):
-        return "a JSON list"
-    if isinstance(value, str):
-        return f"the string {value[:40]!r}" + ("..." if len(value) > 40 else "")
-    return repr(value)[:40]
+    return type(value).__name__
 
 
 _BOUNDS = {"less_than_equal": "at most", "less_than": "below", "greater_than_equal": "at least", "greater_than": "above"}

@@ -376,10 +376,10 @@ def test_bad_input_gets_422_with_paths_and_sentences_and_stores_nothing(client):
     broken = client.post("/v1/plans", content=b'{"profile": ', headers={"content-type": "application/json"})
     assert broken.status_code == 422 and broken.json()["issues"][0]["message"].startswith("not valid JSON")
     assert client.post("/v1/plans", json=[1, 2]).json()["issues"][0]["message"] == (
-        "a plan request is a JSON object, not a JSON list")
+        "a plan request is a JSON object, not a list")
     # in JSON's words, not pydantic's ("Input should be a valid dictionary or instance of GraphProfile")
     listed = client.post("/v1/plans", json=plan_request(profile=[1, 2])).json()["issues"]
-    assert listed == [{"path": "profile", "message": "must be a JSON object, not a JSON list"}], listed
+    assert listed == [{"path": "profile", "message": "must be a JSON object, not a list"}], listed
     # a declared charset changes nothing (RFC 8259), and a body in another one is told so
     latin = json.dumps(plan_request(seed=1)).replace('"seed"', '"caf\u00e9": 1, "seed"', 1)
     latin = json.dumps(json.loads(latin), ensure_ascii=False).encode("latin-1")
