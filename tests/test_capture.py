@@ -104,6 +104,12 @@ def test_inputs_the_model_cannot_take_are_named_as_such_not_as_a_capture_problem
                                            r"AssertionError: 0D or 1D target tensor expected"):
         capture(model[1:], (torch.randn(4, 8),), None, torch.zeros(4, 3, dtype=torch.long), nn.CrossEntropyLoss())
 
+    # export words this mismatch otherwise ("Attempting to broadcast a dimension of length 3"), and the user was
+    # told to rewrite the loss for torch.export: plain PyTorch's own words now, in the same module
+    with pytest.raises(CaptureError, match=r"Linear fails on these inputs in module loss \(MSELoss\), in plain "
+                                           r"PyTorch as well: RuntimeError: The size of tensor a \(2\) must match"):
+        capture(nn.Linear(4, 2), (torch.randn(2, 4),), None, torch.randn(2, 3), nn.MSELoss())
+
 
 class _StraightThrough(torch.autograd.Function):
     """Quantisation-aware training's rounding: the forward rounds, the backward passes the gradient through."""
@@ -426,3 +432,13 @@ def test_an_attention_without_dropout_is_not_a_random_node():
     state = torch.get_rng_state()
     attention(x, x, x, 0.0, True)
     assert torch.equal(state, torch.get_rng_state())  # it draws nothing
+
+
+def test_a_loss_that_is_not_a_single_number_is_refused_as_plain_backward_would():
+    """`loss_fn=lambda out: out` went through capture and measuring and ended in a traceback from the plain step's
+    backward ("grad can be implicitly created only for scalar outputs"); `mosos estimate` accepted it. The replay's
+    joint graph would have trained on the sum."""
+    with pytest.raises(CaptureError, match=r"the loss function returned a float32\[2,2\] tensor, not a single number"):
+        capture(nn.Linear(4, 2), (torch.randn(2, 4),), None, None, lambda out: out)
+    captured = capture(nn.Linear(4, 2), (torch.randn(2, 4),), None, None, lambda out: out.sum().reshape(1))
+    assert captured is not None  # one element in any shape is what backward takes

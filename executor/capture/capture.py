@@ -355,12 +355,16 @@ def _refuse_custom_functions(found: list[type], model: nn.Module) -> None:
 
 
 def _plain_pytorch_failure(error: BaseException, model: nn.Module, inputs: tuple, kwargs: dict, targets,
-                           loss_fn: Callable, autocast_state: tuple) -> tuple[bool, str | None]:
-    """Whether the step, run without torch.export (on fake tensors: no memory), fails the same way, and in which
-    module: then the model and its inputs disagree (a shape, a dtype), and advice on export would mislead."""
+                           loss_fn: Callable, autocast_state: tuple) -> tuple[BaseException | None, str | None]:
+    """Plain PyTorch's error if the step, run without torch.export (on fake tensors: no memory), fails the same
+    way, and in which module: then the model and its inputs disagree (a shape, a dtype), and advice on export
+    would mislead. The same way: the same first line, or the same module with an error of the same kind that is
+    not one of fake tensors' own limits (export words a shape mismatch in an MSELoss as "Attempting to broadcast a
+    dimension", plain PyTorch as "The size of tensor a (2) must match")."""
     if _advice(error) != _GENERIC_ADVICE:
-        return False, None
-    from torch._subclasses.fake_tensor import FakeTensorMode
+        return None, None
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensorMode, UnsupportedOperatorException)
 
     names = _module_names(model, loss_fn)
     running: list[nn.Module] = []
@@ -383,26 +387,30 @@ def _plain_pytorch_failure(error: BaseException, model: nn.Module, inputs: tuple
                      [*wrapper.named_parameters(remove_duplicate=False), *wrapper.named_buffers(remove_duplicate=False)]}
             torch.func.functional_call(wrapper, state, (tuple(inputs), dict(kwargs or {}), targets))
     except Exception as plain:  # noqa: BLE001 - compared, not raised
-        if _first_line(plain) != _first_line(error):
-            return False, None
         failing = next((m for m in reversed(running) if id(m) in names), None)
-        if failing is None:
-            return True, None
-        return True, f"{names[id(failing)] or '<root>'} ({type(failing).__name__})"
+        module = None if failing is None else f"{names[id(failing)] or '<root>'} ({type(failing).__name__})"
+        if _first_line(plain) == _first_line(error):
+            return plain, module
+        fake_limit = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+        if (module is not None and type(plain) is type(error) and not isinstance(plain, fake_limit)
+                and module == _module_and_line(error, model, loss_fn)[0]):
+            return plain, module
+        return None, None
     finally:
         for hook in hooks:
             hook.remove()
-    return False, None
+    return None, None
 
 
-def _inputs_error(error: BaseException, model: nn.Module, loss_fn, module: str | None, inputs: tuple,
-                  kwargs: dict, targets) -> CaptureError:
+def _inputs_error(error: BaseException, plain: BaseException, model: nn.Module, loss_fn, module: str | None,
+                  inputs: tuple, kwargs: dict, targets) -> CaptureError:
+    """The step fails in plain PyTorch too: plain PyTorch's words, which the user would see without mosos."""
     found, where = _module_and_line(error, model, loss_fn)
     module = module or found
     place = (f" in module {module}" if module else "") + (f" at {where}" if where else "")
     return CaptureError(
         f"{type(model).__name__} fails on these inputs{place}, in plain PyTorch as well: "
-        f"{_first_line(error).rstrip('.')}. Inputs {tensor_signature(inputs, kwargs) or 'none'}, targets "
+        f"{_first_line(plain).rstrip('.')}. Inputs {tensor_signature(inputs, kwargs) or 'none'}, targets "
         f"{tensor_signature(targets) or 'none'}: check the shapes and dtypes given to the model and its loss"
     )
 
@@ -555,9 +563,9 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001 - every export failure becomes a message
-        fails, module = _plain_pytorch_failure(error, model, inputs, kwargs, targets, loss_fn, autocast_state)
-        if fails:
-            raise _inputs_error(error, model, loss_fn, module, inputs, kwargs, targets) from None
+        plain, module = _plain_pytorch_failure(error, model, inputs, kwargs, targets, loss_fn, autocast_state)
+        if plain is not None:
+            raise _inputs_error(error, plain, model, loss_fn, module, inputs, kwargs, targets) from None
         raise capture_error(error, model, loss_fn, "torch.export") from None
     _refuse_tensor_hooks(tensor_hooks, model)
     _refuse_custom_functions(custom_functions, model)
@@ -654,6 +662,15 @@ def _describe(exported: export.Exported, model, loss_fn, inputs, kwargs, targets
                                "does not handle (outputs that alias each other or tensor subclasses)")
     if loss is None:
         raise CaptureError(f"cannot capture {type(model).__name__}: the loss is not part of the graph")
+    loss_value = loss.meta.get("val") if isinstance(loss, fx.Node) else None
+    if isinstance(loss_value, torch.Tensor) and loss_value.numel() != 1:
+        # plain PyTorch's loss.backward() refuses it ("grad can be implicitly created only for scalar outputs");
+        # the joint graph would seed it with ones and train on the sum, a different step
+        shape = "[" + ",".join(str(size) for size in loss_value.shape) + "]"
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: the loss function returned a {str(loss_value.dtype)[6:]}{shape} "
+            "tensor, not a single number; backward needs a scalar loss: reduce it (.mean() or .sum(), as your "
+            "training loop would), or use a loss module's default reduction")
     if autocast_state and autocast_state[0][2]:
         # eager's autocast cache (on unless cache_enabled=False; one flag for every device) casts a parameter once
         # per region; without it eager casts at every use, as the trace does
