@@ -99,6 +99,10 @@ def _import_target(target: str, spec: str):
         sys.path.insert(0, str(path.resolve().parent))
         try:
             module_spec.loader.exec_module(module)
+        except SystemExit as leaving:  # a script's top level run on import: an exit 0 read as success, silently
+            sys.modules.pop(module_name, None)
+            raise WorkloadError(f"{spec!r}: importing {target} called {_exit_call(leaving)}; keep the training "
+                                "script's top level under `if __name__ == \"__main__\":`") from None
         except Exception as error:  # noqa: BLE001 - the user's module failed while importing
             sys.modules.pop(module_name, None)
             raise WorkloadError(f"{spec!r}: importing {target} failed: {_describe(error)}") from None
@@ -117,12 +121,22 @@ def _import_target(target: str, spec: str):
         raise WorkloadError(f"{spec!r}: importing {target} failed: {_describe(error)}") from None
 
 
+def _exit_call(leaving: SystemExit) -> str:
+    code = leaving.code
+    return "sys.exit()" if code is None else f"sys.exit({code!r})"
+
+
 def _describe(error: BaseException) -> str:
-    """The exception and the innermost frame of the user's code (not torch's, not ours)."""
+    """The exception and the innermost frame of the user's code (not torch's, not ours, not importlib's)."""
+    if isinstance(error, SyntaxError) and error.filename:  # where the parser stopped, not an importlib frame
+        where = f"{os.path.basename(error.filename)}:{error.lineno}"
+        line = (error.text or "").strip()
+        return f"{type(error).__name__}: {error.msg} ({where}" + (f": {line})" if line else ")")
     torch_dir = os.path.dirname(torch.__file__)
     frames = [
         f for f in traceback.extract_tb(error.__traceback__)
         if not f.filename.startswith(torch_dir) and not f.filename.endswith(os.path.join("models", "workload.py"))
+        and not f.filename.startswith("<frozen")
     ]
     text = str(error).strip().splitlines()
     message = f"{type(error).__name__}: {text[0] if text else ''}"
@@ -162,6 +176,9 @@ def load_workload(spec: str, batch_size: int | None = None) -> Workload:
         )
     try:
         result = function(batch_size=batch_size) if batch_size is not None else function()
+    except SystemExit as leaving:  # sys.exit(0) in build() ended mosos with success and no output
+        raise WorkloadError(f"{spec!r}: {function_name}() called {_exit_call(leaving)} instead of returning the "
+                            "model and its inputs") from None
     except Exception as error:  # noqa: BLE001 - the user's build failed
         raise WorkloadError(f"{spec!r}: {function_name}() raised {_describe(error)}") from None
     return as_workload(result, spec, batch_size)

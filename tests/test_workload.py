@@ -115,8 +115,17 @@ def test_specs_that_cannot_be_loaded(tmp_path):
         load_workload("no_such_package_x:build")
     bad = tmp_path / "syntax.py"
     bad.write_text("def build(:\n")
-    with pytest.raises(WorkloadError, match="importing .*syntax.py failed: SyntaxError"):
-        load_workload(f"{bad}:build")
+    with pytest.raises(WorkloadError, match=r"importing .*syntax.py failed: SyntaxError: .*\(syntax.py:1: def build\(:\)"):
+        load_workload(f"{bad}:build")  # where the parser stopped, not an importlib frame
+    # sys.exit ended mosos with exit code 0 and nothing written, as if it had succeeded
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\ndef build(batch_size=2):\n    sys.exit(0)\n")
+    with pytest.raises(WorkloadError, match=r"build\(\) called sys.exit\(0\) instead of returning the model"):
+        load_workload(f"{exits}:build")
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nsys.exit()\ndef build(batch_size=2):\n    pass\n")
+    with pytest.raises(WorkloadError, match=r"importing .*script.py called sys.exit\(\); keep the training script"):
+        load_workload(f"{script}:build")
     assert looks_like_spec("a.py:build") and not looks_like_spec("vgg19")
 
 
