@@ -131,7 +131,9 @@ def _table(result: MaxBatchResult, title: str) -> Table:
             search += f"; NOT monotone ({len(answer.violations)})"
         solves = sum(1 for p in answer.probes if p.outcome != "below-floor")
         if probe is None:
-            table.add_row(answer.strategy, "none fits", "", "", "", "", "", search, str(solves), f"{answer.wall_time_s:.1f} s")
+            # "no batch found ...": the time ran out first, which is not "none fits"
+            none = "none in time" if (answer.reason or "").startswith("no batch found") else "none fits"
+            table.add_row(answer.strategy, none, "", "", "", "", "", search, str(solves), f"{answer.wall_time_s:.1f} s")
             continue
         best = (f"{answer.best_throughput_batch_size} ({answer.best_throughput_samples_per_s:.1f}/s)"
                 if answer.best_throughput_batch_size is not None else "")

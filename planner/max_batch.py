@@ -538,7 +538,8 @@ class _StrategySearch:
             if self.ceiling < 1:
                 floor = self.batches.below_floor(smallest, self.budget) or f"batch {smallest} is above the batch limit"
                 return f"no batch fits: {floor}", _floor_bytes(self.batches, smallest)
-            return f"no batch fits: the search stopped before batch {smallest} was solved ({self.stopped_by})", None
+            return (f"no batch found in time: the search stopped before batch {smallest} was solved "
+                    f"({self.stopped_by}); more time may find one"), None
         if first.outcome == "below-floor":
             return f"no batch fits: {first.reason}", _floor_bytes(self.batches, smallest)
         if first.outcome == "infeasible" and first.proven is False:

@@ -268,6 +268,20 @@ def test_a_batch_left_unsolved_by_a_time_limit_is_not_called_infeasible():
     assert answer.unsettled_next().batch_size == 11
 
 
+def test_a_search_that_ran_out_of_time_before_its_first_batch_says_so_not_that_none_fits():
+    """`mosos max-batch --time-limit 5` spent its time building profiles and said "no batch fits"."""
+    import time as clock
+
+    def slow(batch):
+        clock.sleep(0.4)
+        return small_chain(batch)
+
+    answer = max_batch(slow, 10**8, strategies=["keep-all"], max_overhead=None, time_limit_s=0.3,
+                       throughput_probes=0).strategies[0]
+    assert answer.max_batch_size is None and not answer.complete
+    assert answer.reason.startswith("no batch found in time: the search stopped before batch 1 was solved"), answer
+
+
 def test_solve_limits_below_the_first_ladder_step_are_the_smallest_solve():
     """Limits of 0.2155 and 0.2423 s made two runs of one question ask different solves (and miss the store)."""
     from planner.max_batch import MIN_SOLVE_S, _quantized
