@@ -164,9 +164,9 @@ def test_two_processes_planning_the_same_model_at_once_both_train_and_leave_one_
 
 
 @pytest.mark.parametrize("damage", ["truncated capture", "schedule of another profile", "torn entry",
-                                    "traced file changed"])
+                                    "traced file changed", "budget raised", "budget below its peak"])
 def test_a_corrupt_entry_is_said_removed_and_planned_again(project, damage):
-    run(project)
+    first = run(project)
     (entry,) = kept_entries()
     if damage == "truncated capture":
         text = (entry / "capture.json").read_text()
@@ -177,6 +177,13 @@ def test_a_corrupt_entry_is_said_removed_and_planned_again(project, damage):
         (entry / "schedule.json").write_text(json.dumps(schedule))
     elif damage == "torn entry":
         (entry / "profile.json").unlink()
+    elif damage in ("budget raised", "budget below its peak"):
+        # valid JSON, another plan: ten times the budget was trusted, and under memory_ratio it raised the budget
+        # of every later input signature (31% over on a transformer); a budget below the plan's peak was not seen
+        schedule = json.loads((entry / "schedule.json").read_text())
+        peak = schedule["summary"]["peak_memory_bytes"]
+        schedule["budget_bytes"] = schedule["budget_bytes"] * 10 if damage == "budget raised" else peak // 2
+        (entry / "schedule.json").write_text(json.dumps(schedule))
     else:  # a file the capture traced through, changed without changing the key
         capture = json.loads((entry / "capture.json").read_text())
         traced = next(path for path in capture["source_files"] if path.endswith("cached_model.py"))
@@ -187,6 +194,11 @@ def test_a_corrupt_entry_is_said_removed_and_planned_again(project, damage):
     assert any("is not usable" in m and "planning again" in m for m in result["messages"]), result["messages"]
     if damage == "traced file changed":
         assert any("cached_model.py changed since the capture" in m for m in result["messages"])
+    if damage == "budget raised":
+        assert any("made for a budget of" in m and "memory_ratio=0.6 gives here" in m for m in result["messages"])
+    if damage == "budget below its peak":
+        assert any("over the budget" in m for m in result["messages"]), result["messages"]
+    assert result["budget"] == first["budget"]  # what memory_ratio gives, not what the entry said
     assert result["bitwise"]
     assert run(project)["calls"] == {"capture": 0, "solve": 0}  # the entry was made again, whole
 

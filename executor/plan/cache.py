@@ -48,6 +48,7 @@ from planner import __version__ as MOSOS_VERSION
 from planner.errors import MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
+from planner.simulator import simulate
 
 ENTRY_VERSION = 1
 _PLANS = f"plans-v{ENTRY_VERSION}"
@@ -359,6 +360,13 @@ class PlanCache:
                 raise StoreError("its profile was made for another graph")
             if schedule.profile_digest != profile.digest():
                 raise StoreError("its schedule was made for another profile")
+            asked_bytes = checked.key.summary.budget.bytes
+            if asked_bytes is not None and schedule.budget_bytes != asked_bytes:
+                raise StoreError(f"its schedule was made for a budget of {schedule.budget_bytes} bytes, not the "
+                                 f"{asked_bytes} its key asks for")
+            # replayed in the simulator as every plan is before anyone sees it: an entry edited or damaged into
+            # another valid plan that breaks its budget or a rule is refused here, not found out by the step
+            simulate(profile, schedule, keep_timeline=False)
             _check_fresh_capture(step, model, loss_fn, inputs, kwargs, targets, autocast_state, say)
         except Exception as error:  # noqa: BLE001 - a bad entry is never fatal: say so, drop it, plan again
             reason = error if isinstance(error, StoreError) else f"{type(error).__name__}: {error}"

@@ -99,6 +99,9 @@ def plan_remotely(
         raise PlannerServiceError(f"cannot reach the planner service at {base}: {error}") from None
 
 
+RATIO_CACHE_TOLERANCE = 0.01  # a kept plan's ratio budget against this run's estimate (probes of scratch may vary)
+
+
 def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio: float,
                        algorithms: tuple[str, ...] | None = None, progress=None) -> int:
     """`memory_ratio` of the keep-all peak as the capture estimates it, before the step runs (large-batch native
@@ -307,6 +310,18 @@ def optimize(
                   if key is not None else None)
         if cached is not None:
             profiled = planning_of(cached.step, inputs, kwargs, targets)
+            if memory_ratio is not None and cached.schedule.budget_bytes is not None:
+                # what this ratio gives this signature now (or the first signature's budget, where more): a kept
+                # plan made for more (an edited entry, another run's first signature) would raise every later one
+                own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
+                                               algorithms)
+                allowed_bytes = max(own_bytes, ratio_resolved_bytes[0]) if ratio_resolved_bytes else own_bytes
+                if cached.schedule.budget_bytes > allowed_bytes * (1 + RATIO_CACHE_TOLERANCE):
+                    say(f"cached plan {key.digest[:12]} is not usable (made for a budget of "
+                        f"{format_bytes(cached.schedule.budget_bytes)}, above the {format_bytes(allowed_bytes)} "
+                        f"memory_ratio={memory_ratio:g} gives here): planning again")
+                    cached = None
+        if cached is not None:
             summary = cached.schedule.summary
             say(f"using the plan kept in {store.plans / key.digest[:12]}... (made "
                 f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(cached.created))}"
@@ -316,8 +331,7 @@ def optimize(
                 say(f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
                     f"{format_bytes(summary.peak_memory_bytes)}")
             if memory_ratio is not None and not ratio_resolved_bytes and cached.schedule.budget_bytes is not None:
-                ratio_resolved_bytes[:] = [cached.schedule.budget_bytes,
-                                           shapes_of(inputs, kwargs, targets, autocast_state)]
+                ratio_resolved_bytes[:] = [own_bytes, shapes_of(inputs, kwargs, targets, autocast_state)]
             taken_from_cache.add(key.digest)
             return cached.profile, cached.schedule, profiled, key
         say("capturing the step with torch.export")
