@@ -204,3 +204,28 @@ def test_post_accumulate_grad_hooks_fire_once_per_parameter_and_see_the_gradient
     plain_grads = [p.grad for p in plain.parameters()]
     assert all(torch.equal(grad, plain_grads[i]) for i, grad in seen)  # each hook saw the finished gradient
     assert same_gradients(model, plain)
+
+
+def test_a_signature_the_budget_refuses_is_named_and_refused_at_once_when_it_comes_back():
+    """A longer batch under a fixed budget failed with "no measuring pass fits ..." naming no shape (only a progress
+    line did), and each time it came back it was captured and measured again before failing the same way."""
+    from planner.errors import BudgetError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 4))
+    small = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    large = torch.randn(4096, 32), torch.randint(0, 4, (4096,))
+    messages: list[str] = []
+    planned = executor.optimize(model, (small[0],), F.cross_entropy, targets=small[1], budget="2MiB", time_limit_s=2,
+                                workers=1, optimizer="sgd", progress=messages.append, cache=False)
+    with pytest.raises(BudgetError) as refused:
+        planned(large[0], targets=large[1])
+    assert str(refused.value).startswith("planning the new input signature float32[4096,32]"), str(refused.value)
+    captures = sum("capturing the step" in m for m in messages)
+    with pytest.raises(BudgetError, match="refused before in this run; nothing was planned again") as again:
+        planned(large[0], targets=large[1])
+    assert sum("capturing the step" in m for m in messages) == captures  # no capture or measuring this time
+    assert again.value.minimum_budget_bytes == refused.value.minimum_budget_bytes
+    loss = planned(small[0], targets=small[1])  # the kept plan still serves its own signature
+    loss.backward()

@@ -46,7 +46,7 @@ from executor.capture.feeds import Feeder
 from executor.measure.measured import StepReport, measured_profile, node_differences
 from executor.measure.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
 from executor.replay.runtime import StepRuntime, TimedStepRuntime
-from planner.errors import MososError
+from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
@@ -250,6 +250,9 @@ class PlannedModule(nn.Module):
         self._say = progress or (lambda message: None)
         self._signature: tuple | None = None
         self._plans: OrderedDict[tuple, dict] = OrderedDict()
+        # signatures whose planning was refused (a budget, a capture): the same refusal at once when they come back,
+        # not a capture and measuring that end the same way each time
+        self._refused: OrderedDict[tuple, MososError] = OrderedDict()
         self.signatures_planned = 0  # input signatures planned after the first (each once, unless evicted)
         self._plan_token = plan_token
         self._live_step: weakref.ref | None = None  # the last step begun, until its backward
@@ -289,6 +292,11 @@ class PlannedModule(nn.Module):
                 setattr(self, name, value)
             self._signature = signature
             return
+        refused = self._refused.get(signature)
+        if refused is not None:
+            again = copy.copy(refused)
+            again.args = (f"{refused} (refused before in this run; nothing was planned again)", *refused.args[1:])
+            raise again
         reason = None
         if self._signature is not None and _without_state(signature) == _without_state(self._signature):
             reason = (f"the model changed since its step was captured "
@@ -308,6 +316,12 @@ class PlannedModule(nn.Module):
         except MososError as error:
             if reason is not None:  # a budget that held for the model as it was (model.to(torch.float64) after it)
                 error.args = (f"{reason}, and planning it again failed: {error}", *error.args[1:])
+            else:  # which call it was: the shapes, not only in a progress line
+                error.args = (f"planning the {what} failed: {error}", *error.args[1:])
+            if isinstance(error, (BudgetError, CaptureError)):  # the same answer next time: a time limit may differ
+                self._refused[signature] = error
+                while len(self._refused) > REFUSALS_KEPT:
+                    self._refused.popitem(last=False)
             raise
         self._plans.pop(signature, None)
         self.profile, self.schedule, self._plan_token = profile, schedule, token
@@ -347,6 +361,7 @@ class PlannedModule(nn.Module):
         self._prepared = self._timed = self._live_step = self.last_ledger = None
         self._superseded_nodes = []
         self._plans = OrderedDict()
+        self._refused = OrderedDict()
         self._plan_signature = self._replan = None
         optimizer_state.watch(self)  # its own optimizer is checked against its plan too
 
@@ -570,7 +585,8 @@ def _output_is_the_loss(output):
 
 
 _NOT_COPIED = ("_prepared", "_timed", "_live_step", "_superseded_nodes", "last_ledger", "_plans", "_plan_signature",
-               "_replan")
+               "_replan", "_refused")
+REFUSALS_KEPT = 16
 _STATE = 4  # where a signature holds the model's Python state (executor.capture.python_state)
 
 
