@@ -442,3 +442,21 @@ def test_a_loss_that_is_not_a_single_number_is_refused_as_plain_backward_would()
         capture(nn.Linear(4, 2), (torch.randn(2, 4),), None, None, lambda out: out)
     captured = capture(nn.Linear(4, 2), (torch.randn(2, 4),), None, None, lambda out: out.sum().reshape(1))
     assert captured is not None  # one element in any shape is what backward takes
+
+
+def test_a_number_read_from_a_tensor_only_to_be_logged_is_refused_too():
+    """`print(round(h.mean().item(), 4))` in forward: the capture printed "RoundDecimal(zuf0, 4)", the value was used by no
+    tensor (so no node carried it), and the planned steps printed nothing, silently."""
+
+    class Logs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.linear(x)
+            self.seen = h.mean().item()  # kept for a log line
+            return h
+
+    with pytest.raises(CaptureError, match=r"reads a Python number from a tensor .* that no tensor of the step uses"):
+        capture(Logs(), (torch.randn(2, 4),), None, None, lambda out: out.sum())

@@ -499,6 +499,18 @@ def _check_static(program, model: nn.Module) -> None:
             + ". The executor plans fixed shapes: keep values as tensors and shapes independent of the data "
             "(torch.where instead of boolean indexing or branching on values)"
         )
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
+    unused = [symbol for symbol in getattr(program, "range_constraints", {})
+              if symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))]
+    if unused:
+        # read for Python alone (a print, a log line, a metric): the capture saw a symbol in place of the value,
+        # and the replay never runs that Python; refused as the README promises for .item(), not left to go quiet
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: its step reads a Python number from a tensor (.item(), float(t), "
+            "int(t)) that no tensor of the step uses, e.g. to print or log it: Python code in forward runs once, at "
+            "the capture (where it saw a symbol, not a number), and never in the planned step, so the log would "
+            "stop silently; compute it from the loss or the output after the planned call, outside the model")
 
 
 # --- the capture ------------------------------------------------------------------------------------
