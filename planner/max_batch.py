@@ -240,6 +240,7 @@ class _Batches:
     profiles: dict[int, GraphProfile] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     lower_bounds: dict[int, tuple[float, float]] = field(default_factory=dict)
+    measuring_refusals: dict[tuple[int, int], str | None] = field(default_factory=dict)
 
     def profile(self, batch: int) -> GraphProfile:
         if batch in self.errors:
@@ -265,13 +266,21 @@ class _Batches:
         return self.lower_bounds[batch]
 
     def below_floor(self, batch: int, budget: int) -> str | None:
-        """Why no plan of any strategy fits at `batch` (None if some might)."""
+        """Why no plan of any strategy fits at `batch` (None if some might). A `profile_for_batch` that measures
+        may also say why a batch cannot be measured within the budget (`below_measuring_floor(batch, budget)`):
+        a batch whose plan fits but whose step cannot be measured first is no answer."""
         try:
             floor = minimum_budget_bytes(self.profile(batch))
         except MososError as error:
             return str(error)
         if floor > budget:
             return f"the budget is below what any plan needs at batch {batch}: {describe_minimum(self.profile(batch))}"
+        measuring_floor = getattr(self.profile_for_batch, "below_measuring_floor", None)
+        if callable(measuring_floor):
+            key = (batch, budget)
+            if key not in self.measuring_refusals:
+                self.measuring_refusals[key] = measuring_floor(batch, budget)
+            return self.measuring_refusals[key]
         return None
 
 

@@ -51,6 +51,15 @@ def one_batch():
     return build(4)
 
 
+def mlp(batch_size=4):
+    # its measuring passes' upper estimates of scratch are above its plans' peaks: at 8 MiB plans fit batch 478,
+    # measuring fits 411
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    return {"model": model, "inputs": torch.randn(batch_size, 256), "targets": torch.randint(10, (batch_size,)),
+            "loss_fn": F.cross_entropy}
+
+
 def deep(batch_size=4):
     # activations of 64 KiB a sample: at batch 16 keep-all holds 17.1 MB, a frugal schedule 11.9 MB (fixed 5.4 MB)
     torch.manual_seed(0)
@@ -207,7 +216,10 @@ def test_measured_profiles_are_scaled_exactly_in_size_and_the_search_runs_on_the
                        time_limit_s=30, batch_limit=256)
     keep_all = result.strategies[0].max_batch_size
     assert keep_all is not None and keep_all_peak_bytes(profiles(keep_all)) <= 2 * MIB
-    assert keep_all_peak_bytes(profiles(keep_all + 1)) > 2 * MIB
+    assert profiles.below_measuring_floor(keep_all, 2 * MIB) is None
+    # the next batch's plan breaks the budget, or measuring it (what optimize() does first) would
+    assert (keep_all_peak_bytes(profiles(keep_all + 1)) > 2 * MIB
+            or profiles.below_measuring_floor(keep_all + 1, 2 * MIB) is not None)
 
 
 def test_a_graph_that_changes_with_the_batch_cannot_be_scaled(workload):
@@ -243,6 +255,36 @@ def test_measuring_a_workload_holds_the_budget(workload, budget_bytes, validated
     else:
         assert profiles.report.validate_batch is None and 16 not in profiles.measured
         assert "batch 16 was not measured to check the scaling: no measuring pass fits" in profiles.describe()
+
+
+def test_the_largest_measured_batch_can_be_measured_in_the_budget_as_optimize_does_first(workload):
+    """max-batch named batch 478 at 8 MiB for an MLP, and `mosos profile --batch 478 --budget 8MiB` refused it (no
+    measuring pass fits: 8.30 MiB): the plan fitted, the measuring that optimize() and profile do first did not.
+    A batch now counts only where a measuring pass fits too, on the measurements' upper estimates scaled."""
+    from executor.measure.profiler import profile_model
+    from models.workload import load_workload
+
+    torch.set_num_threads(1)
+    budget = 8 * MIB
+    profiles = MeasuredProfiles(f"{workload}:mlp", measure_batches=(2, 4), validate_batch=None, repeats=1, threads=1,
+                                budget_bytes=budget)
+    result = max_batch(profiles, budget, strategies=["recompute-only"], max_overhead=None, time_limit_s=60,
+                       workers=1, throughput_probes=0)
+    answer = result.strategies[0]
+    largest = answer.max_batch_size
+    assert largest is not None and answer.complete, answer
+    assert result.floor_batch_size == largest and answer.first_failing_batch_size == largest + 1
+    assert f"no quick measuring pass does at batch {largest + 1}" in result.floor_reason, result.floor_reason
+
+    def measured(batch):
+        built = load_workload(f"{workload}:mlp", batch_size=batch)
+        return profile_model(built.model, built.inputs, built.loss_fn, built.targets, repeats=1, warmup=0,
+                             budget_bytes=budget)
+
+    assert measured(largest).name  # the answer is one optimize() can start from
+    assert plan(profiles(largest + 1), budget, strategy="recompute-only").summary.peak_memory_bytes <= budget
+    with pytest.raises(BudgetError, match="no measuring pass fits"):  # one more: a plan fits, measuring does not
+        measured(largest + 1)
 
 
 def test_a_measured_batch_that_does_not_fit_the_budget_says_what_to_do(workload):

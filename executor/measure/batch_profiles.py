@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 from executor.measure.estimate import estimate_workload, gpu_of
-from executor.measure.profiler import profile_model
+from executor.measure.measuring import measuring_pass_fits
+from executor.measure.profiler import profile_step
 from models.batch_profiles import (BatchProfileError, ScalingReport, check_same_graph, common_implementations,
                                    memory_peak_bytes, scale_profile)
 from models.workload import load_workload
@@ -114,6 +115,10 @@ class MeasuredProfiles:
         self.say = progress or (lambda message: None)
         self.measured: dict[int, GraphProfile] = {}
         self._scaled: dict[int, GraphProfile] = {}
+        # the upper estimates each measurement's passes were planned on, scaled as the profiles are: whether a batch
+        # nobody measured can be measured in a budget, as optimize() and `mosos profile` do before anything else
+        self.provisional: dict[int, GraphProfile] = {}
+        self._scaled_provisional: dict[int, GraphProfile] = {}
         self.label = spec
         started = time.monotonic()
         for batch in batches:
@@ -154,9 +159,13 @@ class MeasuredProfiles:
         inputs, targets = _to(workload.inputs, self.device), _to(workload.targets, self.device)
         kwargs = {key: _to(value, self.device) for key, value in workload.kwargs.items()}
         self.say(f"measuring {self.spec} at batch {batch} on {self.device}")
-        return profile_model(model, inputs, workload.loss_fn, targets, kwargs=kwargs,
-                             name=f"{workload.name} batch {batch} on {self.device} (measured)",
-                             progress=lambda message: self.say(f"batch {batch}: {message}"), **self.options)
+        profile, profiled = profile_step(model, inputs, workload.loss_fn, targets, kwargs=kwargs,
+                                         name=f"{workload.name} batch {batch} on {self.device} (measured)",
+                                         progress=lambda message: self.say(f"batch {batch}: {message}"),
+                                         **self.options)
+        self.provisional[batch] = profiled.provisional
+        self._scaled_provisional.clear()
+        return profile
 
     def _measured_within_budget(self, batch: int) -> GraphProfile:
         try:
@@ -171,18 +180,32 @@ class MeasuredProfiles:
         if batch_size in self.measured:
             return self.measured[batch_size]
         if batch_size not in self._scaled:
-            known = sorted(self.measured)
-            above = [b for b in known if b > batch_size]
-            below = [b for b in known if b < batch_size]
-            if below and above:
-                a, b = below[-1], above[0]
-            elif above:
-                a, b = above[0], above[1]
-            else:
-                a, b = below[-2], below[-1]
+            a, b = _ends(sorted(self.measured), batch_size)
             name = f"{self.label} batch {batch_size} on {self.device} (scaled from batches {a} and {b})"
             self._scaled[batch_size] = scale_profile(self.measured[a], self.measured[b], a, b, batch_size, name)
         return self._scaled[batch_size]
+
+    def below_measuring_floor(self, batch_size: int, budget_bytes: int) -> str | None:
+        """Why `batch_size` cannot be measured within `budget_bytes` (None if it can): a plan that fits is no use
+        when optimize() and `mosos profile` cannot measure the step first (their passes run on upper estimates of
+        each kernel's scratch). max-batch asks it of every batch it would solve."""
+        known = {batch: profile for batch, profile in self.provisional.items() if profile is not None}
+        if len(known) < 2:
+            return None
+        if batch_size in known:
+            provisional = known[batch_size]
+        else:
+            if batch_size not in self._scaled_provisional:
+                common = common_implementations(known)
+                a, b = _ends(sorted(common), batch_size)
+                self._scaled_provisional[batch_size] = scale_profile(
+                    common[a], common[b], a, b, batch_size, f"{self.label} batch {batch_size} (provisional, scaled)")
+            provisional = self._scaled_provisional[batch_size]
+        if measuring_pass_fits(provisional, budget_bytes):
+            return None
+        return (f"a plan may fit, but no quick measuring pass does at batch {batch_size}: optimize() and mosos "
+                f"profile measure the step first, on upper estimates of each kernel's scratch, and would refuse "
+                f"{format_bytes(budget_bytes)} there")
 
     def _compare(self, predicted: GraphProfile, actual: GraphProfile) -> None:
         differences = [p.size_bytes - q.size_bytes for p, q in zip(predicted.nodes, actual.nodes)]
@@ -206,6 +229,17 @@ class MeasuredProfiles:
 
     def describe(self) -> str:
         return self.report.describe()
+
+
+def _ends(known: list[int], batch: int) -> tuple[int, int]:
+    """The two measured batches whose line predicts `batch`: around it, else the nearest two."""
+    above = [b for b in known if b > batch]
+    below = [b for b in known if b < batch]
+    if below and above:
+        return below[-1], above[0]
+    if above:
+        return above[0], above[1]
+    return below[-2], below[-1]
 
 
 def _budget_reason(error: BudgetError, budget_bytes: int | None) -> str:

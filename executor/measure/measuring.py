@@ -367,6 +367,19 @@ def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_
     return known
 
 
+def measuring_pass_fits(provisional: GraphProfile, budget_bytes: int, time_limit_s: float = 1.0) -> bool:
+    """Whether keep-all or the greedy pass measures within `budget_bytes`: the quick part of measuring_schedule,
+    for a batch that is only predicted (max-batch). False may be too strict (a solver might find a pass), never too
+    lenient."""
+    from planner.strategies.keep_all import keep_all_schedule
+
+    if budget_bytes < minimum_budget_bytes(provisional):
+        return False
+    if simulate(provisional, keep_all_schedule(provisional), keep_timeline=False).peak_memory_bytes <= budget_bytes:
+        return True
+    return _greedy(provisional, budget_bytes, time.monotonic() + time_limit_s) is not None
+
+
 def _greedy(provisional: GraphProfile, budget_bytes: int, deadline: float) -> Schedule | None:
     """The greedy evict-and-recompute pass, then the memory-aware order, then the greedy pass with every node on
     its implementation of smallest workspace (a batch-split convolution where native's scratch leaves no room:

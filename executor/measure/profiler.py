@@ -235,6 +235,7 @@ class ProfiledStep:
     measuring: MeasuringPlan | None = None  # the schedule the profile was measured under
     compiled: CompiledNodes | None = None  # the nodes the profile measured as Inductor kernels (compile=True)
     convolution_scratch: dict[int, int] | None = None  # native convolutions' scratch bounds, probed (CPU)
+    provisional: GraphProfile | None = None  # the upper estimates the measuring passes were planned on
 
 
 def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
@@ -539,7 +540,7 @@ def profile_step(
             if told is error:  # a measured floor (not a formula's ceiling the budget left no room to probe)
                 told = _with_batch_splits_offered(error, profiled, provisional, leaves, device, optimizer, algorithms)
             raise told from None
-        profiled.measuring = chosen
+        profiled.measuring, profiled.provisional = chosen, provisional
         say(f"measuring under {chosen.describe()}")
         compiler = NodeCompiler(say) if compile else None
         try:
