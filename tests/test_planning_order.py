@@ -83,5 +83,5 @@ def test_a_profile_with_no_random_node_is_written_as_before():
 def test_draws_random_is_a_boolean(value):
     from planner.errors import ProfileError
 
-    with pytest.raises(ProfileError, match=r"nodes\[0\]\.draws_random: Input should be a valid boolean"):
+    with pytest.raises(ProfileError, match=r"nodes\[0\]\.draws_random: must be true or false, not "):
         make_profile([node("a", draws_random=value), node("loss", kind="loss", inputs=["a"])])
