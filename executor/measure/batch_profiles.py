@@ -118,6 +118,7 @@ class MeasuredProfiles:
         # the upper estimates each measurement's passes were planned on, scaled as the profiles are: whether a batch
         # nobody measured can be measured in a budget, as optimize() and `mosos profile` do before anything else
         self.provisional: dict[int, GraphProfile] = {}
+        self._common_provisional: dict[int, GraphProfile] | None = None  # the implementations every batch offers
         self._scaled_provisional: dict[int, GraphProfile] = {}
         self.label = spec
         started = time.monotonic()
@@ -164,6 +165,7 @@ class MeasuredProfiles:
                                          progress=lambda message: self.say(f"batch {batch}: {message}"),
                                          **self.options)
         self.provisional[batch] = profiled.provisional
+        self._common_provisional = None
         self._scaled_provisional.clear()
         return profile
 
@@ -196,7 +198,9 @@ class MeasuredProfiles:
             provisional = known[batch_size]
         else:
             if batch_size not in self._scaled_provisional:
-                common = common_implementations(known)
+                if self._common_provisional is None:  # once per set of measurements, not once per batch asked
+                    self._common_provisional = common_implementations(known)
+                common = self._common_provisional
                 a, b = _ends(sorted(common), batch_size)
                 self._scaled_provisional[batch_size] = scale_profile(
                     common[a], common[b], a, b, batch_size, f"{self.label} batch {batch_size} (provisional, scaled)")
