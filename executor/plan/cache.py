@@ -51,6 +51,9 @@ from planner.schedule import Schedule
 from planner.simulator import simulate
 
 ENTRY_VERSION = 1
+# the compiled replay's kernels, raised when they compute otherwise, so that a plan measured and kept on the old
+# ones is made again (2: batch norm computed as ATen's CPU kernel computes it, executor.replay.batch_norm_decomposition)
+COMPILED_KERNELS_VERSION = 2
 _PLANS = f"plans-v{ENTRY_VERSION}"
 _STAGING = re.compile(r"\.[0-9a-f]{12}-.*")  # PlanCache.store's folder until it is whole: the cache's own too
 _LATEST_TIMESTAMP_S = 32503680000.0  # year 3000: a later "created" is a corrupt number, and time.localtime refuses
@@ -230,7 +233,7 @@ def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targ
     input_signature = tensor_signature(tuple(inputs), kwargs)
     fields = {
         "versions": {"mosos": MOSOS_VERSION, "torch": torch.__version__, "python": platform.python_version(),
-                     "entry": ENTRY_VERSION},
+                     "entry": ENTRY_VERSION, "compiled kernels": COMPILED_KERNELS_VERSION},
         "model": module_structure(model),
         "loss_fn": _callable_identity(loss_fn),
         "inputs": {"signature": input_signature, "spec": str(spec), "constants": constants,

@@ -16,8 +16,10 @@ than eager's make it compile again requiring eager's; outputs that share
 memory with its inputs or each other make it run eagerly.
 
 Compiled on fake tensors (nothing is allocated, so the budget holds while it
-compiles). Dropout and batch norm stay eager's own calls inside a kernel
-(eager's mask, eager's rounding). A node that is better or only correctly run
+compiles). Dropout stays eager's own call inside a kernel (eager's mask), and
+so does batch norm except where ATen's CPU kernel sums in double: there it is
+computed as that kernel computes it (executor.replay.batch_norm_decomposition),
+and fuses. A node that is better or only correctly run
 eagerly says why: nothing to fuse (fewer than two operations Inductor writes
 itself), random operations other than one dropout, convolution algorithms of
 our own, a normalization on lower-precision inputs with float32 parameters
@@ -47,6 +49,7 @@ import torch.fx as fx
 
 from executor.capture import autocast
 from executor.capture.planning_graph import is_random
+from executor.replay import batch_norm_decomposition
 
 # one library call each: Inductor would call the same kernel
 _LIBRARY_CALLS = {
@@ -416,7 +419,9 @@ def _input_layout(tensors) -> tuple:
 
 # kept whole, as eager's kernels: dropout, whose mask must be eager's; batch norm, whose decomposition by Inductor
 # sums in another order, and the gradients before a batch norm cancel (its backward removes their mean), so a
-# rounding apart becomes 1e-2 of a convolution weight's gradient (MobileNetV2); an embedding's backward
+# rounding apart becomes 1e-2 of a convolution weight's gradient (MobileNetV2): only where ATen's CPU kernel sums
+# in double is it decomposed, as that kernel computes (executor.replay.batch_norm_decomposition); an embedding's
+# backward
 _KEPT_WHOLE = {
     torch.ops.aten._native_batch_norm_legit_functional.default, torch.ops.aten._native_batch_norm_legit.default,
     torch.ops.aten._native_batch_norm_legit_no_training.default, torch.ops.aten.native_batch_norm.default,
@@ -431,7 +436,17 @@ _KEPT_WHOLE = {
 def _decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
-    return {op: rule for op, rule in select_decomp_table().items() if op not in _KEPT_WHOLE}
+    table = {op: rule for op, rule in select_decomp_table().items() if op not in _KEPT_WHOLE}
+    table.update(batch_norm_decomposition.DECOMPOSITIONS)  # NotImplemented, so ATen's kernel, off ATen's double path
+    return table
+
+
+def _contracts_like_aten(module: fx.GraphModule) -> bool:
+    """A kernel that may hold a batch norm decomposed as ATen's CPU kernel computes it: compiled with ATen's
+    floating-point contraction, without which its output is one rounding apart in half the elements."""
+    return any(node.op == "call_function" and node.target in batch_norm_decomposition.DECOMPOSITIONS
+               and isinstance(_meta(node.args[0]), torch.Tensor) and _meta(node.args[0]).device.type == "cpu"
+               for node in module.graph.nodes)
 
 
 _fallbacks_registered = False
@@ -484,6 +499,8 @@ def _compile(module: fx.GraphModule, examples: list) -> Callable:
     # scatter-add (an embedding's backward) adds atomically in parallel, in an order that changes from run to run
     options = {"fallback_random": True, "layout_optimization": False, "keep_output_stride": True,
                "deterministic": True}
+    if _contracts_like_aten(module):
+        options["cpp.enable_floating_point_contract_flag"] = batch_norm_decomposition.FLOATING_POINT_CONTRACTION
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
