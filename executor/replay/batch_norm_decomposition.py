@@ -17,8 +17,8 @@ also channels-last, and ATen treats it so), every parameter and statistic
 present. Anything else returns NotImplemented, and Inductor calls ATen's
 kernel, as before. The forward's output matches ATen's bit for bit only where
 the compiler contracts `x * alpha + beta` into one fused multiply-add as
-ATen's build does; `FLOATING_POINT_CONTRACTION` is the Inductor setting the
-kernels holding one are compiled with. The backward's per-image partial sums
+ATen's build does: `inductor_options` gives the kernels that may hold one
+that setting. The backward's per-image partial sums
 are float32 in ATen's kernel and here, in other orders: gradients 1e-6 apart
 (`tests/test_batch_norm_decomposition.py`).
 """
@@ -115,3 +115,14 @@ DECOMPOSITIONS = {
     _aten._native_batch_norm_legit_functional.default: batch_norm_forward,
     _aten.native_batch_norm_backward.default: batch_norm_backward,
 }
+
+
+def inductor_options(module: torch.fx.GraphModule) -> dict:
+    """Inductor's settings for a kernel compiled from `module`: ATen's floating-point contraction where it may hold
+    a batch norm decomposed here (on the CPU), without which the output is one rounding apart in half the elements;
+    none otherwise."""
+    for node in module.graph.nodes:
+        value = node.args[0].meta.get("val") if node.op == "call_function" and node.target in DECOMPOSITIONS else None
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return {"cpp.enable_floating_point_contract_flag": FLOATING_POINT_CONTRACTION}
+    return {}

@@ -441,14 +441,6 @@ def _decompositions() -> dict:
     return table
 
 
-def _contracts_like_aten(module: fx.GraphModule) -> bool:
-    """A kernel that may hold a batch norm decomposed as ATen's CPU kernel computes it: compiled with ATen's
-    floating-point contraction, without which its output is one rounding apart in half the elements."""
-    return any(node.op == "call_function" and node.target in batch_norm_decomposition.DECOMPOSITIONS
-               and isinstance(_meta(node.args[0]), torch.Tensor) and _meta(node.args[0]).device.type == "cpu"
-               for node in module.graph.nodes)
-
-
 _fallbacks_registered = False
 
 
@@ -499,8 +491,7 @@ def _compile(module: fx.GraphModule, examples: list) -> Callable:
     # scatter-add (an embedding's backward) adds atomically in parallel, in an order that changes from run to run
     options = {"fallback_random": True, "layout_optimization": False, "keep_output_stride": True,
                "deterministic": True}
-    if _contracts_like_aten(module):
-        options["cpp.enable_floating_point_contract_flag"] = batch_norm_decomposition.FLOATING_POINT_CONTRACTION
+    options.update(batch_norm_decomposition.inductor_options(module))
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
