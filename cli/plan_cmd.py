@@ -87,23 +87,24 @@ def _report_infeasible(error: BudgetError, compared: list[dict], as_json: bool) 
 
 def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: float, budget: int | None) -> Table:
     table = Table(title=escape(title))
-    for header in ("strategy", "step time", "overhead", "peak memory", "fits", "offloaded", "recompute", "algos changed", "solver"):
+    for header in ("strategy", "step time", "overhead", "peak memory", "fits", "arena", "offloaded", "recompute",
+                   "algos changed", "solver"):
         table.add_column(header, justify="left" if header in ("strategy", "solver") else "right")
     for row in rows:
         summary = row.schedule.summary if row.schedule is not None else None
         if row.not_run:
-            table.add_row(row.strategy, "not run", "", "", "", "", "", "", "time limit spent")
+            table.add_row(row.strategy, "not run", "", "", "", "", "", "", "", "time limit spent")
             continue
         if row.out_of_time:  # no plan found in its share of the time, none proven impossible either
             known = f"; {format_bytes(row.minimum_budget_bytes)} fits" if row.minimum_budget_bytes else ""
-            table.add_row(row.strategy, "none in time", "", "", f"unknown{known}", "", "", "", "time limit")
+            table.add_row(row.strategy, "none in time", "", "", f"unknown{known}", "", "", "", "", "time limit")
             continue
         if summary is None and row.minimum_budget_bytes:
             table.add_row(row.strategy, "infeasible", "", "", f"no: needs {format_bytes(row.minimum_budget_bytes)}",
-                          "", "", "", "")
+                          "", "", "", "", "")
             continue
         if summary is None:  # the strategy cannot run on this profile: the reason goes in the last column
-            table.add_row(row.strategy, "cannot run", "", "", "no", "", "", "", (row.error or "").split("; ")[0])
+            table.add_row(row.strategy, "cannot run", "", "", "no", "", "", "", "", (row.error or "").split("; ")[0])
             continue
         fits = "yes" if budget is None or summary.peak_memory_bytes <= budget else "no"
         solver = ""
@@ -116,12 +117,20 @@ def _comparison_table(title: str, rows: list[ComparisonRow], lower_bound_ms: flo
             f"{100 * (summary.predicted_step_time_ms / lower_bound_ms - 1):+.2f}%" if lower_bound_ms else "",
             format_bytes(summary.peak_memory_bytes),
             fits,
+            _arena(row.schedule, summary),
             format_bytes(summary.offloaded_bytes),
             f"{summary.recompute_time_ms:.2f} ms",
             str(summary.implementations_changed),
             solver,
         )
     return table
+
+
+def _arena(schedule, summary) -> str:
+    """The arena of planned addresses; 'over' where fixed memory and it pass the budget (no addresses then)."""
+    if summary.arena_bytes is None:
+        return ""
+    return format_bytes(summary.arena_bytes) + ("" if schedule.arena_bytes is not None else " (over)")
 
 
 @app.command("plan")

@@ -7,11 +7,14 @@ import numbers
 import time
 from typing import Callable
 
+from planner.addresses import plan_addresses, with_addresses, without_addresses
 from planner.budget import budget_from_ratio, check_budget
-from planner.errors import BudgetError, MososError
+from planner.builder import PlannerBug
+from planner.errors import BudgetError, MososError, ScheduleRejected
 from planner.interrupt import stop_on_interrupt
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
+from planner.simulator import simulate
 from planner.strategies import STRATEGIES, SolveOptions, load_all
 
 
@@ -102,4 +105,63 @@ def plan(
             time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
             deadline=started + time_limit_s,
         )
-        return info.function(profile, budget, options)
+        schedule = info.function(profile, budget, options)
+        schedule = addressed(profile, schedule, _address_search_s(options))
+        if budget is not None and info.uses_budget:
+            schedule = _fit_the_arena(profile, schedule, info.function, options)
+        return schedule
+
+
+def _address_search_s(options: SolveOptions) -> float:
+    return max(0.0, min(ADDRESS_SEARCH_S, options.deadline - time.monotonic()))
+
+
+# Plans made again, each within a budget lowered by what the last one's arena passed it, while time is left
+ARENA_REPLANS = 3
+
+
+def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: SolveOptions) -> Schedule:
+    """A plan whose buffers cannot be placed within the budget (fragmentation: the arena is more than the most bytes
+    ever live) planned again within less, so that its addresses fit; with no time left for that, as it is (its
+    summary says the arena it would need)."""
+    budget = schedule.budget_bytes
+    lowered, last = budget, schedule
+    for _ in range(ARENA_REPLANS):
+        if last.arena_bytes is not None or options.deadline - time.monotonic() < MIN_REPLAN_S:
+            break
+        lowered -= profile.fixed_bytes + last.summary.arena_bytes - budget
+        if lowered < profile.fixed_bytes:
+            break
+        try:
+            last = solve(profile, lowered, options)
+        except BudgetError:
+            break
+        last = addressed(profile, last.model_copy(update={"budget_bytes": budget}), _address_search_s(options))
+        if last.arena_bytes is not None:
+            return last
+    return schedule
+
+
+MIN_REPLAN_S = 0.5
+
+
+# How long CP-SAT may look for a smaller arena than the greedy passes found (only where they are over the lower
+# bound), within the call's time limit.
+ADDRESS_SEARCH_S = 1.0
+
+
+def addressed(profile: GraphProfile, schedule: Schedule, search_time_s: float = 0.0) -> Schedule:
+    """`schedule` with planned addresses where fixed memory and their arena fit its budget, and the arena's size in
+    its summary either way; the simulator checks the addresses before anyone sees them."""
+    address_plan = plan_addresses(profile, schedule, max(0.0, search_time_s))
+    summary = schedule.summary.model_copy(update={"arena_bytes": address_plan.arena_bytes}) \
+        if schedule.summary is not None else None
+    budget = schedule.budget_bytes
+    if budget is not None and profile.fixed_bytes + address_plan.arena_bytes > budget:
+        return without_addresses(schedule).model_copy(update={"summary": summary})
+    placed = with_addresses(profile, schedule, address_plan).model_copy(update={"summary": summary})
+    try:
+        simulate(profile, placed, keep_timeline=False)
+    except ScheduleRejected as rejection:
+        raise PlannerBug(f"planned addresses the simulator rejects: {rejection}") from rejection
+    return placed

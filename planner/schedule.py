@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from planner.errors import Issue, ScheduleError
 from planner.validation import NumbersAreNumbers, issues_from_validation_error
 
-SCHEDULE_SCHEMA_VERSION = "1.0"
-SUPPORTED_SCHEDULE_VERSIONS = ("1.0",)
+SCHEDULE_SCHEMA_VERSION = "1.1"
+# 1.1: planned addresses (`arena_bytes`, and the offsets of computations and prefetches); a 1.0 schedule has none
+SUPPORTED_SCHEDULE_VERSIONS = ("1.0", "1.1")
 
 
 class _Strict(NumbersAreNumbers):
@@ -35,12 +36,21 @@ class _Operation(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_op_required)
 
 
+_OFFSET_LIMIT_BYTES = 2**50  # 1 PiB, as every size of a profile
+
+
+def _offset(description: str):
+    return Field(default=None, ge=0, le=_OFFSET_LIMIT_BYTES, strict=True, description=description)
+
+
 class Compute(_Operation):
     """Compute node `node` with implementation `implementation` on the compute stream."""
 
     op: Literal["compute"] = "compute"
     node: str
     implementation: str
+    offset_bytes: int | None = _offset("Where the node's output lives in the arena (planned addresses).")
+    workspace_offset_bytes: int | None = _offset("Where its implementation's workspace lives in the arena.")
 
     def describe(self) -> str:
         return f"compute {self.node} with {self.implementation}"
@@ -61,6 +71,7 @@ class Prefetch(_Operation):
 
     op: Literal["prefetch"] = "prefetch"
     tensor: str
+    offset_bytes: int | None = _offset("Where the prefetched copy lives in the arena (planned addresses).")
 
     def describe(self) -> str:
         return f"prefetch {self.tensor}"
@@ -133,6 +144,10 @@ class Summary(_Strict):
     implementations_changed: int = Field(
         default=0, ge=0, description="Computations not using the node's fastest implementation."
     )
+    arena_bytes: int | None = Field(
+        default=None, ge=0,
+        description="The arena that planned addresses need for this plan's buffers (fixed memory apart); where fixed "
+        "memory and it pass the budget, the schedule carries no addresses (its `arena_bytes` is None).")
     solver: SolverInfo | None = None
 
 
@@ -145,6 +160,10 @@ class Schedule(_Strict):
     budget_bytes: int | None = Field(default=None, ge=0, description="None: no memory limit.")
     stages: list[Stage]
     compute_order: list[str] = Field(description="Node ids in the order they are computed, repeats included.")
+    arena_bytes: int | None = Field(
+        default=None, ge=0, le=_OFFSET_LIMIT_BYTES, strict=True,
+        description="Planned addresses: every buffer the step allocates (outputs, prefetched copies, workspaces) "
+        "has an offset in one arena of this size, allocated once beside fixed memory; None: no addresses.")
     summary: Summary | None = None
 
     @field_validator("stages")

@@ -24,6 +24,8 @@ first violation.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -176,6 +178,14 @@ def simulate(
 
 
 def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | None, keep_timeline: bool) -> SimulationResult:
+    replay = _run_operations(profile, schedule, budget, keep_timeline)
+    result = _finish(replay, keep_timeline)
+    if schedule.arena_bytes is not None:
+        _check_addresses(replay, schedule)
+    return result
+
+
+def _run_operations(profile: GraphProfile, schedule: Schedule, budget: int | None, keep_timeline: bool) -> _Replay:
     replay = _Replay(
         profile, budget, tensors={node_id: _TensorState() for node_id in profile.order}, keep_spans=keep_timeline
     )
@@ -187,7 +197,99 @@ def _replay_schedule(profile: GraphProfile, schedule: Schedule, budget: int | No
     except ScheduleRejected as rejection:
         # an earlier operation may already have passed the budget: that is the first violation
         raise _over_budget_so_far(replay) or rejection from None
-    return _finish(replay, keep_timeline)
+    return replay
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One buffer the step allocates on the device: a computation's output or workspace, or a prefetched copy.
+    `start` and `end` count memory events in the simulator's order (time, then program order): the buffer is live
+    from its allocation's event up to, not including, its release's; `end` None: still live when the step ends."""
+
+    operation_index: int  # in program order, as Schedule.operations() counts
+    stage: int
+    tensor: str
+    workspace: bool
+    size_bytes: int
+    start: int
+    end: int | None
+
+
+def allocations(profile: GraphProfile, schedule: Schedule) -> list[Allocation]:
+    """Every buffer of a valid schedule with its lifetime, in allocation order: what planned addresses place."""
+    replay = _run_operations(profile, schedule, None, keep_timeline=False)
+    return _allocations(replay)
+
+
+def _allocations(replay: _Replay) -> list[Allocation]:
+    events = sorted(replay.events, key=lambda e: (e.time_ms, e.sequence))
+    # a free releases the oldest copy of its tensor: a prefetch issued while the offload of the copy it replaces
+    # still runs holds a second copy until that offload ends
+    opened: dict[tuple[str, bool], deque[int]] = defaultdict(deque)
+    found: list[tuple[_MemoryEvent, int, int | None]] = []
+    for position, event in enumerate(events):
+        key = (event.tensor, event.workspace)
+        if event.delta_bytes > 0:
+            opened[key].append(len(found))
+            found.append((event, position, None))
+        elif event.delta_bytes < 0:
+            slot = opened[key].popleft()
+            found[slot] = (found[slot][0], found[slot][1], position)
+        # a zero-byte buffer needs no place
+    return [Allocation(e.operation_index, e.stage, e.tensor, e.workspace, e.delta_bytes, start, end)
+            for e, start, end in found]
+
+
+def _check_addresses(replay: _Replay, schedule: Schedule) -> None:
+    """Planned addresses hold: every buffer has an offset, lies inside the arena, overlaps no live buffer, and
+    fixed memory plus the arena fits the budget (the arena is allocated whole, whatever is live in it)."""
+    arena = schedule.arena_bytes
+    fixed = replay.profile.fixed_bytes
+    budget = replay.budget_bytes
+    if budget is not None and fixed + arena > budget:
+        raise ScheduleRejected(
+            f"the arena of planned addresses ({arena} bytes) and fixed memory ({fixed} bytes) take {fixed + arena} "
+            f"bytes, {fixed + arena - budget} bytes over the budget of {budget} bytes",
+            over_budget_bytes=fixed + arena - budget, path="arena_bytes")
+    live_starts: list[int] = []  # offsets of live buffers, sorted; they never overlap one another
+    live: dict[int, tuple[int, str]] = {}  # offset -> (end offset, what)
+    where: dict[tuple[str, bool], deque[int]] = defaultdict(deque)  # the offsets of each tensor's copies, oldest first
+    events = sorted(replay.events, key=lambda e: (e.time_ms, e.sequence))
+    for event in events:
+        key = (event.tensor, event.workspace)
+        if event.delta_bytes < 0:
+            offset = where[key].popleft()
+            live.pop(offset)
+            live_starts.pop(bisect_left(live_starts, offset))
+            continue
+        if event.delta_bytes == 0:
+            continue
+        operation = event.operation_object
+        offset = operation.workspace_offset_bytes if event.workspace else operation.offset_bytes
+        field_name = "workspace_offset_bytes" if event.workspace else "offset_bytes"
+        path = schedule.path_of(event.operation_index)
+
+        def reject(reason: str) -> ScheduleRejected:
+            return ScheduleRejected(reason, stage=event.stage, operation_index=event.operation_index,
+                                    operation=event.operation, tensor=event.tensor, path=f"{path}.{field_name}")
+
+        what = f"{'the workspace of ' if event.workspace else ''}{event.tensor!r}"
+        if offset is None:
+            raise reject(f"the schedule has planned addresses (arena_bytes) but {what} ({event.delta_bytes} bytes) "
+                         "has no offset")
+        end = offset + event.delta_bytes
+        if end > arena:
+            raise reject(f"{what} at offset {offset} ends at {end} bytes, past the arena of {arena} bytes")
+        k = bisect_left(live_starts, offset)
+        neighbours = ([live_starts[k - 1]] if k else []) + ([live_starts[k]] if k < len(live_starts) else [])
+        for other in neighbours:
+            other_end, other_what = live[other]
+            if other < end and offset < other_end:
+                raise reject(f"{what} at [{offset}, {end}) overlaps {other_what} at [{other}, {other_end}), "
+                             "which is still live")
+        live_starts.insert(k, offset)
+        live[offset] = (end, what)
+        where[key].append(offset)
 
 
 def _check_complete(profile: GraphProfile, schedule: Schedule, replay: _Replay) -> None:

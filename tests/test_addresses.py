@@ -1,0 +1,163 @@
+"""Planned addresses: every buffer of a plan gets an offset in one arena, and the simulator refutes addresses that
+overlap, leave the arena, or an arena that passes the budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.addresses import ALIGNMENT_BYTES, most_live_bytes, place, plan_addresses, with_addresses
+from planner.errors import BudgetError, ScheduleRejected
+from planner.planning import plan
+from planner.profile import load_profile
+from planner.schedule import Compute, Prefetch, parse_schedule
+from planner.simulator import allocations, simulate
+from tests.strategies_hypothesis import residual_profiles, training_profiles
+
+PROFILES = sorted((Path(__file__).parent.parent / "models" / "profiles").glob("*.json"))
+
+
+def _placed(profile, schedule):
+    return with_addresses(profile, schedule, plan_addresses(profile, schedule))
+
+
+def _unbounded(schedule):
+    """The schedule without its budget, to check the addresses alone (a plan whose arena does not fit has none)."""
+    return schedule.model_copy(update={"budget_bytes": None})
+
+
+def _buffers_with_offsets(schedule):
+    """(position, field, offset) of every placed buffer."""
+    found = []
+    for _, position, operation in schedule.operations():
+        if isinstance(operation, (Compute, Prefetch)) and operation.offset_bytes is not None:
+            found.append((position, "offset_bytes", operation.offset_bytes))
+        if isinstance(operation, Compute) and operation.workspace_offset_bytes is not None:
+            found.append((position, "workspace_offset_bytes", operation.workspace_offset_bytes))
+    return found
+
+
+def _set(schedule, position: int, update: dict):
+    data = json.loads(schedule.to_json())
+    for stage in data["stages"]:
+        if position < len(stage["operations"]):
+            stage["operations"][position].update(update)
+            return parse_schedule(data)
+        position -= len(stage["operations"])
+    raise AssertionError("no such operation")
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.stem)
+def test_every_keep_all_plan_of_the_shipped_profiles_is_placed_within_3_percent_of_its_peak(path):
+    """Keep-all at its own peak: the arena must be the live peak (rounded to the alignment) within 3%, and the
+    addresses valid."""
+    profile = load_profile(path)
+    schedule = plan(profile, strategy="keep-all", time_limit_s=20)
+    buffers = allocations(profile, schedule)
+    address_plan = place(buffers, search_time_s=2.0)
+    live_peak = schedule.summary.peak_memory_bytes - profile.fixed_bytes
+    assert most_live_bytes(buffers) >= live_peak
+    assert address_plan.arena_bytes <= 1.03 * max(live_peak, 1) + ALIGNMENT_BYTES * len(buffers)
+    assert address_plan.arena_bytes <= 1.03 * address_plan.lower_bound_bytes
+    simulate(profile, _unbounded(with_addresses(profile, schedule, address_plan)))
+
+
+@pytest.mark.parametrize("path", [p for p in PROFILES if "small" in p.stem], ids=lambda p: p.stem)
+@pytest.mark.parametrize("ratio", [0.7, 0.5])
+def test_plans_that_recompute_and_offload_get_valid_addresses(path, ratio):
+    """Recomputed outputs, prefetched copies (beside the copy an offload still reads) and workspaces: placed, and
+    the simulator accepts the placement; plan() attaches it only where fixed memory and the arena fit the budget."""
+    profile = load_profile(path)
+    try:
+        schedule = plan(profile, memory_ratio=ratio, strategy="str-auto", time_limit_s=10)
+    except BudgetError:
+        pytest.skip("no plan at this ratio")
+    assert schedule.summary.arena_bytes is not None
+    if schedule.arena_bytes is not None:
+        assert profile.fixed_bytes + schedule.arena_bytes <= schedule.budget_bytes
+        simulate(profile, schedule)  # the addresses it carries are checked
+    placed = _placed(profile, schedule)
+    simulate(profile, _unbounded(placed))
+    assert placed.arena_bytes >= schedule.summary.peak_memory_bytes - profile.fixed_bytes
+
+
+def _offloading_plan():
+    profile = load_profile(PROFILES[0].parent / "vgg19-b144-227-p40.json")
+    schedule = plan(profile, memory_ratio=0.7, strategy="swap-recompute-heuristic", time_limit_s=10)
+    assert schedule.summary.offloaded_bytes > 0
+    return profile, _placed(profile, schedule)
+
+
+def test_a_planted_overlap_is_refuted_with_where_it_is():
+    profile, placed = _offloading_plan()
+    simulate(profile, _unbounded(placed))
+    buffers = allocations(profile, placed)
+    # two buffers live at once: put the later one where the earlier one is
+    first, second = next((a, b) for a in buffers for b in buffers
+                         if a.start < b.start < (a.end or 10**9) and not a.workspace and not b.workspace)
+    offsets = {(position, field): offset for position, field, offset in _buffers_with_offsets(placed)}
+    planted = _set(placed, second.operation_index, {"offset_bytes": offsets[first.operation_index, "offset_bytes"]})
+    with pytest.raises(ScheduleRejected, match="overlaps") as caught:
+        simulate(profile, _unbounded(planted))
+    assert caught.value.path.endswith("offset_bytes")
+    assert caught.value.tensor == second.tensor
+
+
+def test_an_arena_over_the_budget_is_refuted_even_where_live_memory_fits():
+    profile, placed = _offloading_plan()
+    budget = profile.fixed_bytes + placed.arena_bytes - 1
+    with pytest.raises(ScheduleRejected, match="arena of planned addresses") as caught:
+        simulate(profile, placed, budget_bytes=budget)
+    assert caught.value.path == "arena_bytes"
+    assert caught.value.over_budget_bytes == 1
+
+
+def test_an_offset_past_the_arena_and_a_missing_offset_are_refuted():
+    profile, placed = _offloading_plan()
+    position, field, offset = max(_buffers_with_offsets(placed), key=lambda item: item[2])
+    with pytest.raises(ScheduleRejected, match="past the arena"):
+        simulate(profile, _unbounded(_set(placed, position, {field: placed.arena_bytes})))
+    with pytest.raises(ScheduleRejected, match="has no offset"):
+        simulate(profile, _unbounded(_set(placed, position, {field: None})))
+
+
+def test_offsets_are_aligned_and_schedules_without_addresses_still_load():
+    profile, placed = _offloading_plan()
+    assert all(offset % ALIGNMENT_BYTES == 0 for _, _, offset in _buffers_with_offsets(placed))
+    assert parse_schedule(json.loads(placed.to_json())) == placed
+    old = json.loads(placed.to_json())
+    old["schema_version"] = "1.0"
+    old.pop("arena_bytes")
+    for stage in old["stages"]:
+        for operation in stage["operations"]:
+            operation.pop("offset_bytes", None)
+            operation.pop("workspace_offset_bytes", None)
+    simulate(profile, _unbounded(parse_schedule(old)))
+
+
+def test_plan_replans_within_less_where_the_arena_does_not_fit():
+    """str-auto at 0.6 on VGG19: its first plan's live peak fits but its arena does not; plan() plans again within
+    the difference and returns placed addresses that fit the budget."""
+    profile = load_profile(PROFILES[0].parent / "vgg19-b144-227-p40.json")
+    schedule = plan(profile, memory_ratio=0.6, strategy="str-auto", time_limit_s=20)
+    assert schedule.arena_bytes is not None
+    assert profile.fixed_bytes + schedule.arena_bytes <= schedule.budget_bytes
+    simulate(profile, schedule)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(profile=st.one_of(training_profiles(), residual_profiles()), fraction=st.sampled_from([1.0, 0.8, 0.6]))
+def test_random_plans_are_placed_without_overlap(profile, fraction):
+    try:
+        schedule = plan(profile, memory_ratio=fraction, strategy="swap-recompute-heuristic", time_limit_s=5)
+    except BudgetError:
+        return
+    buffers = allocations(profile, schedule)
+    address_plan = place(buffers)
+    assert address_plan.arena_bytes >= address_plan.lower_bound_bytes == most_live_bytes(buffers)
+    assert address_plan.lower_bound_bytes >= schedule.summary.peak_memory_bytes - profile.fixed_bytes
+    simulate(profile, _unbounded(with_addresses(profile, schedule, address_plan)))
