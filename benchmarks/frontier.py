@@ -307,7 +307,9 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
             loss.backward()
 
         step()
-        while planned.timing:  # the timed first steps run node by node, and as many again after a re-plan
+        # the timed first steps run node by node, and as many again after a re-plan (which runs beside the steps: its
+        # plan is taken once it is ready)
+        while planned.wait_for_replan() and planned.timing:
             step()
         report = planned.report()
         summary = planned.schedule.summary

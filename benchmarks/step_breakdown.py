@@ -114,7 +114,9 @@ def run(work: dict, rounds: int, threads: int, say=print) -> dict:
     for step in steps.values():
         step()
         step()
-    while planned.timing:  # the timed first steps run node by node, and as many again after a re-plan
+    # the timed first steps run node by node, and as many again after a re-plan (which runs beside the steps: its
+    # plan is taken once it is ready)
+    while planned.wait_for_replan() and planned.timing:
         mosos_step()
     names = list(steps)
     wall: dict[str, list[float]] = {name: [] for name in names}

@@ -261,6 +261,7 @@ def test_a_plan_from_the_cache_whose_picks_decide_the_rounding_is_not_replanned_
         planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=1.0, algorithms=algorithms,
                                     cache=tmp_path, time_limit_s=3, workers=1, progress=messages.append)
         for _ in range(5):  # two timed steps, a re-plan, the new plan's two timed steps
+            assert planned.wait_for_replan(60)  # the re-plan runs beside the steps: taken as soon as it is there
             planned(x, y).backward()
         return planned, messages
 

@@ -20,6 +20,7 @@ from planner.units import format_bytes
 
 if TYPE_CHECKING:
     from executor.replay.compiled_nodes import CompiledNodes
+    from executor.replay.device_memory import HeldRecord
 
 REPLAN_OFF = 0.10
 SHOWN_NODES = 10
@@ -53,6 +54,9 @@ class StepReport:
     replan_kept: bool = False  # off, but its plan came from the cache and decides the rounding: not re-planned
     history: list["StepReport"] = field(default_factory=list)  # reports before a re-plan
     compiled: "CompiledNodes | None" = None  # compile=True: the nodes run as kernels, the eager ones and why
+    # what the device held in every step so far (reserved segments, outside the allocator) against the budget; None
+    # where nothing reads a device (the CPU, whose ledger is what a step holds)
+    held: "HeldRecord | None" = None
 
     @property
     def ratio(self) -> float:
@@ -83,6 +87,8 @@ class StepReport:
             lines.append(f"more than {REPLAN_OFF:.0%} off, but the plan came from the cache and its picks decide the "
                          "rounding (compiled kernels, convolution algorithms): kept as it is, so runs sharing it run "
                          "the same bits")
+        if self.held is not None:
+            lines.append(self.held.describe())
         if self.compiled is not None:
             lines.append(f"compiled: {self.compiled.describe()}")
             for node_id, reason in self.compiled.eager.items():

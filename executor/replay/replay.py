@@ -26,6 +26,7 @@ optimizer works unchanged.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Callable
@@ -35,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from executor.replay.accountant import Accountant
+from executor.replay.device_memory import DeviceMemory, HeldRecord, device_memory_of
 from executor.capture.capture import tensor_signature
 from executor.replay.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
 from executor.replay.compiled_nodes import CompiledNodes, NodeCompiler
@@ -209,6 +211,7 @@ class PlannedModule(nn.Module):
         plan_token: object = None,
         compile: bool = False,
         compile_regions: bool = True,
+        device_memory: DeviceMemory | None | str = "auto",
     ):
         super().__init__()
         self.model = model
@@ -222,6 +225,10 @@ class PlannedModule(nn.Module):
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.ledger_enabled = (self.device.type == "cpu") if ledger is None else bool(ledger)
         self.ledger_enabled = self.ledger_enabled or strict
+        # what the device holds around each step (the allocator's reserved segments, memory outside it): on a GPU by
+        # default, a fake caching allocator in tests; none on the CPU, whose ledger counts what a step holds
+        self.device_memory = device_memory_of(self.device) if device_memory == "auto" else device_memory
+        self._held = HeldRecord(schedule.budget_bytes)
         if schedule.profile_digest != profile.digest():
             raise ProfileMismatch(
                 f"the schedule was made for profile {schedule.profile_name!r} (digest {schedule.profile_digest[:12]}), "
@@ -255,6 +262,7 @@ class PlannedModule(nn.Module):
         self._refused: OrderedDict[tuple, MososError] = OrderedDict()
         self.signatures_planned = 0  # input signatures planned after the first (each once, unless evicted)
         self._plan_token = plan_token
+        self._pending_replan: BackgroundReplan | None = None  # a re-plan running beside training
         self._live_step: weakref.ref | None = None  # the last step begun, until its backward
         self._superseded_nodes: list[weakref.ref] = []  # autograd nodes of superseded steps' losses still referenced
         self._set_measuring(profiled)
@@ -362,7 +370,7 @@ class PlannedModule(nn.Module):
         self._superseded_nodes = []
         self._plans = OrderedDict()
         self._refused = OrderedDict()
-        self._plan_signature = self._replan = None
+        self._plan_signature = self._replan = self._pending_replan = None
         optimizer_state.watch(self)  # its own optimizer is checked against its plan too
 
     @property
@@ -396,6 +404,7 @@ class PlannedModule(nn.Module):
                 f"the model changed since its step was captured "
                 f"({describe_change(self._signature[_STATE], signature[_STATE])}), and the replay runs the captured "
                 "graph, not forward: plan it again (a module from optimize() does so by itself)")
+        self._take_replan()
         if self._plan_signature is not None and signature != self._signature:
             if self._signature is None and self._plans:  # a failed planning of a new signature: say it again
                 self._signature = next(reversed(self._plans))
@@ -448,7 +457,26 @@ class PlannedModule(nn.Module):
         state = _StepState(prepared, feed, leaves)
         state.planned = self
         self._live_step = weakref.ref(state)
+        if self.device_memory is not None:
+            self.device_memory.begin_step()
         return _StepFunction.apply(self, state, *parameters)
+
+    def _step_held(self) -> None:
+        """After a step's backward: what the device held during it, against the budget."""
+        if self.device_memory is None:
+            return
+        self._held.budget_bytes = self.schedule.budget_bytes
+        held = self.device_memory.end_step()
+        if self._held.add(held) and self._held.steps_over_budget == 1:
+            self._say(f"warning: step {self._held.steps} held {format_bytes(held.held_peak_bytes)} on the device "
+                      f"(allocator reserved {format_bytes(held.reserved_peak_bytes)}, outside the allocator "
+                      f"{format_bytes(held.outside_allocator_bytes)}), more than the budget of "
+                      f"{format_bytes(self.schedule.budget_bytes)}: report() counts such steps")
+
+    @property
+    def held_memory(self) -> HeldRecord | None:
+        """Every step's held memory against the budget (None without a device to read: the CPU)."""
+        return self._held if self.device_memory is not None else None
 
     def _supersede_live_step(self) -> None:
         """A step whose loss is still referenced but was not backed up (skipped, or kept for later) ends here: its
@@ -502,21 +530,47 @@ class PlannedModule(nn.Module):
         if report.off and self._replan is not None and not any(r.replanned or r.replan_failed or r.replan_kept
                                                                 for r in self._reports[:-1]):
             profile = measured_profile(self.profile, self.schedule, self._measured_node_ms())
-            try:
-                schedule = self._replan(profile, self.schedule, self._plan_token)
-            except MososError as error:
-                # the step under way must not fail for a better plan not found (a solver's time limit, a planner
-                # service down): the current plan holds the budget, and the report says why it stays
-                report.replan_failed = f"{type(error).__name__}: {error}"
-                self._say(f"re-planning found no plan; the current one stays: {error}")
-                return
-            if schedule is None:  # kept on purpose (a plan from the cache whose picks decide the rounding)
-                report.replan_kept = True
-                return
-            report.replanned = True
-            report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
-            self._adopt(profile, schedule)
-            self._steps_timed = 0  # time the new plan's first steps too, and report them
+            # the solver runs beside training: the steps go on under the current plan, which holds the budget, and
+            # the new one is taken at the first step boundary after it is ready
+            self._pending_replan = BackgroundReplan(self._replan, profile, self.schedule, self._plan_token, report)
+
+    def _take_replan(self) -> None:
+        """At a step boundary: the background re-plan's answer, if it has come."""
+        pending = self._pending_replan
+        if pending is None or not pending.done():
+            return
+        self._pending_replan = None
+        report = pending.report
+        if pending.error is not None:
+            if not isinstance(pending.error, MososError):
+                raise pending.error
+            # a better plan not found (a solver's time limit, a planner service down) fails no step: the current
+            # plan holds the budget, and the report says why it stays
+            report.replan_failed = f"{type(pending.error).__name__}: {pending.error}"
+            self._say(f"re-planning found no plan; the current one stays: {pending.error}")
+            return
+        schedule = pending.schedule
+        if schedule is None:  # kept on purpose (a plan from the cache whose picks decide the rounding)
+            report.replan_kept = True
+            return
+        report.replanned = True
+        report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
+        self._adopt(pending.profile, schedule)
+        self._steps_timed = 0  # time the new plan's first steps too, and report them
+
+    def wait_for_replan(self, timeout_s: float | None = None) -> bool:
+        """Between steps: wait for a re-plan running beside training and take its plan now (a benchmark that wants
+        its steady state on the final plan). False if one is still running after `timeout_s`."""
+        pending = self._pending_replan
+        if pending is not None and not pending.wait(timeout_s):
+            return False
+        self._take_replan()
+        return True
+
+    @property
+    def replanning(self) -> bool:
+        """Whether a re-plan is running beside training."""
+        return self._pending_replan is not None
 
     def _measured_node_ms(self) -> dict[str, float]:
         """Per node: the least of its times over the timed steps (the first step may run cold)."""
@@ -569,6 +623,7 @@ class PlannedModule(nn.Module):
             return None
         latest = self._reports[-1]
         latest.history = self._reports[:-1]
+        latest.held = self.held_memory
         return latest
 
 
@@ -580,12 +635,42 @@ def _quiet(message: str) -> None:
     pass
 
 
+class BackgroundReplan:
+    """One re-plan on a thread of its own (CP-SAT releases the GIL while it searches). A daemon thread: a process
+    that ends while it runs does not wait for the solver."""
+
+    def __init__(self, replan: Callable, profile: GraphProfile, schedule: Schedule, token: object,
+                 report: StepReport):
+        self.profile = profile
+        self.report = report
+        self.schedule: Schedule | None = None
+        self.error: BaseException | None = None
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(replan, profile, schedule, token),
+                                        name="mosos-replan", daemon=True)
+        self._thread.start()
+
+    def _run(self, replan, profile, schedule, token) -> None:
+        try:
+            self.schedule = replan(profile, schedule, token)
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread at the next step boundary
+            self.error = error
+        finally:
+            self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._finished.wait(timeout_s)
+
+
 def _output_is_the_loss(output):
     return output
 
 
 _NOT_COPIED = ("_prepared", "_timed", "_live_step", "_superseded_nodes", "last_ledger", "_plans", "_plan_signature",
-               "_replan", "_refused")
+               "_replan", "_refused", "_pending_replan")
 REFUSALS_KEPT = 16
 _STATE = 4  # where a signature holds the model's Python state (executor.capture.python_state)
 
@@ -699,6 +784,7 @@ class _StepFunction(torch.autograd.Function):
             runtime.end_step()
             state.feed = []
             state.live = ()
+        state.planned._step_held()
         if prepared.timed:
             state.planned._step_timed(runtime)
         return (None, None) + _accumulation_signals(ctx.parameters)

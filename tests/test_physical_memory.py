@@ -1,0 +1,143 @@
+"""What a planned step really holds on its device (the allocator's reserved segments, memory outside it) is read
+around every step and reported against the budget; a re-plan runs beside training, never in a step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import executor  # noqa: E402
+from executor.measure import measured  # noqa: E402
+from executor.replay.device_memory import HeldMemory  # noqa: E402
+from planner.planning import plan  # noqa: E402
+
+
+class FakeCachingAllocator:
+    """A caching allocator as a GPU's behaves: it keeps every segment it ever reserved, and a segment is reused only
+    by a request of exactly its size (the worst fragmentation: freed blocks of other sizes stay cached). It replays
+    the step's own allocations and frees, read from the ledger, and adds a fixed context outside it."""
+
+    def __init__(self, planned, context_bytes: int, fragmenting: bool = True):
+        self.planned = planned
+        self.context_bytes = context_bytes
+        self.fragmenting = fragmenting  # False: an ideal allocator, which reserves no more than is allocated
+        self.cached: dict[int, int] = {}  # size -> cached free blocks of that size
+        self.reserved_bytes = 0
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> HeldMemory:
+        ledger = self.planned.last_ledger
+        live: dict[str, list[int]] = {}
+        allocated = peak_allocated = 0
+        peak_reserved = self.reserved_bytes
+        for _, delta, _, label in sorted(ledger.events, key=lambda e: (e[0], e[2])):
+            tensor = label.split(" ", 1)[1]
+            if delta > 0:
+                if self.cached.get(delta):
+                    self.cached[delta] -= 1
+                else:
+                    self.reserved_bytes += delta
+                live.setdefault(tensor, []).append(delta)
+            elif delta < 0:
+                size = live[tensor].pop(0)
+                self.cached[size] = self.cached.get(size, 0) + 1
+            allocated += delta
+            peak_allocated = max(peak_allocated, allocated)
+            peak_reserved = max(peak_reserved, self.reserved_bytes)
+        fixed = ledger.fixed_bytes
+        if not self.fragmenting:
+            peak_reserved = peak_allocated
+        return HeldMemory(fixed + peak_allocated, fixed + peak_reserved, self.context_bytes)
+
+
+def _model_and_data():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.Tanh())], nn.Linear(64, 4))
+    return model, torch.randn(2048, 64), torch.randint(0, 4, (2048,))
+
+
+def _planned(memory_ratio: float, **options):
+    model, x, y = _model_and_data()
+    messages: list[str] = []
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=memory_ratio, cache=False,
+                                time_limit_s=5, workers=1, progress=messages.append, **options)
+    return planned, x, y, messages
+
+
+def test_a_step_whose_reserved_memory_passes_the_budget_is_reported_not_silently_accepted():
+    planned, x, y, messages = _planned(0.8, timed_steps=1, replan_when_off=False)
+    assert planned.held_memory is None  # the CPU has no caching allocator to read: its ledger is what a step holds
+    planned.device_memory = FakeCachingAllocator(planned, context_bytes=0)
+    for _ in range(3):
+        planned(x, y).backward()
+    record = planned.report().held
+    assert record.steps == 3
+    budget = planned.schedule.budget_bytes
+    assert record.worst.allocated_peak_bytes <= budget  # the plan's tensors fit ...
+    assert record.worst.reserved_peak_bytes > budget  # ... but a caching allocator that cannot reuse holds more
+    assert record.steps_over_budget >= 1
+    text = planned.report().describe()
+    assert "OVER THE BUDGET" in text and "allocator reserved" in text and "outside the allocator" in text
+    assert sum("more than the budget" in m for m in messages) == 1  # said once, counted every step
+
+
+def test_memory_outside_the_allocator_counts_against_the_budget():
+    planned, x, y, _ = _planned(1.0, timed_steps=1, replan_when_off=False)
+    budget = planned.schedule.budget_bytes
+    fake = FakeCachingAllocator(planned, context_bytes=0, fragmenting=False)
+    planned.device_memory = fake
+    planned(x, y).backward()
+    planned(x, y).backward()  # the second step reuses the first's segments
+    record = planned.report().held
+    assert record.steps_over_budget == 0
+    within = record.worst.held_peak_bytes
+    fake.context_bytes = budget - within + 1  # a library's workspace outside the allocator takes the rest and a byte
+    planned(x, y).backward()
+    record = planned.report().held
+    assert record.steps == 3 and record.steps_over_budget == 1 and record.first_over_step == 3
+    assert record.worst.outside_allocator_bytes == budget - within + 1
+
+
+def test_a_replan_runs_beside_training_and_is_taken_at_a_step_boundary(monkeypatch):
+    """The solver takes seconds: the steps go on under the current plan meanwhile, each as fast as before it
+    started, and the new plan is taken at the first step boundary after it is ready."""
+    monkeypatch.setattr(measured, "REPLAN_OFF", -1.0)  # every timed step is "off"
+    model, x, y = _model_and_data()
+    solver_s = 3.0
+    started: list[float] = []
+
+    planned_holder: list = []
+
+    def slow_replan(profile, schedule, token):
+        started.append(time.perf_counter())
+        time.sleep(solver_s)  # a solver at work (CP-SAT releases the GIL as sleep does)
+        return plan(profile, schedule.budget_bytes, strategy="recompute-only", time_limit_s=5, workers=1)
+
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, cache=False,
+                                time_limit_s=5, workers=1, progress=False, timed_steps=2)
+    planned._replan = slow_replan
+    planned_holder.append(planned)
+    first_schedule = planned.schedule
+    for _ in range(2):  # the timed steps; the re-plan starts at the end of the second
+        planned(x, y).backward()
+    assert started and planned.replanning
+    step_s = []
+    while planned.replanning and time.perf_counter() - started[0] < solver_s * 0.8:
+        begun = time.perf_counter()
+        planned(x, y).backward()
+        step_s.append(time.perf_counter() - begun)
+    assert len(step_s) >= 3 and max(step_s) < solver_s / 3  # no step waited for the solver
+    assert planned.schedule is first_schedule  # the current plan holds meanwhile
+    assert planned.wait_for_replan(30)
+    assert planned.schedule is not first_schedule and not planned.replanning
+    planned(x, y).backward()
+    assert planned.report() is not None
+    assert any(r.replanned for r in [planned.report(), *planned.report().history])
