@@ -18,6 +18,9 @@ lower bound, so every result says how far it is from the best possible.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,19 +68,19 @@ def _horizon(buffers: list[Allocation]) -> int:
     return 1 + max(max(b.start for b in buffers), max((b.end for b in buffers if b.end is not None), default=0))
 
 
-# Placement orders (keys sorted ascending). Large first is the classic; long-lived first keeps the buffers that
-# span the step at the bottom; early first follows the step as an allocator would, with best fit.
+# Placement orders for the best-fit pass (keys sorted ascending), after the sweep in the step's own order: large
+# first is the classic; long-lived first keeps the buffers that span the step at the bottom.
 _ORDERS = {
     "largest first": lambda size, start, end: (-size, start, -end),
     "longest-lived first": lambda size, start, end: (-(end - start), -size, start),
     "largest area first": lambda size, start, end: (-size * (end - start), start),
-    "earliest first": lambda size, start, end: (start, -size),
 }
 
 
-def place(buffers: list[Allocation], search_time_s: float = 0.0) -> AddressPlan:
-    """The smallest arena the greedy orders find (stopping at the lower bound), and each buffer's offset; with
-    `search_time_s`, CP-SAT then looks for a smaller one for at most that long."""
+def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float | None = None) -> AddressPlan:
+    """The smallest arena the greedy passes find (stopping at the lower bound), and each buffer's offset; with
+    `search_time_s`, CP-SAT then looks for a smaller one for at most that long. `deadline` (time.monotonic()): the
+    sweep always runs (it is fast), a further pass only where the last one's time is still left before it."""
     bound = most_live_bytes(buffers)
     if not buffers:
         return AddressPlan(0, 0, [], "none")
@@ -85,16 +88,24 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0) -> AddressPlan:
     sizes = np.array([aligned(b.size_bytes) for b in buffers], dtype=np.int64)
     starts = np.array([b.start for b in buffers], dtype=np.int64)
     ends = np.array([horizon if b.end is None else b.end for b in buffers], dtype=np.int64)
-    best: AddressPlan | None = None
+    offsets = _place_sweeping(sizes.tolist(), starts.tolist(), ends.tolist())
+    best = AddressPlan(max(o + z for o, z in zip(offsets, sizes.tolist())), bound, offsets, "step order")
     for name, key in _ORDERS.items():
-        order = sorted(range(len(buffers)), key=lambda i: key(int(sizes[i]), int(starts[i]), int(ends[i])))
-        offsets = _place_in_order(order, sizes, starts, ends)
-        arena = int((offsets + sizes).max())
-        if best is None or arena < best.arena_bytes:
-            best = AddressPlan(arena, bound, [int(o) for o in offsets], name)
-        if arena <= bound:
+        if best.arena_bytes <= bound:
             return best
-    if search_time_s > 0:
+        began = time.monotonic()
+        order = sorted(range(len(buffers)), key=lambda i: key(int(sizes[i]), int(starts[i]), int(ends[i])))
+        found = _place_in_order(order, sizes, starts, ends)
+        arena = int((found + sizes).max())
+        if arena < best.arena_bytes:
+            best = AddressPlan(arena, bound, [int(o) for o in found], name)
+        if deadline is not None and time.monotonic() + (time.monotonic() - began) > deadline:
+            return best
+    if best.arena_bytes <= bound:
+        return best
+    if deadline is not None:
+        search_time_s = min(search_time_s, deadline - time.monotonic())
+    if search_time_s > 0.01:
         improved = _search(sizes, starts, ends, best, search_time_s)
         if improved is not None:
             return improved
@@ -137,6 +148,34 @@ def _search(sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, greedy: Add
     return AddressPlan(int(solver.value(arena)) * unit, greedy.lower_bound_bytes, placed, "CP-SAT")
 
 
+def _place_sweeping(sizes: list[int], starts: list[int], ends: list[int]) -> list[int]:
+    """Best fit in the step's own order, as an allocator would place the buffers, but knowing every size: each goes
+    into the smallest gap between the buffers live at its start where it fits, else on top. Pure Python over the
+    live buffers only, so it is fast on thousands of buffers."""
+    offsets = [0] * len(sizes)
+    order = sorted(range(len(sizes)), key=lambda i: (starts[i], -sizes[i]))
+    ending: list[tuple[int, int]] = []  # heap of (end, buffer) for live buffers
+    live: list[tuple[int, int]] = []  # (offset, end offset) of live buffers, sorted by offset
+    for i in order:
+        while ending and ending[0][0] <= starts[i]:
+            _, gone = heapq.heappop(ending)
+            live.remove((offsets[gone], offsets[gone] + sizes[gone]))
+        size = sizes[i]
+        if size == 0:
+            continue
+        best_gap, best_at, reached = None, None, 0
+        for low, high in live:
+            gap = low - reached
+            if gap >= size and (best_gap is None or gap < best_gap):
+                best_gap, best_at = gap, reached
+            reached = max(reached, high)
+        offset = reached if best_at is None else best_at
+        offsets[i] = offset
+        bisect.insort(live, (offset, offset + size))
+        heapq.heappush(ending, (ends[i], i))
+    return offsets
+
+
 def _place_in_order(order: list[int], sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Best fit: each buffer goes into the smallest gap, between buffers placed before it that overlap it in time,
     where it fits; else on top of them."""
@@ -174,13 +213,24 @@ def _place_in_order(order: list[int], sizes: np.ndarray, starts: np.ndarray, end
     return offsets
 
 
-def plan_addresses(profile: GraphProfile, schedule: Schedule, search_time_s: float = 0.0) -> AddressPlan:
-    return place(allocations(profile, schedule), search_time_s)
+def plan_addresses(profile: GraphProfile, schedule: Schedule, search_time_s: float = 0.0,
+                   deadline: float | None = None) -> AddressPlan:
+    return place(allocations(profile, schedule), search_time_s, deadline)
 
 
-def with_addresses(profile: GraphProfile, schedule: Schedule, plan: AddressPlan | None = None) -> Schedule:
-    """`schedule` with its buffers' offsets and arena (planned now unless given)."""
+def placed(profile: GraphProfile, schedule: Schedule, search_time_s: float = 0.0,
+           deadline: float | None = None) -> tuple[Schedule, AddressPlan]:
+    """`schedule` with planned addresses, and the plan they come from (one replay of the schedule for both)."""
     buffers = allocations(profile, schedule)
+    address_plan = place(buffers, search_time_s, deadline)
+    return with_addresses(profile, schedule, address_plan, buffers), address_plan
+
+
+def with_addresses(profile: GraphProfile, schedule: Schedule, plan: AddressPlan | None = None,
+                   buffers: list[Allocation] | None = None) -> Schedule:
+    """`schedule` with its buffers' offsets and arena (planned now unless given; `buffers`: its allocations, where
+    the caller has them already)."""
+    buffers = allocations(profile, schedule) if buffers is None else buffers
     plan = plan or place(buffers)
     output: dict[int, int] = {}
     workspace: dict[int, int] = {}

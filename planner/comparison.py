@@ -92,7 +92,10 @@ def compare(
             limit = max(1e-3, time_share_s(names_in_run_order, position, remaining_s))
         began = time.monotonic()
         try:
-            rows[index] = ComparisonRow(name, plan(profile, budget_bytes, strategy=name, time_limit_s=limit, **options))
+            # one time limit shared by a dozen strategies: no time to place each plan's buffers (0.3-0.5 s each on
+            # 2,000 nodes, more than a heuristic's share); each plan of its own gets its addresses
+            rows[index] = ComparisonRow(name, plan(profile, budget_bytes, strategy=name, time_limit_s=limit,
+                                                   addresses=not shared, **options))
         except BudgetError as error:
             rows[index] = ComparisonRow.failed(name, error)
         except MososError as error:  # a strategy that cannot run on this profile (no bandwidth, ...): its row says why

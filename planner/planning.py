@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import time
 from typing import Callable
 
-from planner.addresses import plan_addresses, with_addresses, without_addresses
+from planner.addresses import placed, without_addresses
 from planner.budget import budget_from_ratio, check_budget
 from planner.builder import PlannerBug
 from planner.errors import BudgetError, MososError, ScheduleRejected
@@ -78,6 +79,7 @@ def plan(
     progress: Callable[[dict], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     started_at: float | None = None,
+    addresses: bool = True,
 ) -> Schedule:
     """Plan one training step of `profile` within `budget_bytes` (or `memory_ratio` of the keep-all peak).
 
@@ -87,7 +89,8 @@ def plan(
     every strategy shares one deadline, set here, and the answer is the best plan
     found by then (or InfeasibleBudget: no plan in that time, with the smallest
     budget known to work so far). `started_at` (time.monotonic()) is when the
-    caller's clock started, if before this call (the CLI's command start).
+    caller's clock started, if before this call (the CLI's command start). `addresses`: place the plan's buffers
+    in one arena (planned addresses, within the time limit), planning again within less where they do not fit.
     """
     started = time.monotonic() if started_at is None else min(started_at, time.monotonic())
     check_plan_options(strategy, time_limit_s)
@@ -101,19 +104,20 @@ def plan(
         def stop() -> bool:
             return interrupted.is_set() or (should_stop is not None and bool(should_stop()))
 
+        # the strategy's deadline leaves time to place its plan's buffers (planned addresses) within the limit
+        reserve_s = min(ADDRESS_SHARE * time_limit_s, ADDRESS_S_PER_NODE * len(profile.nodes)) if addresses else 0.0
         options = SolveOptions(
             time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
-            deadline=started + time_limit_s,
+            deadline=started + time_limit_s - reserve_s,
         )
         schedule = info.function(profile, budget, options)
-        schedule = addressed(profile, schedule, _address_search_s(options))
+        if not addresses:  # a caller that shares one time limit among many strategies (compare)
+            return schedule
+        options = dataclasses.replace(options, deadline=started + time_limit_s)
+        schedule = addressed(profile, schedule, options)
         if budget is not None and info.uses_budget:
             schedule = _fit_the_arena(profile, schedule, info.function, options)
         return schedule
-
-
-def _address_search_s(options: SolveOptions) -> float:
-    return max(0.0, min(ADDRESS_SEARCH_S, options.deadline - time.monotonic()))
 
 
 # Plans made again, each within a budget lowered by what the last one's arena passed it, while time is left
@@ -127,7 +131,8 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
     budget = schedule.budget_bytes
     lowered, last = budget, schedule
     for _ in range(ARENA_REPLANS):
-        if last.arena_bytes is not None or options.deadline - time.monotonic() < MIN_REPLAN_S:
+        if (last.arena_bytes is not None or options.deadline - time.monotonic() < MIN_REPLAN_S
+                or (options.should_stop is not None and options.should_stop())):
             break
         lowered -= profile.fixed_bytes + last.summary.arena_bytes - budget
         if lowered < profile.fixed_bytes:
@@ -136,7 +141,7 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
             last = solve(profile, lowered, options)
         except BudgetError:
             break
-        last = addressed(profile, last.model_copy(update={"budget_bytes": budget}), _address_search_s(options))
+        last = addressed(profile, last.model_copy(update={"budget_bytes": budget}), options)
         if last.arena_bytes is not None:
             return last
     return schedule
@@ -145,23 +150,31 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
 MIN_REPLAN_S = 0.5
 
 
+# What placing a plan's buffers takes (replay, sweep, offsets, the simulator's check): about 0.3 ms a node for a
+# 2,000-node graph here; never more than this share of a time limit is set aside for it
+ADDRESS_S_PER_NODE = 0.0003
+ADDRESS_SHARE = 0.5
+
 # How long CP-SAT may look for a smaller arena than the greedy passes found (only where they are over the lower
 # bound), within the call's time limit.
 ADDRESS_SEARCH_S = 1.0
 
 
-def addressed(profile: GraphProfile, schedule: Schedule, search_time_s: float = 0.0) -> Schedule:
+def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions | None = None) -> Schedule:
     """`schedule` with planned addresses where fixed memory and their arena fit its budget, and the arena's size in
-    its summary either way; the simulator checks the addresses before anyone sees them."""
-    address_plan = plan_addresses(profile, schedule, max(0.0, search_time_s))
+    its summary either way; the simulator checks the addresses before anyone sees them. Within `options`' deadline
+    (the greedy sweep always runs), and without CP-SAT's search once asked to stop."""
+    stopped = options is not None and options.should_stop is not None and options.should_stop()
+    with_offsets, address_plan = placed(profile, schedule, 0.0 if stopped else ADDRESS_SEARCH_S,
+                                        options.deadline if options is not None else None)
     summary = schedule.summary.model_copy(update={"arena_bytes": address_plan.arena_bytes}) \
         if schedule.summary is not None else None
     budget = schedule.budget_bytes
     if budget is not None and profile.fixed_bytes + address_plan.arena_bytes > budget:
         return without_addresses(schedule).model_copy(update={"summary": summary})
-    placed = with_addresses(profile, schedule, address_plan).model_copy(update={"summary": summary})
+    with_offsets = with_offsets.model_copy(update={"summary": summary})
     try:
-        simulate(profile, placed, keep_timeline=False)
+        simulate(profile, with_offsets, keep_timeline=False)
     except ScheduleRejected as rejection:
         raise PlannerBug(f"planned addresses the simulator rejects: {rejection}") from rejection
-    return placed
+    return with_offsets

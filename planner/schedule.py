@@ -35,12 +35,20 @@ class _Operation(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_op_required)
 
+    @field_validator("offset_bytes", "workspace_offset_bytes", mode="before", check_fields=False)
+    @classmethod
+    def _offsets_are_numbers(cls, value: Any) -> Any:
+        """A quoted number or a boolean is a mistake, not an offset to coerce (as NumbersAreNumbers says of sizes)."""
+        if isinstance(value, (bool, str)):
+            raise ValueError(f"must be a number, not {type(value).__name__} {value!r}")
+        return value
+
 
 _OFFSET_LIMIT_BYTES = 2**50  # 1 PiB, as every size of a profile
 
 
 def _offset(description: str):
-    return Field(default=None, ge=0, le=_OFFSET_LIMIT_BYTES, strict=True, description=description)
+    return Field(default=None, ge=0, le=_OFFSET_LIMIT_BYTES, description=description)
 
 
 class Compute(_Operation):
@@ -161,7 +169,7 @@ class Schedule(_Strict):
     stages: list[Stage]
     compute_order: list[str] = Field(description="Node ids in the order they are computed, repeats included.")
     arena_bytes: int | None = Field(
-        default=None, ge=0, le=_OFFSET_LIMIT_BYTES, strict=True,
+        default=None, ge=0, le=_OFFSET_LIMIT_BYTES,
         description="Planned addresses: every buffer the step allocates (outputs, prefetched copies, workspaces) "
         "has an offset in one arena of this size, allocated once beside fixed memory; None: no addresses.")
     summary: Summary | None = None

@@ -266,12 +266,11 @@ def _check_addresses(replay: _Replay, schedule: Schedule) -> None:
             continue
         operation = event.operation_object
         offset = operation.workspace_offset_bytes if event.workspace else operation.offset_bytes
-        field_name = "workspace_offset_bytes" if event.workspace else "offset_bytes"
-        path = schedule.path_of(event.operation_index)
-
-        def reject(reason: str) -> ScheduleRejected:
+        def reject(reason: str, event=event) -> ScheduleRejected:
+            field_name = "workspace_offset_bytes" if event.workspace else "offset_bytes"
             return ScheduleRejected(reason, stage=event.stage, operation_index=event.operation_index,
-                                    operation=event.operation, tensor=event.tensor, path=f"{path}.{field_name}")
+                                    operation=event.operation, tensor=event.tensor,
+                                    path=f"{schedule.path_of(event.operation_index)}.{field_name}")
 
         what = f"{'the workspace of ' if event.workspace else ''}{event.tensor!r}"
         if offset is None:
