@@ -178,12 +178,13 @@ def apply_auto(
         return choose_implementation(node, free_bytes)
 
     stages = _replay(profile, schedule, choose, budget_bytes if sync_offloads else None)
+    # other implementations take other workspaces: whatever addresses the schedule had no longer hold
     return schedule.model_copy(
-        update={"stages": stages, "budget_bytes": budget_bytes, "summary": None}
+        update={"stages": stages, "budget_bytes": budget_bytes, "summary": None, "arena_bytes": None}
     )
 
 
 def with_smallest_workspaces(profile: GraphProfile, schedule: Schedule) -> Schedule:
     """The memory-optimal variant of a schedule: every compute takes its smallest-workspace implementation."""
     stages = _replay(profile, schedule, lambda node, operation, live_bytes: node.smallest_workspace)
-    return schedule.model_copy(update={"stages": stages, "summary": None})
+    return schedule.model_copy(update={"stages": stages, "summary": None, "arena_bytes": None})

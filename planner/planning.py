@@ -121,29 +121,34 @@ def plan(
 
 
 # Plans made again, each within a budget lowered by what the last one's arena passed it, while time is left
-ARENA_REPLANS = 3
+ARENA_REPLANS = 4
 
 
 def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: SolveOptions) -> Schedule:
     """A plan whose buffers cannot be placed within the budget (fragmentation: the arena is more than the most bytes
-    ever live) planned again within less, so that its addresses fit; with no time left for that, as it is (its
-    summary says the arena it would need)."""
+    ever live) planned again within less, so that its addresses fit: lowered by what the last plan's arena passed
+    the budget, or halfway back up where the strategy finds no plan that low. With no time left for that, as it is
+    (its summary says the arena it would need)."""
     budget = schedule.budget_bytes
-    lowered, last = budget, schedule
+    last, planned_at, refused_at = schedule, budget, None
     for _ in range(ARENA_REPLANS):
-        if (last.arena_bytes is not None or options.deadline - time.monotonic() < MIN_REPLAN_S
+        if (options.deadline - time.monotonic() < MIN_REPLAN_S
                 or (options.should_stop is not None and options.should_stop())):
             break
-        lowered -= profile.fixed_bytes + last.summary.arena_bytes - budget
-        if lowered < profile.fixed_bytes:
+        lowered = planned_at - (profile.fixed_bytes + last.summary.arena_bytes - budget)
+        if refused_at is not None:
+            lowered = max(lowered, (refused_at + planned_at) // 2)
+        if lowered < profile.fixed_bytes or lowered >= planned_at:
             break
         try:
-            last = solve(profile, lowered, options)
+            candidate = solve(profile, lowered, options)
         except BudgetError:
-            break
-        last = addressed(profile, last.model_copy(update={"budget_bytes": budget}), options)
-        if last.arena_bytes is not None:
-            return last
+            refused_at = lowered
+            continue
+        candidate = addressed(profile, candidate.model_copy(update={"budget_bytes": budget}), options)
+        if candidate.arena_bytes is not None:
+            return candidate
+        last, planned_at = candidate, lowered
     return schedule
 
 

@@ -248,8 +248,9 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
                                      tried)
         tried.append(strategy)
         try:
+            # a pass to measure under, replayed by the caching allocator and checked by its trace: no addresses
             schedule = plan(provisional, budget_bytes, strategy=strategy,
-                            time_limit_s=clock.allow(time_limit_s), workers=1)
+                            time_limit_s=clock.allow(time_limit_s), workers=1, addresses=False)
         except InfeasibleBudget as error:
             if error.minimum_budget_bytes:
                 # a heuristic's figure is its own plan's peak, met again when asked for; the solver's is what its
