@@ -8,13 +8,13 @@ import numbers
 import time
 from typing import Callable
 
-from planner.addresses import placed, without_addresses
+from planner.addresses import ALIGNMENT_BYTES, placed, without_addresses
 from planner.budget import budget_from_ratio, check_budget
 from planner.builder import PlannerBug
 from planner.errors import BudgetError, MososError, ScheduleRejected
 from planner.interrupt import stop_on_interrupt
 from planner.profile import GraphProfile
-from planner.schedule import Schedule
+from planner.schedule import Compute, Prefetch, Schedule
 from planner.simulator import simulate
 from planner.strategies import STRATEGIES, SolveOptions, load_all
 
@@ -130,6 +130,14 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
     the budget, or halfway back up where the strategy finds no plan that low. With no time left for that, as it is
     (its summary says the arena it would need)."""
     budget = schedule.budget_bytes
+    if schedule.arena_bytes is not None:
+        return schedule
+    # an arena over by no more than the buffers' rounding to the alignment is a budget set at the byte (a ratio of
+    # 1.0 is the keep-all peak itself): planning again within less would trade speed for the padding's bytes
+    rounding_bytes = ALIGNMENT_BYTES * sum(isinstance(operation, (Compute, Prefetch))
+                                           for _, _, operation in schedule.operations())
+    if profile.fixed_bytes + schedule.summary.arena_bytes - budget <= rounding_bytes:
+        return schedule
     last, planned_at, refused_at = schedule, budget, None
     for _ in range(ARENA_REPLANS):
         if (options.deadline - time.monotonic() < MIN_REPLAN_S
