@@ -88,10 +88,14 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
     sizes = np.array([aligned(b.size_bytes) for b in buffers], dtype=np.int64)
     starts = np.array([b.start for b in buffers], dtype=np.int64)
     ends = np.array([horizon if b.end is None else b.end for b in buffers], dtype=np.int64)
+    began = time.monotonic()
     offsets = _place_sweeping(sizes.tolist(), starts.tolist(), ends.tolist())
     best = AddressPlan(max(o + z for o, z in zip(offsets, sizes.tolist())), bound, offsets, "step order")
+    pass_s = 3 * (time.monotonic() - began)  # a best-fit pass takes a few sweeps' time (numpy over all placed)
     for name, key in _ORDERS.items():
         if best.arena_bytes <= bound:
+            return best
+        if deadline is not None and time.monotonic() + pass_s > deadline:
             return best
         began = time.monotonic()
         order = sorted(range(len(buffers)), key=lambda i: key(int(sizes[i]), int(starts[i]), int(ends[i])))
@@ -99,9 +103,8 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
         arena = int((found + sizes).max())
         if arena < best.arena_bytes:
             best = AddressPlan(arena, bound, [int(o) for o in found], name)
-        if deadline is not None and time.monotonic() + (time.monotonic() - began) > deadline:
-            return best
-    if best.arena_bytes <= bound:
+        pass_s = time.monotonic() - began
+    if best.arena_bytes <= bound or (deadline is not None and time.monotonic() + pass_s > deadline):
         return best
     # the work limit decides where the search ends (the same addresses on a loaded machine); the clock only as a
     # guard, and never past the deadline

@@ -105,7 +105,9 @@ def plan(
             return interrupted.is_set() or (should_stop is not None and bool(should_stop()))
 
         # the strategy's deadline leaves time to place its plan's buffers (planned addresses) within the limit
-        reserve_s = min(ADDRESS_SHARE * time_limit_s, ADDRESS_S_PER_NODE * len(profile.nodes)) if addresses else 0.0
+        # (none where placing would take more than its share of the limit: a large graph on a short limit)
+        addresses = addresses and ADDRESS_S_PER_NODE * len(profile.nodes) <= ADDRESS_SHARE * time_limit_s
+        reserve_s = ADDRESS_S_PER_NODE * len(profile.nodes) if addresses else 0.0
         options = SolveOptions(
             time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
             deadline=started + time_limit_s - reserve_s,
@@ -163,9 +165,9 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
 MIN_REPLAN_S = 0.5
 
 
-# What placing a plan's buffers takes (replay, sweep, offsets, the simulator's check): about 0.3 ms a node for a
-# 2,000-node graph here; never more than this share of a time limit is set aside for it
-ADDRESS_S_PER_NODE = 0.0003
+# What placing a plan's buffers takes (replay, sweep, offsets, the simulator's check): 0.3-0.5 ms a node for a
+# 2,000-node graph on a loaded 2-core machine; never more than this share of a time limit is set aside for it
+ADDRESS_S_PER_NODE = 0.0005
 ADDRESS_SHARE = 0.5
 
 # How long CP-SAT may look for a smaller arena than the greedy passes found (only where they are over the lower
