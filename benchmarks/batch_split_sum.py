@@ -43,7 +43,7 @@ def run(batch: int, rounds: int, threads: int) -> dict:
     import torch
 
     from executor.measure.allocations import AllocationTrace
-    from executor.measure.conv_algorithms import backward
+    from executor.engine.conv_algorithms import backward
 
     images, gradient, weight = stem_filter_gradient(batch)
     torch.set_num_threads(threads)

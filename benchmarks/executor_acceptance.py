@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from benchmarks.results_file import write_section  # noqa: E402
-from executor.replay.runtime import distinct_storage_bytes as distinct_bytes  # noqa: E402
+from executor.engine.runtime import distinct_storage_bytes as distinct_bytes  # noqa: E402
 from executor.measure.profiler import profile_model  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
 from executor.replay.reference import load  # noqa: E402

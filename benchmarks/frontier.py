@@ -324,7 +324,7 @@ def child(model_name: str, config: str, rounds: int, time_limit_s: float, thread
         if summary.offloaded_bytes:
             row["note"] += f", offload {summary.offloaded_bytes / MIB:.0f} MiB, stall {summary.stall_time_ms:.1f} ms"
         if compiled:
-            # the node kernels the profiling compiled, and the regions the replay compiled (executor.replay.regions)
+            # the node kernels the profiling compiled, and the regions the replay compiled (executor.engine.regions)
             record, replayed = planned._prepared.profiled.compiled, planned.compiled_nodes
             row["compile_s"] = record.compile_seconds + replayed.compile_seconds
             row["note"] += f"; profiled: {record.describe()}; replayed: {replayed.describe()}"

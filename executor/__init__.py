@@ -32,7 +32,7 @@ __all__ = ["profile_model", "estimate_profile", "PlannedModule", "optimize", "Ca
 
 
 def __getattr__(name: str):
-    # lazy, so `import executor.measure.conv_algorithms` does not pull in the whole replay machinery
+    # lazy, so `import executor.engine.conv_algorithms` does not pull in the whole replay machinery
     if name == "profile_model":
         from executor.measure.profiler import profile_model
 

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from executor.replay.accountant import Accountant  # noqa: E402
+from executor.engine.accountant import Accountant  # noqa: E402
 from planner.simulator import simulate
 from planner.strategies.keep_all import keep_all_schedule
 from tests.conftest import make_profile, node

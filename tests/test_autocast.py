@@ -22,7 +22,7 @@ import executor  # noqa: E402
 from executor.errors import ProfileMismatch  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
-from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from executor.engine.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Batch norm inside a compiled kernel computes as ATen's CPU kernel does (executor.replay.batch_norm_decomposition):
+"""Batch norm inside a compiled kernel computes as ATen's CPU kernel does (executor.engine.batch_norm_decomposition):
 the forward bit for bit, the backward within a few roundings; elsewhere ATen's own kernel is called."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from executor.measure import profiler  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
-from executor.replay import compiled_nodes  # noqa: E402
-from executor.replay.batch_norm_decomposition import batch_norm_backward, batch_norm_forward  # noqa: E402
+from executor.engine import compiled_nodes  # noqa: E402
+from executor.engine.batch_norm_decomposition import batch_norm_backward, batch_norm_forward  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from tests.test_compiled_nodes import Normalised  # noqa: E402

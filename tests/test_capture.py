@@ -14,7 +14,7 @@ from executor.capture.capture import capture  # noqa: E402
 from executor.errors import CaptureError  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
-from executor.plan.schedules import recompute_everything_schedule  # noqa: E402
+from executor.engine.schedules import recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 
 

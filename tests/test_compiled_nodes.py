@@ -1,4 +1,4 @@
-"""The compiled replay (executor.replay.compiled_nodes): planning nodes as Inductor kernels.
+"""The compiled replay (executor.engine.compiled_nodes): planning nodes as Inductor kernels.
 
 The zoo trains under keep-all, mosos at 0.6 and recompute-heavy plans with compiled nodes: loss and every
 gradient within the rounding fusion changes of plain PyTorch's (float32: 1e-5 of the gradient's largest
@@ -18,14 +18,14 @@ pytest.importorskip("transformers")
 from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
-from executor.measure import conv_algorithms  # noqa: E402
-from executor.replay import compiled_nodes  # noqa: E402
+from executor.engine import conv_algorithms  # noqa: E402
+from executor.engine import compiled_nodes  # noqa: E402
 from executor.measure import profiler  # noqa: E402
-from executor.replay.compiled_nodes import EAGER  # noqa: E402
+from executor.engine.compiled_nodes import EAGER  # noqa: E402
 from executor.measure.measuring import with_implementations  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
-from executor.plan.schedules import recompute_everything_schedule  # noqa: E402
+from executor.engine.schedules import recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.schedule import Compute  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
@@ -655,7 +655,7 @@ def test_a_compiled_profile_offers_each_kernels_eager_code_and_the_plan_chooses(
 _UNDER_CI = """
 import copy, torch
 from torch import nn
-from executor.replay import batch_norm_decomposition
+from executor.engine import batch_norm_decomposition
 # batch norm as on a GPU, where it stays ATen's kernel inside a compiled one (on the CPU it is decomposed)
 batch_norm_decomposition.DECOMPOSITIONS.clear()
 from executor.measure.profiler import profile_step
@@ -702,7 +702,7 @@ def test_kernels_holding_a_batch_norm_compile_with_ci_set_in_the_environment():
 
 _AS_TORCH_2_11 = """
 import torch._inductor.graph as graph
-from executor.replay import compiled_nodes
+from executor.engine import compiled_nodes
 checked_by_table_given = graph.make_fallback
 
 

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from executor.measure.conv_algorithms import (  # noqa: E402
+from executor.engine.conv_algorithms import (  # noqa: E402
     ALGORITHMS,
     ConvGeometry,
     applicable,

@@ -193,7 +193,7 @@ def test_batch_splits_estimate_covers_what_it_takes_and_is_below_natives_where_i
     within the budget; split forward calls and summed filter gradients below native's own. A filter gradient alone
     is not offered batch-split (the same call as native's), and only it is offered batch-split-sum (elsewhere the
     same calls as batch-split's)."""
-    from executor.measure import conv_algorithms
+    from executor.engine import conv_algorithms
 
     threads(2)
     torch.manual_seed(0)

@@ -16,13 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 models = pytest.importorskip("models")
 
-from executor.measure import conv_algorithms  # noqa: E402
+from executor.engine import conv_algorithms  # noqa: E402
 from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
 from executor.plan.plugin import PlannerServiceError, plan_remotely  # noqa: E402
 from executor.plan.plugin import optimize as executor_optimize  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
-from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from executor.engine.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.budget import minimum_budget_bytes  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.planning import InfeasibleBudget, plan, strategy_names  # noqa: E402
@@ -396,7 +396,7 @@ def test_without_grad_the_module_just_evaluates(profiled):
 
 def test_transfers_bring_back_any_geometry_on_the_cpu():
     """Offload copies storages byte for byte, so strides, offsets and shared storages come back as they were."""
-    from executor.replay.transfers import Transfers
+    from executor.engine.transfers import Transfers
 
     base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
     view = base.t()[1:, ::2]  # non-contiguous, offset, on the same storage as base
@@ -420,7 +420,7 @@ def test_transfers_leave_a_storage_that_is_not_on_the_device_where_it_is():
     """CUDA attention hands its backward its generator's seed and offset as CPU scalars: offloading the node moves
     its device tensors only, and the scalars come back as themselves, still on the CPU (rebuilt on the device, an
     H200 step failed in the attention's backward). A meta device stands in for the GPU here."""
-    from executor.replay.transfers import Transfers
+    from executor.engine.transfers import Transfers
 
     seed, offset = torch.tensor(1234), torch.tensor(56)
     transfers = Transfers(torch.device("meta"))

@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
-from executor.plan.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from executor.engine.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402

@@ -14,7 +14,7 @@ from torch import nn  # noqa: E402
 
 import executor  # noqa: E402
 from executor.measure import measured  # noqa: E402
-from executor.replay.device_memory import HeldMemory  # noqa: E402
+from executor.engine.device_memory import HeldMemory  # noqa: E402
 from planner.planning import plan  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from executor.measure import conv_algorithms  # noqa: E402
+from executor.engine import conv_algorithms  # noqa: E402
 from executor.errors import CaptureError  # noqa: E402
 from executor.measure.profiler import optimizer_state_bytes, plan_step, profile_model, profile_step  # noqa: E402
 from executor.measure.optimizer_step import WRAPPED_SCALARS_BYTES  # noqa: E402

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.replay.regions import live_bytes_before, regions
+from executor.engine.regions import live_bytes_before, regions
 
 
 @dataclass(frozen=True)

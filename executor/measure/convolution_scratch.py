@@ -34,7 +34,7 @@ import math
 import torch
 from torch.profiler import record_function
 
-from executor.measure import conv_algorithms
+from executor.engine import conv_algorithms
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.capture.capture import SHAPE_ONLY
 from executor.capture.planning_graph import CONVOLUTION

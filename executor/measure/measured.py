@@ -3,7 +3,7 @@
 A profile's node times come from the measuring pass; the planned step runs
 the same operations in another order, with other neighbours in the cache,
 recomputations and frees between them. The first steps of a PlannedModule
-are timed node by node (executor.replay.runtime.TimedStepRuntime); where the whole
+are timed node by node (executor.engine.runtime.TimedStepRuntime); where the whole
 step is more than `REPLAN_OFF` off the simulated one, the module re-plans once
 on a profile whose node times are the measured ones, so that the plan is made
 for the step that runs.
@@ -19,8 +19,8 @@ from planner.schedule import Compute, Schedule
 from planner.units import format_bytes
 
 if TYPE_CHECKING:
-    from executor.replay.compiled_nodes import CompiledNodes
-    from executor.replay.device_memory import HeldRecord
+    from executor.engine.compiled_nodes import CompiledNodes
+    from executor.engine.device_memory import HeldRecord
 
 REPLAN_OFF = 0.10
 SHOWN_NODES = 10

@@ -228,7 +228,7 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             return MeasuringPlan(keep_all, "keep-all", keep_all_peak, budget_bytes, tried)
     smallest, unverified = [keep_all_peak], []  # budgets a measuring pass was seen to fit; budgets named only
     if provisional.hardware.can_transfer:
-        from executor.plan.schedules import offload_everything_schedule
+        from executor.engine.schedules import offload_everything_schedule
 
         tried.append("offload-everything")
         schedule = offload_everything_schedule(provisional)

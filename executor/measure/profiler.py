@@ -2,7 +2,7 @@
 
 The model and its loss are captured as one joint ATen graph (executor.capture.capture),
 grouped into planning nodes (executor.capture.planning_graph), and the keep-all step
-is generated as code (executor.replay.codegen) and run whole, pass after pass:
+is generated as code (executor.engine.codegen) and run whole, pass after pass:
 
 - times: each planning node's share of a real training step: the clock around
   the node's code in the generated keep-all step (the calling thread's CPU time
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.measure import conv_algorithms
+from executor.engine import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, _first_line, capture, tensor_signature
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
@@ -46,13 +46,13 @@ from executor.measure.convolution_scratch import (batch_split_scratch_bytes, cov
                                                   native_scratch_bound_bytes,
                                                   probe_native_scratch, splits_the_batch, sums_over_the_batch,
                                                   unprobed_for_room)
-from executor.replay.codegen import CodeGenerator, Modes, schedule_operations
-from executor.replay.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
+from executor.engine.codegen import CodeGenerator, Modes, schedule_operations
+from executor.engine.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
 from executor.errors import CaptureError
 from executor.capture.feeds import Feeder
 from executor.capture.planning_graph import (PlanningGraph, accumulation_bytes, build, node_sizes, reference_run,
                                              transient_peak_bytes)
-from executor.replay.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
+from executor.engine.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
 from executor.measure.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, substituted,
                                         with_implementations)
 from planner.budget import minimum_budget_bytes
@@ -495,7 +495,7 @@ def profile_step(
     smallest that works, raised before anything beyond the model is allocated.
     On a GPU, transfer bandwidth is measured with pinned buffers unless given;
     on the CPU it is taken from the arguments or left out (no offloading).
-    With `compile`, the planning nodes run as Inductor kernels (executor.replay.compiled_nodes) and are measured so:
+    With `compile`, the planning nodes run as Inductor kernels (executor.engine.compiled_nodes) and are measured so:
     the profile is of the step that will run.
     `deadline` (a `time.monotonic()` instant, a command's time limit) bounds the search for the measuring schedule
     (TimeLimitReached when it comes first); the command stops the rest (cli/time_limit.py).

@@ -52,7 +52,7 @@ from planner.simulator import simulate
 
 ENTRY_VERSION = 1
 # the compiled replay's kernels, raised when they compute otherwise, so that a plan measured and kept on the old
-# ones is made again (2: batch norm computed as ATen's CPU kernel computes it, executor.replay.batch_norm_decomposition)
+# ones is made again (2: batch norm computed as ATen's CPU kernel computes it, executor.engine.batch_norm_decomposition)
 COMPILED_KERNELS_VERSION = 2
 _PLANS = f"plans-v{ENTRY_VERSION}"
 _STAGING = re.compile(r"\.[0-9a-f]{12}-.*")  # PlanCache.store's folder until it is whole: the cache's own too

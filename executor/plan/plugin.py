@@ -108,7 +108,7 @@ def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memo
     convolutions probed on a few samples of the batch)."""
     from torch.utils._pytree import tree_flatten
 
-    from executor.measure import conv_algorithms
+    from executor.engine import conv_algorithms
     from planner.budget import budget_from_ratio
 
     leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
@@ -123,7 +123,7 @@ COMPILED_ALGORITHMS = ("native", "channels-last", "batch-split", "batch-split-su
 
 
 def _algorithms(algorithms) -> tuple[str, ...]:
-    from executor.measure import conv_algorithms
+    from executor.engine import conv_algorithms
 
     if algorithms == "all":
         return tuple(conv_algorithms.ALGORITHMS)
@@ -211,7 +211,7 @@ def optimize(
     float64 answer where the sum is 0.5e-5 from it), each where the profile measures it faster or the budget
     needs its smaller workspace; like the eager alternative beside each kernel, the pick follows the measured
     times.
-    `algorithms="all"` (every one of executor.measure.conv_algorithms.ALGORITHMS) lets the plan pick per layer by
+    `algorithms="all"` (every one of executor.engine.conv_algorithms.ALGORITHMS) lets the plan pick per layer by
     measured time and workspace (a smaller budget may fit); the others agree with plain PyTorch to rounding only,
     and which one a run picks can change with the timings (and again at the re-plan) while the plan's memory
     figures stay the same.
@@ -223,7 +223,7 @@ def optimize(
     the kernel or eager's code per node by other measured times: the plan cache keeps restarts alike); random nodes, in-place batch norms and
     whatever Inductor refuses run eagerly, and `planned.compiled_nodes` says which and why. With
     `compile_regions` (the default), consecutive computations with nothing scheduled between them but frees run as
-    one kernel, so that fusion crosses node boundaries (executor/replay/regions.py: within one layer of a repeated module,
+    one kernel, so that fusion crosses node boundaries (executor/engine/regions.py: within one layer of a repeated module,
     never holding more than the plan's peak); its rounding is the same from run to run.
     """
     if not isinstance(model, nn.Module):

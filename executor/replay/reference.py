@@ -27,7 +27,7 @@ class ReferenceProfile:
     plain_ms: float | None  # a plain PyTorch step, timed the same way (None: it would not fit the budget)
     repeats: int
     measured_under: str = "keep-all"  # the schedule the profile was measured under
-    compiled: object = None  # compile=True: executor.replay.compiled_nodes.CompiledNodes
+    compiled: object = None  # compile=True: executor.engine.compiled_nodes.CompiledNodes
 
     @property
     def ratio(self) -> float | None:

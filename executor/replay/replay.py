@@ -2,7 +2,7 @@
 
 `loss = planned(*inputs, targets=targets, **kwargs); loss.backward()` runs
 the model's captured joint graph (executor.capture.capture) in the schedule's order:
-the generated code (executor.replay.codegen) computes each planning node's ATen
+the generated code (executor.engine.codegen) computes each planning node's ATen
 operations, offloads, prefetches, waits, frees and recomputes exactly where
 the schedule says. One custom autograd Function wraps the step: its forward
 runs the code up to the first backward computation and returns the loss, its
@@ -16,9 +16,9 @@ optimizer works unchanged.
 - Recomputation restores the RNG state of the node's first computation
   (dropout draws the same mask); buffers (BatchNorm statistics) and mutated
   inputs are written back once, at the end of the step, from staging buffers.
-- Offload and prefetch go through executor.replay.transfers (CUDA streams, pinned
+- Offload and prefetch go through executor.engine.transfers (CUDA streams, pinned
   host buffers, events; plain copies on the CPU).
-- The ledger (executor.replay.accountant), on by default on the CPU, counts the real
+- The ledger (executor.engine.accountant), on by default on the CPU, counts the real
   bytes of every planning node's storages and stands in for
   `torch.cuda.max_memory_allocated`: `planned.peak_memory_bytes`.
 """
@@ -35,11 +35,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.replay.accountant import Accountant
-from executor.replay.device_memory import DeviceMemory, HeldRecord, device_memory_of
+from executor.engine.accountant import Accountant
+from executor.engine.device_memory import DeviceMemory, HeldRecord, device_memory_of
 from executor.capture.capture import tensor_signature
-from executor.replay.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
-from executor.replay.compiled_nodes import CompiledNodes, NodeCompiler
+from executor.engine.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
+from executor.engine.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.replay import optimizer_state
 from executor.capture import autocast
 from executor.capture.python_state import describe_change, python_state
@@ -47,7 +47,7 @@ from executor.errors import CaptureError, ProfileMismatch, ReplayError
 from executor.capture.feeds import Feeder
 from executor.measure.measured import StepReport, measured_profile, node_differences
 from executor.measure.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
-from executor.replay.runtime import StepRuntime, TimedStepRuntime
+from executor.engine.runtime import StepRuntime, TimedStepRuntime
 from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
@@ -102,7 +102,7 @@ def check_inputs(profile: GraphProfile, inputs: tuple, kwargs: dict, targets) ->
             )
 
 
-# kinds of compiled region one planned step may use, the most useful first (executor.replay.codegen): the keep-all plan
+# kinds of compiled region one planned step may use, the most useful first (executor.engine.codegen): the keep-all plan
 # of a 4-layer GPT-2 has 11 (a recompute plan more), the first 8 cover most of its node computations, and each
 # costs 0.3-0.8 s to compile on 2 CPU cores
 MAX_REGION_KERNELS = 8
@@ -184,9 +184,9 @@ class PlannedModule(nn.Module):
     Give `example_inputs` (and `kwargs`, `targets`) to capture the model now and refuse a mismatch at once;
     without them it is captured at the first call. `ledger` (default: on the CPU) keeps the byte-exact
     ledger; `strict` also checks every node's real size against the profile and that freed memory is released.
-    `compile` runs the planning nodes as Inductor kernels (executor.replay.compiled_nodes), for a profile measured so;
+    `compile` runs the planning nodes as Inductor kernels (executor.engine.compiled_nodes), for a profile measured so;
     `compiled_nodes` then says which ran eagerly and why. `compile_regions` also runs consecutive computations as
-    one kernel where nothing but frees is scheduled between them (executor.replay.regions; not in strict mode, which
+    one kernel where nothing but frees is scheduled between them (executor.engine.regions; not in strict mode, which
     checks node by node, nor in the timed steps, which time node by node).
     """
 
@@ -216,7 +216,7 @@ class PlannedModule(nn.Module):
         super().__init__()
         self.model = model
         self.compile = compile  # planning nodes as Inductor kernels (the profile must have been measured so)
-        # with compile: consecutive computations with nothing scheduled between them as one kernel (executor.replay.regions)
+        # with compile: consecutive computations with nothing scheduled between them as one kernel (executor.engine.regions)
         self.compile_regions = compile_regions
         self.profile = profile
         self.schedule = schedule

@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from executor.replay.accountant import Accountant
+from executor.engine.accountant import Accountant
 from executor.errors import ReplayError
-from executor.replay.transfers import Transfers
+from executor.engine.transfers import Transfers
 
 
 def distinct_storage_bytes(tensors) -> int:

@@ -8,7 +8,7 @@ shares one kernel; inside it cheap chains fuse, while every tensor the plan
 keeps, frees or recomputes is still a real tensor at the node's boundary.
 
 Consecutive computations with nothing but frees scheduled between them may
-run as one region kernel (`region_kernel`, chosen by executor.replay.regions and the
+run as one region kernel (`region_kernel`, chosen by executor.engine.regions and the
 code generator): the same compiling, with a view of a value made inside
 turned into a reshape, since Inductor may lay such a value out otherwise.
 Every kernel's first call checks what it hands on: outputs in other strides
@@ -18,7 +18,7 @@ memory with its inputs or each other make it run eagerly.
 Compiled on fake tensors (nothing is allocated, so the budget holds while it
 compiles). Dropout stays eager's own call inside a kernel (eager's mask), and
 so does batch norm except where ATen's CPU kernel sums in double: there it is
-computed as that kernel computes it (executor.replay.batch_norm_decomposition),
+computed as that kernel computes it (executor.engine.batch_norm_decomposition),
 and fuses. A node that is better or only correctly run
 eagerly says why: nothing to fuse (fewer than two operations Inductor writes
 itself), random operations other than one dropout, convolution algorithms of
@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from executor.capture import autocast
 from executor.capture.planning_graph import is_random
-from executor.replay import batch_norm_decomposition
+from executor.engine import batch_norm_decomposition
 
 # one library call each: Inductor would call the same kernel
 _LIBRARY_CALLS = {
@@ -133,7 +133,7 @@ class NodeCompiler:
 
     def region_kernel(self, label: str, node_ids: list[str], members: list[fx.Node], inputs: list[fx.Node],
                       outputs: list[fx.Node], views: set[fx.Node], key: str | None) -> Callable | None:
-        """One kernel for consecutive node computations (`executor.replay.regions`; `key` from `region_key`), or None
+        """One kernel for consecutive node computations (`executor.engine.regions`; `key` from `region_key`), or None
         with the reason recorded: then each node runs apart, compiled or not as `kernel` decides."""
         if key not in self.region_keys and len(self.region_keys) >= self.max_region_kernels:
             self.record.regions_refused[label] = f"more than {self.max_region_kernels} kinds of region"
@@ -420,7 +420,7 @@ def _input_layout(tensors) -> tuple:
 # kept whole, as eager's kernels: dropout, whose mask must be eager's; batch norm, whose decomposition by Inductor
 # sums in another order, and the gradients before a batch norm cancel (its backward removes their mean), so a
 # rounding apart becomes 1e-2 of a convolution weight's gradient (MobileNetV2): only where ATen's CPU kernel sums
-# in double is it decomposed, as that kernel computes (executor.replay.batch_norm_decomposition); an embedding's
+# in double is it decomposed, as that kernel computes (executor.engine.batch_norm_decomposition); an embedding's
 # backward
 _KEPT_WHOLE = {
     torch.ops.aten._native_batch_norm_legit_functional.default, torch.ops.aten._native_batch_norm_legit.default,

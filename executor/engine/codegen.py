@@ -18,7 +18,7 @@ the timing or memory hooks of the profiler).
 
 With a node compiler, a node runs as its compiled kernel, and consecutive
 computations with only frees between them as one compiled region
-(executor.replay.regions): a region's code is one kernel call, then in schedule order
+(executor.engine.regions): a region's code is one kernel call, then in schedule order
 the graph outputs its nodes hand over, the ledger's entries (a node computed
 and freed inside counts its planned size) and the frees.
 
@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.fx as fx
 
-from executor.measure import conv_algorithms
+from executor.engine import conv_algorithms
 from executor.capture.capture import HAND_OFF, SHAPE_ONLY
-from executor.replay.compiled_nodes import EAGER
+from executor.engine.compiled_nodes import EAGER
 from executor.capture.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
-from executor.replay.regions import regions as region_ranges
+from executor.engine.regions import regions as region_ranges
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 from planner.strategies.per_block import layer_prefix
 
 if TYPE_CHECKING:
-    from executor.replay.compiled_nodes import NodeCompiler
+    from executor.engine.compiled_nodes import NodeCompiler
 
 
 BATCH_NORM_FUNCTIONAL = torch.ops.aten._native_batch_norm_legit_functional.default
@@ -141,9 +141,9 @@ class CodeGenerator:
                  compiler: "NodeCompiler | None" = None,
                  region_memory: tuple[list[int], Callable[[int, str], int]] | None = None):
         self.planning = planning
-        self.compiler = compiler  # planning nodes as Inductor kernels where it can (executor.replay.compiled_nodes)
+        self.compiler = compiler  # planning nodes as Inductor kernels where it can (executor.engine.compiled_nodes)
         # with a compiler: each node's planned size and each implementation's workspace, to run consecutive
-        # computations as one compiled region where that cannot raise the step's peak (executor.replay.regions)
+        # computations as one compiled region where that cannot raise the step's peak (executor.engine.regions)
         self.region_memory = region_memory
         self.step = planning.step
         self.modes = modes
@@ -535,7 +535,7 @@ class CodeGenerator:
     # -- compiled regions ----------------------------------------------------------------------------
 
     def _regions(self, operations: list[Op], cut: int) -> list[tuple[int, int]]:
-        """Consecutive computations to run as one compiled kernel (executor.replay.regions); none unless asked for, and
+        """Consecutive computations to run as one compiled kernel (executor.engine.regions); none unless asked for, and
         none in the profiler's modes, which time or measure node by node."""
         memory = self.region_memory
         if self.compiler is None or memory is None or self.modes.strict or self.modes.timing or self.modes.memory:
@@ -615,7 +615,7 @@ class CodeGenerator:
     def _region_kernels(self, operations: list[Op], ranges: list[tuple[int, int]]) -> dict[int, tuple]:
         """Region start -> (spec, kernel) for the regions Inductor compiled. Kernels are compiled in the order of
         the node computations they cover (regions alike share one), so that beyond the kinds of region a program
-        may use (executor.replay.compiled_nodes), the regions left to run node by node are those worth least."""
+        may use (executor.engine.compiled_nodes), the regions left to run node by node are those worth least."""
         specs = [self._region_spec(operations, start, end) for start, end in ranges]
         covered: dict[str | None, int] = {}
         for spec in specs:
