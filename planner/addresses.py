@@ -12,7 +12,8 @@ Placing intervals in an arena of least size is dynamic storage allocation
 (NP-hard in general). The greedy passes here place buffers one at a time at
 the tightest gap among those already placed that overlap them in time, as
 TFLite's arena planner and Inductor's memory planning do; several orders are
-tried and the smallest arena kept. The most bytes live at one instant is a
+tried, then the same orders perturbed at random, then CP-SAT from the best,
+and the smallest arena kept. The most bytes live at one instant is a
 lower bound, so every result says how far it is from the best possible.
 """
 
@@ -106,6 +107,11 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
         pass_s = time.monotonic() - began
     if best.arena_bytes <= bound or (deadline is not None and time.monotonic() + pass_s > deadline):
         return best
+    if search_time_s > 0:
+        best = _perturbed(best, sizes, starts, ends, search_time_s / 2, deadline, pass_s)
+        search_time_s /= 2
+        if best.arena_bytes <= bound:
+            return best
     # the work limit decides where the search ends (the same addresses on a loaded machine); the clock only as a
     # guard, and never past the deadline
     wall_s = 3 * search_time_s if deadline is None else min(3 * search_time_s, deadline - time.monotonic())
@@ -113,6 +119,31 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
         improved = _search(sizes, starts, ends, best, search_time_s, wall_s)
         if improved is not None:
             return improved
+    return best
+
+
+def _perturbed(best: AddressPlan, sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, time_s: float,
+               deadline: float | None, pass_s: float) -> AddressPlan:
+    """Best-fit passes in the three orders with each key scaled by a random factor in [0.7, 1.3] (seeded), for at
+    most `time_s`: on GPT-2 at half its peak, 1.05 of the lower bound in 2 s where the orders gave 1.32 and CP-SAT
+    1.24 in 3 s (1.11 in 90)."""
+    rng = np.random.default_rng(0)
+    lifetimes = ends - starts
+    keys = (sizes, lifetimes, sizes * lifetimes)
+    stop = time.monotonic() + time_s
+    if deadline is not None:
+        stop = min(stop, deadline)
+    count = 0
+    while time.monotonic() + pass_s <= stop:
+        key = keys[count % 3] * rng.uniform(0.7, 1.3, len(sizes))
+        order = np.argsort(-key, kind="stable").tolist()
+        found = _place_in_order(order, sizes, starts, ends)
+        arena = int((found + sizes).max())
+        if arena < best.arena_bytes:
+            best = AddressPlan(arena, best.lower_bound_bytes, [int(o) for o in found], "perturbed orders")
+            if arena <= best.lower_bound_bytes:
+                break
+        count += 1
     return best
 
 

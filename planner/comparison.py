@@ -59,6 +59,9 @@ def time_share_s(strategies: list[str], index: int, remaining_s: float) -> float
     return max(0.0, remaining_s) * weights[0] / sum(weights)
 
 
+HEURISTIC_S_PER_NODE = 0.0002  # the least a heuristic takes on a loaded 2-core machine: 0.3 ms a node seen
+
+
 def compare(
     profile: GraphProfile, budget_bytes: int | None, strategies: list[str], *, time_limit_s: float = 60.0,
     started_at: float | None = None, shared: bool = False, **options,
@@ -74,7 +77,9 @@ def compare(
     names_in_run_order = [strategies[index] for index in run_order]
     rows: dict[int, ComparisonRow] = {}
     clock = time.monotonic() if started_at is None else started_at
-    slowest_heuristic_s = 0.0  # what one heuristic took on this graph: the least the next one will need
+    # what one heuristic took on this graph: the least the next one will need; before the first, a few whole
+    # simulations' worth (the first ran with 0.02 s left and took 0.6-0.8 s on 2,000 nodes, past the limit)
+    slowest_heuristic_s = HEURISTIC_S_PER_NODE * len(profile.nodes)
     for position, index in enumerate(run_order):
         name = strategies[index]
         limit = time_limit_s

@@ -106,8 +106,11 @@ def plan(
 
         # the strategy's deadline leaves time to place its plan's buffers (planned addresses) within the limit
         # (none where placing would take more than its share of the limit: a large graph on a short limit)
+        # and a tenth of the limit (a second at most) for CP-SAT's search of a smaller arena: without it, a solver
+        # that used its whole limit left its plan's buffers to the greedy passes, a few percent over what fits
         addresses = addresses and ADDRESS_S_PER_NODE * len(profile.nodes) <= ADDRESS_SHARE * time_limit_s
-        reserve_s = ADDRESS_S_PER_NODE * len(profile.nodes) if addresses else 0.0
+        reserve_s = min(ADDRESS_SHARE * time_limit_s, ADDRESS_S_PER_NODE * len(profile.nodes)
+                        + min(ADDRESS_SEARCH_S, 0.1 * time_limit_s)) if addresses else 0.0
         options = SolveOptions(
             time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
             deadline=started + time_limit_s - reserve_s,
