@@ -104,10 +104,10 @@ def plan(
         def stop() -> bool:
             return interrupted.is_set() or (should_stop is not None and bool(should_stop()))
 
-        # the strategy's deadline leaves time to place its plan's buffers (planned addresses) within the limit
-        # (none where placing would take more than its share of the limit: a large graph on a short limit)
-        # and a tenth of the limit (a second at most) for CP-SAT's search of a smaller arena: without it, a solver
-        # that used its whole limit left its plan's buffers to the greedy passes, a few percent over what fits
+        # The strategy's deadline leaves time, within the limit, to place its plan's buffers (none are placed where
+        # that would take more than its share: a large graph on a short limit), and a tenth of the limit (a second
+        # at most) to search for a smaller arena: without it, a solver that used its whole limit left its plan to
+        # the greedy passes, a few percent over what fits.
         addresses = addresses and ADDRESS_S_PER_NODE * len(profile.nodes) <= ADDRESS_SHARE * time_limit_s
         reserve_s = min(ADDRESS_SHARE * time_limit_s, ADDRESS_S_PER_NODE * len(profile.nodes)
                         + min(ADDRESS_SEARCH_S, 0.1 * time_limit_s)) if addresses else 0.0
@@ -125,8 +125,16 @@ def plan(
         return schedule
 
 
-# Plans made again, each within a budget lowered by what the last one's arena passed it, while time is left
+# What placing a plan's buffers takes (replay, sweep, offsets, the simulator's check): 0.3-0.5 ms a node for a
+# 2,000-node graph on a loaded 2-core machine; never more than this share of a time limit is set aside for it
+ADDRESS_S_PER_NODE = 0.0005
+ADDRESS_SHARE = 0.5
+# How long the perturbed passes and CP-SAT may look for a smaller arena than the first passes found (only where
+# they are over the lower bound), within the call's time limit
+ADDRESS_SEARCH_S = 1.0
+# Plans made again, each within a budget lowered by what the last one's arena passed it, while this much time is left
 ARENA_REPLANS = 4
+MIN_REPLAN_S = 0.5
 
 
 def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: SolveOptions) -> Schedule:
@@ -163,19 +171,6 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
             return candidate
         last, planned_at = candidate, lowered
     return schedule
-
-
-MIN_REPLAN_S = 0.5
-
-
-# What placing a plan's buffers takes (replay, sweep, offsets, the simulator's check): 0.3-0.5 ms a node for a
-# 2,000-node graph on a loaded 2-core machine; never more than this share of a time limit is set aside for it
-ADDRESS_S_PER_NODE = 0.0005
-ADDRESS_SHARE = 0.5
-
-# How long CP-SAT may look for a smaller arena than the greedy passes found (only where they are over the lower
-# bound), within the call's time limit.
-ADDRESS_SEARCH_S = 1.0
 
 
 def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions | None = None) -> Schedule:
