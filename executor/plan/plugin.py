@@ -21,7 +21,7 @@ from executor.capture.capture import tensor_signature
 from executor.plan.cache import PlanKey, open_cache, plan_key
 from executor.measure.profiler import (ProfiledStep, as_tuple, check_optimizer_argument, plan_step, planning_of,
                                       preserved, profile_step, provisional_profile)
-from executor.replay.replay import PlannedModule
+from executor.replay.replay import STOPPING, PlannedModule
 from planner.errors import BudgetError, MososError
 from planner.planning import plan
 from planner.profile import GraphProfile
@@ -293,8 +293,9 @@ def optimize(
                 gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
                 say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
 
+        # a re-plan runs beside training: it stops when the process exits (STOPPING)
         return plan(profile, budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=workers,
-                    progress=on_progress)
+                    progress=on_progress, should_stop=STOPPING.is_set)
 
     def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
         """Capture, profile within the budget and plan one input signature (or take it from the cache); the key

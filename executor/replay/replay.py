@@ -25,6 +25,7 @@ optimizer works unchanged.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import threading
 import weakref
@@ -635,9 +636,24 @@ def _quiet(message: str) -> None:
     pass
 
 
+# Set when the process exits: a re-plan still running beside training stops its solver (plan()'s should_stop), and
+# exit waits for it. A solver's thread left running into the interpreter's finalization aborted the process (a
+# two-step script whose re-plan began after its first steps ended with SIGABRT, its steps all done).
+STOPPING = threading.Event()
+_RUNNING: "weakref.WeakSet[BackgroundReplan]" = weakref.WeakSet()
+_EXIT_WAIT_S = 10.0
+
+
+@atexit.register
+def _stop_replans() -> None:
+    STOPPING.set()
+    for replan in list(_RUNNING):
+        replan.wait(_EXIT_WAIT_S)
+
+
 class BackgroundReplan:
-    """One re-plan on a thread of its own (CP-SAT releases the GIL while it searches). A daemon thread: a process
-    that ends while it runs does not wait for the solver."""
+    """One re-plan on a thread of its own (CP-SAT releases the GIL while it searches), asked to stop when the
+    process exits (`STOPPING`, which optimize()'s re-plan passes to plan() as should_stop)."""
 
     def __init__(self, replan: Callable, profile: GraphProfile, schedule: Schedule, token: object,
                  report: StepReport):
@@ -648,6 +664,7 @@ class BackgroundReplan:
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(replan, profile, schedule, token),
                                         name="mosos-replan", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
 
     def _run(self, replan, profile, schedule, token) -> None:
