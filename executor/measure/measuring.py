@@ -405,13 +405,14 @@ def _greedy(provisional: GraphProfile, budget_bytes: int, deadline: float) -> Sc
 
 
 def substituted(schedule: Schedule, choose, nodes: set[str]) -> Schedule:
-    """`schedule` with the computations of `nodes` set to implementation `choose(node_id)`, unchecked."""
+    """`schedule` with the computations of `nodes` set to implementation `choose(node_id)`, unchecked; other
+    implementations take other workspaces, so it carries no planned addresses."""
     stages = []
     for stage in schedule.stages:
         operations = [op.model_copy(update={"implementation": choose(op.node)})
                       if isinstance(op, Compute) and op.node in nodes else op for op in stage.operations]
         stages.append(stage.model_copy(update={"operations": operations}))
-    return schedule.model_copy(update={"stages": stages})
+    return schedule.model_copy(update={"stages": stages, "arena_bytes": None})
 
 
 def with_implementations(provisional: GraphProfile, schedule: Schedule, choose, budget_bytes: int | None) -> Schedule:
