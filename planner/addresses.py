@@ -253,13 +253,6 @@ def plan_addresses(profile: GraphProfile, schedule: Schedule, search_time_s: flo
     return place(allocations(profile, schedule), search_time_s, deadline)
 
 
-def placed(profile: GraphProfile, schedule: Schedule, search_time_s: float = 0.0,
-           deadline: float | None = None) -> tuple[Schedule, AddressPlan]:
-    """`schedule` with planned addresses, and the plan they come from (one replay of the schedule for both)."""
-    buffers = allocations(profile, schedule)
-    address_plan = place(buffers, search_time_s, deadline)
-    return with_addresses(profile, schedule, address_plan, buffers), address_plan
-
 
 def with_addresses(profile: GraphProfile, schedule: Schedule, plan: AddressPlan | None = None,
                    buffers: list[Allocation] | None = None) -> Schedule:

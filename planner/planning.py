@@ -8,14 +8,14 @@ import numbers
 import time
 from typing import Callable
 
-from planner.addresses import ALIGNMENT_BYTES, placed, without_addresses
+from planner.addresses import ALIGNMENT_BYTES, place, with_addresses, without_addresses
 from planner.budget import budget_from_ratio, check_budget
 from planner.builder import PlannerBug
 from planner.errors import BudgetError, MososError, ScheduleRejected
 from planner.interrupt import stop_on_interrupt
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Prefetch, Schedule
-from planner.simulator import simulate
+from planner.simulator import allocations, simulate
 from planner.strategies import STRATEGIES, SolveOptions, load_all
 
 
@@ -178,14 +178,14 @@ def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions |
     its summary either way; the simulator checks the addresses before anyone sees them. Within `options`' deadline
     (the greedy sweep always runs), and without CP-SAT's search once asked to stop."""
     stopped = options is not None and options.should_stop is not None and options.should_stop()
-    with_offsets, address_plan = placed(profile, schedule, 0.0 if stopped else ADDRESS_SEARCH_S,
-                                        options.deadline if options is not None else None)
+    buffers = allocations(profile, schedule)
+    address_plan = place(buffers, 0.0 if stopped else ADDRESS_SEARCH_S, options.deadline if options else None)
     summary = schedule.summary.model_copy(update={"arena_bytes": address_plan.arena_bytes}) \
         if schedule.summary is not None else None
     budget = schedule.budget_bytes
     if budget is not None and profile.fixed_bytes + address_plan.arena_bytes > budget:
         return without_addresses(schedule).model_copy(update={"summary": summary})
-    with_offsets = with_offsets.model_copy(update={"summary": summary})
+    with_offsets = with_addresses(profile, schedule, address_plan, buffers).model_copy(update={"summary": summary})
     try:
         simulate(profile, with_offsets, keep_timeline=False)
     except ScheduleRejected as rejection:
