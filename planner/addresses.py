@@ -151,7 +151,7 @@ def _search(sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, greedy: Add
             time_limit_s: float, max_wall_s: float) -> AddressPlan | None:
     """CP-SAT on the rectangles (time fixed, offset free) from the greedy arena down towards the lower bound; None
     where it finds nothing smaller in time."""
-    from ortools.sat.python import cp_model
+    from ortools.sat.python import cp_model  # only where a search runs: plan()'s import stays light
 
     unit = ALIGNMENT_BYTES
     top = greedy.arena_bytes // unit

@@ -254,8 +254,7 @@ def _check_addresses(replay: _Replay, schedule: Schedule) -> None:
     live_starts: list[int] = []  # offsets of live buffers, sorted; they never overlap one another
     live: dict[int, tuple[int, str]] = {}  # offset -> (end offset, what)
     where: dict[tuple[str, bool], deque[int]] = defaultdict(deque)  # the offsets of each tensor's copies, oldest first
-    events = sorted(replay.events, key=lambda e: (e.time_ms, e.sequence))
-    for event in events:
+    for event in replay.events:  # _finish sorted them (time, then program order)
         key = (event.tensor, event.workspace)
         if event.delta_bytes < 0:
             offset = where[key].popleft()
