@@ -345,7 +345,9 @@ def test_a_shared_time_limit_spent_leaves_the_other_strategies_not_run_and_says_
 def test_a_shared_limit_runs_the_heuristics_first_and_keeps_to_the_limit(monkeypatch):
     """vgg416 with --compare all and --time-limit 4 ran to 4.1-4.5 s: the heuristics came last with shares of
     0.01-0.1 s and each took 0.2-0.4 s whatever its share. They now run first (a solver after them keeps to what is
-    left), and one is not started where what is left is less than a heuristic took on this graph."""
+    left), and one is not started where what is left is less than one half again as slow as the slowest so far
+    (on vgg416 under load one took 0.39 s, the next 0.58 s); a solver, whose greedy passes before CP-SAT cost about a
+    heuristic, not where what is left is less than the slowest heuristic took."""
     import time
 
     import planner.comparison as comparison
@@ -369,11 +371,13 @@ def test_a_shared_limit_runs_the_heuristics_first_and_keeps_to_the_limit(monkeyp
     rows = comparison.compare(profile, None, asked, time_limit_s=1.0, shared=True)
     took_s = time.monotonic() - started
     assert [row.strategy for row in rows] == asked  # reported in the order asked
-    assert [name for name, _ in calls[:3]] == ["vdnn-all", "checkpoint-all", "vdnn-conv"]
+    # 1.0 s, then 0.7 s left: two heuristics; 0.4 s left is less than 1.5 x 0.3 s for a third, but enough for a
+    # solver (half of it, its share beside str-auto); 0.2 s is not enough for the second solver
+    assert [name for name, _ in calls] == ["vdnn-all", "checkpoint-all", "recompute-only"]
     skipped = [row for row in rows if row.not_run]
-    assert [row.strategy for row in skipped] == ["chen-sqrt"], [(row.strategy, row.error) for row in rows]
-    assert "a heuristic took up to 0.3" in skipped[0].error
-    assert [name for name, _ in calls[3:]] == ["recompute-only", "str-auto"]
+    assert [row.strategy for row in skipped] == ["str-auto", "vdnn-conv", "chen-sqrt"], \
+        [(row.strategy, row.error) for row in rows]
+    assert all("a heuristic took up to 0.3" in row.error for row in skipped)
     assert took_s < 1.0 + 0.05, took_s
 
 def test_a_solver_that_ran_out_of_time_is_not_reported_as_needing_more_memory(monkeypatch):

@@ -7,7 +7,7 @@ from dataclasses import replace
 from planner.builder import certify
 from planner.cpsat.callback import relative_gap
 from planner.cpsat.data import Features
-from planner.cpsat.solve import solve_model
+from planner.cpsat.solve import SolveOutcome, finish_margin_s, solve_model
 from planner.errors import ScheduleRejected
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
@@ -94,7 +94,11 @@ def plan_with_model(
         # with no plan in hand, a little time is kept back for the smallest budget's greedy bisection, should the
         # solve find none
         solving = replace(options, deadline=options.deadline - min(2.0, 0.1 * options.time_limit_s))
-    if windows:
+    if solving.out_of_time(finish_margin_s(len(profile.nodes))):
+        # what the phases before it took left less than building, reading and certifying a model takes (0.4 s on
+        # 2,000 nodes before CP-SAT runs at all): the plans in hand compete without it, within the limit
+        outcome = _not_solved(features, options)
+    elif windows:
         from planner.cpsat.lns import solve_with_windows
 
         named = [(name, s) for name, s in others if s is not None and any(s is h for h in hints)]
@@ -133,6 +137,13 @@ def plan_with_model(
                                        "gap": relative_gap(step, bound)})
     schedule = schedule.model_copy(update={"budget_bytes": budget_bytes})
     return schedule, info.model_copy(update={"encoding": encoding}), name
+
+
+def _not_solved(features: Features, options: SolveOptions) -> SolveOutcome:
+    info = SolverInfo(status="UNKNOWN", objective=None, bound=None, gap=None, wall_time_s=0.0,
+                      time_to_first_solution_s=None, workers=options.workers or 2, seed=options.seed,
+                      encoding=f"{features.describe()}; not solved: no time was left for the model")
+    return SolveOutcome(None, info, None)
 
 
 def plan_bound_ms(profile: GraphProfile, budget_bytes: int, schedule: Schedule, features: Features,
