@@ -33,12 +33,12 @@ from planner.cpsat.greedy import greedy_recompute_schedule  # noqa: E402
 from planner.cpsat.reorder import keep_all_in_order, memory_aware_order, reordered_schedule  # noqa: E402
 from planner.cpsat.solve import solve_model  # noqa: E402
 from planner.errors import MososError  # noqa: E402
-from planner.planning import plan  # noqa: E402
-from planner.random_layered import random_layered_profile  # noqa: E402
 from planner.importer import import_graph  # noqa: E402
+from planner.options import SolveOptions  # noqa: E402
+from planner.planning import plan  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
+from planner.random_layered import random_layered_profile  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
-from planner.strategies import SolveOptions  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
 from planner.strategies.recompute_only import RECOMPUTE_ONLY, recompute_only_plan  # noqa: E402
 

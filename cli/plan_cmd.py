@@ -12,19 +12,20 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from planner.budget import budget_from_ratio
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
 from cli.checks import distinct_files, replacing, time_limit_within, whole_number_in, writable_output
 from cli.time_limit import command_started
+from planner.budget import resolve_budget
 from planner.comparison import ComparisonRow, compare, time_share_s
-from planner.errors import BudgetError, MososError
-from planner.planning import InfeasibleBudget, plan, resolve_budget, strategy_names
-from planner.strategies import load_all
+from planner.errors import BudgetError, InfeasibleBudget, MososError
+from planner.planning import plan, strategy_names
 from planner.profile import load_profile
-from planner.strategies.keep_all import keep_all_schedule
 from planner.simulator import simulate
+from planner.strategies import load_all
+from planner.strategies.keep_all import keep_all_schedule
 from planner.units import format_bytes, parse_bytes
-
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 # Seconds kept back from --time-limit for what the command does after planning (printing, writing -o).
 FINISH_S = 0.2

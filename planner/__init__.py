@@ -1,7 +1,7 @@
 """mosos planner: profiles, schedules, the simulator and the strategies. Never imports torch."""
 
-from planner.errors import BudgetError, MososError, ProfileError, ScheduleError, ScheduleRejected
-from planner.planning import InfeasibleBudget, plan, strategy_names
+from planner.errors import BudgetError, InfeasibleBudget, MososError, ProfileError, ScheduleError, ScheduleRejected
+from planner.planning import plan, strategy_names
 from planner.profile import GraphProfile, load_profile, parse_profile
 from planner.schedule import Schedule, load_schedule, parse_schedule
 from planner.simulator import SimulationResult, simulate

@@ -1,12 +1,16 @@
-"""What a budget must at least be, and budgets given as a fraction of the keep-all peak."""
+"""Budgets: what one must at least be, one given in bytes or as a fraction of the keep-all peak resolved to bytes
+(`resolve_budget`, the one place that does it), and the one search for the smallest budget at which something fits
+(`smallest_budget`)."""
 
 from __future__ import annotations
 
 import numbers
+from typing import Callable
 
 from planner.errors import BudgetError
 from planner.profile import GraphProfile
-from planner.units import MAX_SIZE_BYTES, format_bytes
+from planner.strategies.keep_all import keep_all_peak_bytes
+from planner.units import MAX_SIZE_BYTES, format_bytes, parse_bytes
 
 
 def node_floor_bytes(profile: GraphProfile, node_id: str) -> int:
@@ -75,6 +79,65 @@ def check_memory_ratio(memory_ratio: float) -> None:
 def budget_from_ratio(profile: GraphProfile, memory_ratio: float) -> int:
     """A fraction of the keep-all peak with the fastest implementations, as the MO-SOS paper measures."""
     check_memory_ratio(memory_ratio)
-    from planner.strategies.keep_all import keep_all_peak_bytes
-
     return int(keep_all_peak_bytes(profile) * memory_ratio)
+
+
+def requested_budget(budget: str | int | None, memory_ratio: float | None) -> tuple[int | None, float | None]:
+    """(bytes, ratio) as a caller asked, at most one of them: a size in bytes or a string like '10GiB', or a ratio
+    in (0, 1] of the keep-all peak. Both is an error: the ratio would decide alone."""
+    _one_of(budget, memory_ratio)
+    if memory_ratio is not None:
+        check_memory_ratio(memory_ratio)
+        return None, memory_ratio
+    return (None if budget is None else parse_bytes(budget)), None
+
+
+def _one_of(budget, memory_ratio) -> None:
+    if budget is not None and memory_ratio is not None:
+        raise BudgetError(f"give either a budget (budget={budget!r}) or a memory ratio (memory_ratio={memory_ratio!r}),"
+                          " not both: the ratio would decide alone")
+
+
+def resolve_budget(profile: GraphProfile, budget_bytes: int | None, memory_ratio: float | None) -> int | None:
+    """The budget in bytes, checked against what any plan needs; None where neither is given (a strategy without a
+    budget). Bytes or a ratio, never both: a ratio is of this profile's keep-all peak. Bytes are checked, not
+    parsed: a size given as text is `requested_budget`'s."""
+    _one_of(budget_bytes, memory_ratio)
+    if memory_ratio is not None:
+        budget_bytes = budget_from_ratio(profile, memory_ratio)
+    if budget_bytes is not None:
+        check_budget(profile, budget_bytes)
+    return budget_bytes
+
+
+def smallest_budget(
+    fits: Callable[[int], int | None], infeasible_bytes: int, feasible_bytes: int,
+    out_of_time: Callable[[], bool] = lambda: False, doublings: int = 8,
+) -> int | None:
+    """The smallest budget at which `fits` was seen to succeed, by bisection between `infeasible_bytes` (nothing
+    fits) and `feasible_bytes` (doubled up to `doublings` times until something does; with none, known to fit and
+    not tried).
+
+    `fits(budget)`: the bytes of a plan found within `budget` (its own peak, or the budget itself), None where none
+    is found. What fits need not be monotone in the budget (a heuristic's plan, the greedy pass): the answer is
+    always a budget where `fits` succeeded, with one byte less seen to fail, or, once `out_of_time()`, the smallest
+    success so far. None where even the last doubling fails, or time ran out before any success.
+    """
+    high = feasible_bytes
+    for attempt in range(doublings):
+        needed = fits(high)
+        if needed is not None:
+            high = min(high, needed)
+            break
+        if out_of_time() or attempt == doublings - 1:
+            return None
+        high *= 2
+    low = infeasible_bytes
+    while high - low > 1 and not out_of_time():
+        middle = (low + high) // 2
+        needed = fits(middle)
+        if needed is None:
+            low = middle
+        else:
+            high = min(middle, needed)
+    return high

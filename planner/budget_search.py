@@ -1,8 +1,8 @@
 """For the heuristic baselines: does a plan fit, and the smallest budget at which a strategy's plan fits.
 
 Heuristics are cheap, so when one fails its budget the smallest budget it can
-meet is found by bisection over the budget, each probe judged by the
-simulator, rather than guessed from a formula.
+meet is found by bisection over the budget (`planner.budget.smallest_budget`),
+each probe judged by the simulator, rather than guessed from a formula.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Callable
 
 from planner.auto_algorithms import apply_auto, with_smallest_workspaces
+from planner.budget import smallest_budget
 from planner.builder import PlannerBug, certify
-from planner.errors import ScheduleRejected
-from planner.planning import InfeasibleBudget
+from planner.errors import InfeasibleBudget, ScheduleRejected
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import SimulationResult, simulate
-from planner.strategies import SolveOptions
 from planner.units import format_bytes
 
 Attempt = Callable[[int], "Schedule | None"]
@@ -43,35 +43,6 @@ def peak_bytes(profile: GraphProfile, schedule: Schedule, strategy: str) -> int:
     return result.peak_memory_bytes
 
 
-def smallest_budget(
-    attempt: Attempt, infeasible_bytes: int, feasible_bytes: int, options: SolveOptions | None = None
-) -> int | None:
-    """Bisection between a budget where `attempt` finds nothing and one where it finds a plan.
-
-    Heuristics need not be monotone in the budget; the answer is always a
-    budget where `attempt` was seen to succeed, with one byte less seen to fail
-    (or, once `options`' deadline has passed, the smallest success seen so far).
-    None if even `feasible_bytes` (after a few doublings) fails, or the deadline came first.
-    """
-    high = feasible_bytes
-    for _ in range(8):
-        if attempt(high) is not None:
-            break
-        if options is not None and options.out_of_time():
-            return None
-        high *= 2
-    else:
-        return None
-    low = infeasible_bytes
-    while high - low > 1 and not (options is not None and options.out_of_time()):
-        middle = (low + high) // 2
-        if attempt(middle) is not None:
-            high = middle
-        else:
-            low = middle
-    return high
-
-
 def plan_within(
     profile: GraphProfile, budget_bytes: int, strategy: str, attempt: Attempt, feasible_bytes: int,
     options: SolveOptions | None = None,
@@ -85,7 +56,9 @@ def plan_within(
         return certify(profile, schedule, strategy)
     if options is not None and not options.explain_infeasible:
         raise InfeasibleBudget(f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)})")
-    minimum = smallest_budget(attempt, budget_bytes, max(feasible_bytes, budget_bytes + 1), options)
+    minimum = smallest_budget(lambda budget: None if attempt(budget) is None else budget, budget_bytes,
+                              max(feasible_bytes, budget_bytes + 1),
+                              (lambda: False) if options is None else options.out_of_time)
     if minimum is None:
         raise InfeasibleBudget(
             f"strategy {strategy!r} finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}), "

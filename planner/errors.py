@@ -50,6 +50,18 @@ class BudgetError(MososError):
         super().__init__(message)
 
 
+class InfeasibleBudget(BudgetError):
+    """The strategy found no plan within the budget; says the smallest budget it can meet.
+
+    `proven`: for a solver strategy, whether the solver proved that no plan of its model fits (False: it found
+    none within its time limit); None for a heuristic, whose one plan simply does not fit.
+    """
+
+    def __init__(self, message: str, minimum_budget_bytes: int | None = None, proven: bool | None = None):
+        self.proven = proven
+        super().__init__(message, minimum_budget_bytes)
+
+
 class TimeLimitReached(MososError):
     """A command's time limit ran out before it finished: the message says what it was doing; nothing was
     written."""

@@ -52,13 +52,13 @@ from typing import Callable, Literal, Protocol, Sequence, Union
 from pydantic import BaseModel, Field
 
 from planner.budget import describe_minimum, minimum_budget_bytes
-from planner.errors import BudgetError, MososError
-from planner.planning import InfeasibleBudget, plan, strategy_names
+from planner.errors import BudgetError, InfeasibleBudget, MososError
+from planner.planning import plan, strategy_names
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
+from planner.simulator import simulate
 from planner.strategies import load_all
 from planner.strategies.keep_all import keep_all_schedule
-from planner.simulator import simulate
 from planner.units import MAX_SIZE_BYTES, format_bytes
 
 DEFAULT_STRATEGIES = ("checkpoint-all", "chen-sqrt", "recompute-only", "mosos")

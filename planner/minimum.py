@@ -17,14 +17,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from planner.budget import minimum_budget_bytes
+from planner.budget import minimum_budget_bytes, smallest_budget
 from planner.cpsat.data import Features
+from planner.cpsat.greedy import greedy_recompute_schedule
+from planner.cpsat.reorder import MEMORY_AWARE_VIEW, keep_all_in_order, memory_aware_order
 from planner.cpsat.solve import finish_margin_s, solve_model
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions
+from planner.strategies.keep_all import keep_all_peak_bytes, keep_all_schedule
 from planner.units import format_bytes
-
 
 # The strategies whose plans may follow the memory-aware order (`planner.cpsat.reorder.reordered_schedule`).
 REORDERING_STRATEGIES = frozenset({"mosos", "recompute-only"})
@@ -50,12 +52,10 @@ class MinimumBudget:
         return f"the smallest budget it can meet is {self.budget_bytes} bytes ({size}, {how})"
 
 
-def smallest_budget(
+def minimum_budget(
     profile: GraphProfile, features: Features, options: SolveOptions, strategy: str, time_limit_s: float | None = None
 ) -> MinimumBudget:
     """`time_limit_s`: the nominal search time (default: the options' limit, 30 s at most); never past the deadline."""
-    from planner.strategies.keep_all import keep_all_peak_bytes, keep_all_schedule
-
     options = options.started()
     limit = time_limit_s if time_limit_s is not None else min(options.time_limit_s, 30.0)
     searching = not options.out_of_time(2 * finish_margin_s(len(profile.nodes)))
@@ -104,8 +104,6 @@ def _memory_aware_answer(profile: GraphProfile, strategy: str, options: SolveOpt
 
     A proof of the model's minimum holds in the profile's order only, so this figure is never "proven".
     """
-    from planner.cpsat.reorder import keep_all_in_order, memory_aware_order
-
     if strategy not in REORDERING_STRATEGIES:
         return None
     # usually known already (the strategy asked for it); else a quarter of what is left at most
@@ -116,8 +114,6 @@ def _memory_aware_answer(profile: GraphProfile, strategy: str, options: SolveOpt
 def _known_without_search(profile: GraphProfile, strategy: str) -> MinimumBudget:
     """With no time left: the keep-all peak, or keep-all in the memory-aware order where the strategy may use it
     and the strategy already worked that order out (nothing is computed here)."""
-    from planner.cpsat.reorder import MEMORY_AWARE_VIEW, keep_all_in_order
-
     answer = _keep_all_answer(profile, searched=False)
     known = profile.__dict__.get(MEMORY_AWARE_VIEW) if strategy in REORDERING_STRATEGIES else None
     if known is not None and known[2] < answer.budget_bytes:
@@ -132,28 +128,26 @@ def _keep_all_answer(profile: GraphProfile, searched: bool, wall_time_s: float =
 
     No plan comes with it: keep-all fits no budget below its peak, which is all a caller asks it for.
     """
-    from planner.strategies.keep_all import keep_all_peak_bytes
-
     return MinimumBudget(keep_all_peak_bytes(profile), False, None, wall_time_s, searched=searched)
 
 
 def _greedy_minimum(profile: GraphProfile, above_bytes: int, options: SolveOptions):
-    """(budget, plan): the smallest budget below `above_bytes` found by bisection at which the greedy recompute plan
-    fits, with the plan; None if none is found before `options`' deadline. Each probe's budget becomes its plan's
-    own peak when lower; the budget returned is one a probe was seen to fit (whether the greedy plan fits is not
-    monotone in the budget), and the search stops at the deadline with what it has (a call takes up to half a
-    second on a 300-node graph)."""
-    from planner.cpsat.greedy import greedy_recompute_schedule
+    """(budget, plan): the smallest budget below `above_bytes` at which the greedy recompute plan fits, with the
+    plan; None if none is found before `options`' deadline. Each probe's budget becomes its plan's own peak when
+    lower; the search stops at the deadline with what it has (a call takes up to half a second on a 300-node
+    graph)."""
+    found: dict[int, Schedule] = {}
 
-    low, high, best = minimum_budget_bytes(profile) - 1, above_bytes, None  # below the floor, nothing fits
-    while high - low > 1 and not options.out_of_time():
-        middle = (low + high) // 2
-        schedule = greedy_recompute_schedule(profile, middle, deadline=options.deadline)
+    def fits(budget: int) -> int | None:
+        schedule = greedy_recompute_schedule(profile, budget, deadline=options.deadline)
         if schedule is None:
-            low = middle
-            continue
-        high = min(middle, schedule.summary.peak_memory_bytes if schedule.summary is not None else middle)
-        best = schedule
-    if best is None:
+            return None
+        needed = min(budget, schedule.summary.peak_memory_bytes if schedule.summary is not None else budget)
+        found[needed] = schedule
+        return needed
+
+    # below the floor, nothing fits; at `above_bytes` (the keep-all peak) keep-all does, and the greedy plan with it
+    budget = smallest_budget(fits, minimum_budget_bytes(profile) - 1, above_bytes, options.out_of_time, doublings=0)
+    if budget not in found:
         return None
-    return high, best.model_copy(update={"budget_bytes": high})
+    return budget, found[budget].model_copy(update={"budget_bytes": budget})

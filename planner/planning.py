@@ -9,40 +9,21 @@ import time
 from typing import Callable
 
 from planner.addresses import ALIGNMENT_BYTES, place, with_addresses, without_addresses
-from planner.budget import budget_from_ratio, check_budget
+from planner.budget import resolve_budget
 from planner.builder import PlannerBug
-from planner.errors import BudgetError, MososError, ScheduleRejected
+from planner.errors import BudgetError, InfeasibleBudget, MososError, ScheduleRejected
 from planner.interrupt import stop_on_interrupt
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Prefetch, Schedule
 from planner.simulator import allocations, simulate
-from planner.strategies import STRATEGIES, SolveOptions, load_all
+from planner.strategies import load_all
+
+__all__ = ["InfeasibleBudget", "UnknownStrategy", "plan", "strategy_names", "check_plan_options", "addressed"]
 
 
 class UnknownStrategy(MososError):
     pass
-
-
-class InfeasibleBudget(BudgetError):
-    """The strategy found no plan within the budget; says the smallest budget it can meet.
-
-    `proven`: for a solver strategy, whether the solver proved that no plan of its model fits (False: it found
-    none within its time limit); None for a heuristic, whose one plan simply does not fit.
-    """
-
-    def __init__(self, message: str, minimum_budget_bytes: int | None = None, proven: bool | None = None):
-        self.proven = proven
-        super().__init__(message, minimum_budget_bytes)
-
-
-def resolve_budget(profile: GraphProfile, budget_bytes: int | None, memory_ratio: float | None) -> int | None:
-    if budget_bytes is not None and memory_ratio is not None:
-        raise BudgetError("give either a budget in bytes or a memory ratio, not both")
-    if memory_ratio is not None:
-        budget_bytes = budget_from_ratio(profile, memory_ratio)
-    if budget_bytes is not None:
-        check_budget(profile, budget_bytes)
-    return budget_bytes
 
 
 def strategy_names() -> list[str]:

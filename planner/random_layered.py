@@ -23,6 +23,9 @@ from __future__ import annotations
 import math
 import random
 
+from planner.importer import graph_to_profile_data
+from planner.profile import parse_profile
+
 # The published family's parameters (file names random_layered_n100_w0.27_nlv0.75_ed0.2_scd0.14, n250_w0.43...).
 LEVEL_VARIATION = 0.75
 EDGE_DENSITY = 0.2
@@ -138,8 +141,6 @@ def random_training_profile(
     implementations (fast with a workspace, one slower with a smaller one, one slowest with none),
     as convolutions do.
     """
-    from planner.profile import parse_profile
-
     width = max(1.0, level_width)
     exponent = math.log(width) / math.log(max(forward_nodes, 2)) if width > 1 else 0.0
     graph = random_layered_graph(forward_nodes, seed, width_exponent=exponent)
@@ -202,8 +203,6 @@ def random_training_profile(
 
 def random_layered_profile(n: int, seed: int = 0, **options):
     """The generated graph as a GraphProfile (importer options such as bandwidths pass through)."""
-    from planner.importer import graph_to_profile_data
-    from planner.profile import parse_profile
 
     data = random_layered_graph(n, seed)
     return parse_profile(graph_to_profile_data(data, **options), f"random layered graph n={n} seed={seed}")

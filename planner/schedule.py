@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from planner.errors import Issue, ScheduleError
+from planner.profile import read_json
 from planner.validation import NumbersAreNumbers, issues_from_validation_error
 
 SCHEDULE_SCHEMA_VERSION = "1.1"
@@ -224,7 +225,5 @@ def parse_schedule(data: Any, source: str | None = None) -> Schedule:
 
 
 def load_schedule(path: str | Path) -> Schedule:
-    from planner.profile import read_json
-
     path = Path(path)
     return parse_schedule(read_json(path, ScheduleError), str(path))

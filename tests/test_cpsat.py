@@ -253,7 +253,7 @@ def test_the_smallest_budget_counts_keep_all_in_the_memory_aware_order():
     """The model, bound to the profile's order, finds no budget as small as keep-all in another order: the
     figure a user is told is the smaller one, with its plan, and not called proven."""
     from planner.cpsat.reorder import in_profile_order, memory_aware_order
-    from planner.minimum import smallest_budget
+    from planner.minimum import minimum_budget
     from planner.random_layered import random_layered_profile
     from planner.strategies import SolveOptions
     from planner.strategies.checkmate_auto import CHECKMATE
@@ -264,21 +264,21 @@ def test_the_smallest_budget_counts_keep_all_in_the_memory_aware_order():
     _, aware_peak_bytes = memory_aware_order(profile)
     options = SolveOptions(time_limit_s=3, workers=1, seed=0)
     for strategy, features in (("mosos", MOSOS), ("recompute-only", RECOMPUTE_ONLY)):
-        minimum = smallest_budget(profile, features, options, strategy)
+        minimum = minimum_budget(profile, features, options, strategy)
         assert minimum.budget_bytes <= aware_peak_bytes
         assert not minimum.proven
         assert simulate(profile, minimum.schedule, minimum.budget_bytes).peak_memory_bytes <= minimum.budget_bytes
     # a strategy bound to the profile's order is not credited with another order's plan
-    bound = smallest_budget(profile, CHECKMATE, options, "checkmate-auto")
+    bound = minimum_budget(profile, CHECKMATE, options, "checkmate-auto")
     assert bound.schedule is None or in_profile_order(profile, bound.schedule)
     # with no time left to search, what the strategy already knew of that order is still the answer, not keep-all's
     import time as clock
 
     spent = SolveOptions(time_limit_s=3, workers=1, seed=0, deadline=clock.monotonic())
-    known = smallest_budget(profile, MOSOS, spent, "mosos")
+    known = minimum_budget(profile, MOSOS, spent, "mosos")
     assert not known.searched and known.budget_bytes == aware_peak_bytes
     assert "keep-all in the memory-aware order" in known.describe()
-    assert smallest_budget(profile, CHECKMATE, spent, "checkmate-auto").known_as == "the keep-all peak"
+    assert minimum_budget(profile, CHECKMATE, spent, "checkmate-auto").known_as == "the keep-all peak"
 
 
 def test_the_smallest_budget_is_searched_with_the_greedy_plan_before_the_solve_takes_the_time(monkeypatch):
@@ -300,6 +300,6 @@ def test_the_smallest_budget_is_searched_with_the_greedy_plan_before_the_solve_t
 
     monkeypatch.setattr(minimum, "solve_model", nothing_found)
     profile = load_profile("models/profiles/transformer-small-cpu.json")
-    answer = minimum.smallest_budget(profile, RECOMPUTE_ONLY, SolveOptions(time_limit_s=2, workers=1), "recompute-only")
+    answer = minimum.minimum_budget(profile, RECOMPUTE_ONLY, SolveOptions(time_limit_s=2, workers=1), "recompute-only")
     assert answer.budget_bytes < 0.9 * keep_all_peak_bytes(profile)
     assert simulate(profile, answer.schedule, answer.budget_bytes).peak_memory_bytes <= answer.budget_bytes

@@ -56,10 +56,10 @@ from planner.cpsat.objective import set_objective
 from planner.cpsat.solve import SolveOutcome, build_model, finish_margin_s, known_bound_ms
 from planner.cpsat.variables import FixedPart, create_variables
 from planner.errors import ScheduleRejected
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
 from planner.simulator import simulate
-from planner.strategies import SolveOptions
 
 # Graphs up to this many nodes (the MO-SOS experiment's VGG19 and U-Net, ~100) get the whole model first, for
 # half of the time: CP-SAT proves them optimal in seconds. On ResNet-50 (351 nodes) it spent 18 s for 0.04%.

@@ -21,7 +21,7 @@ import random
 import time
 
 from planner.builder import ScheduleBuilder
-from planner.cpsat.greedy import stage_graph
+from planner.cpsat.greedy import greedy_recompute_schedule, stage_graph
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 
@@ -171,8 +171,6 @@ def reordered_schedule(
 
     Both passes stop at `deadline` (time.monotonic()) with what they have.
     """
-    from planner.cpsat.greedy import greedy_recompute_schedule
-
     order, peak_bytes = memory_aware_order(profile, tries, deadline)
     if peak_bytes <= budget_bytes:
         return keep_all_in_order(profile, order, budget_bytes)

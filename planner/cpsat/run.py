@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from planner.bounds import keep_all_bound_ms, order_bound_ms
 from planner.builder import certify
 from planner.cpsat.callback import relative_gap
 from planner.cpsat.data import Features
+from planner.cpsat.lns import solve_with_windows
+from planner.cpsat.reorder import in_profile_order
 from planner.cpsat.solve import SolveOutcome, finish_margin_s, solve_model
-from planner.errors import ScheduleRejected
+from planner.errors import InfeasibleBudget, ScheduleRejected
+from planner.minimum import minimum_budget
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
 from planner.simulator import simulate
-from planner.strategies import SolveOptions
 from planner.units import format_bytes
 
 
@@ -44,10 +48,7 @@ def infeasible(
     time_limit_s: float | None = None,
 ):
     """Search the smallest budget the strategy can meet; return a plan if that search found one within the budget."""
-    from planner.minimum import smallest_budget
-    from planner.planning import InfeasibleBudget
-
-    minimum = smallest_budget(profile, features, options, strategy, time_limit_s=time_limit_s)
+    minimum = minimum_budget(profile, features, options, strategy, time_limit_s=time_limit_s)
     if minimum.schedule is not None and fits(profile, minimum.schedule, budget_bytes) is not None:
         return minimum.schedule.model_copy(update={"budget_bytes": budget_bytes})
     if status == "INFEASIBLE":
@@ -99,8 +100,6 @@ def plan_with_model(
         # 2,000 nodes before CP-SAT runs at all): the plans in hand compete without it, within the limit
         outcome = _not_solved(features, options)
     elif windows:
-        from planner.cpsat.lns import solve_with_windows
-
         named = [(name, s) for name, s in others if s is not None and any(s is h for h in hints)]
         named += [("hint", h) for h in hints if not any(h is s for _, s in named)]
         outcome, _ = solve_with_windows(
@@ -151,9 +150,6 @@ def plan_bound_ms(profile: GraphProfile, budget_bytes: int, schedule: Schedule, 
     """A lower bound for the strategy's problem that holds for `schedule`: the budget's peak-instant bound when
     the plan computes in the profile's order (with transfers if the strategy may move tensors: a bound that
     only holds for plans that do not would overstate how good a plan is), else the trivial one."""
-    from planner.bounds import keep_all_bound_ms, order_bound_ms
-    from planner.cpsat.reorder import in_profile_order
-
     if not in_profile_order(profile, schedule):
         return keep_all_bound_ms(profile)
     moves = any(op.op in ("offload", "prefetch") for stage in schedule.stages for op in stage.operations)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
+from planner.bounds import order_bound_ms
 from planner.builder import PlannerBug, certify
 from planner.cpsat.callback import ProgressCallback, StopWatcher, new_solver, relative_gap
 from planner.cpsat.constraints import ALL_FAMILIES
@@ -16,10 +17,10 @@ from planner.cpsat.hints import add_hint, complete_hint, schedule_to_solution
 from planner.cpsat.objective import set_objective
 from planner.cpsat.variables import Variables, create_variables
 from planner.errors import ScheduleRejected
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
 from planner.simulator import simulate
-from planner.strategies import SolveOptions
 
 
 @dataclass
@@ -174,8 +175,6 @@ def solve_model(
 def known_bound_ms(data: ModelData, deadline: float | None = None) -> float:
     """The best valid lower bound on the model's objective known without solving: the trivial one, and the
     peak-instant bound of the budget (`planner.bounds`; model plans follow the profile's order)."""
-    from planner.bounds import order_bound_ms
-
     bound = trivial_bound_ms(data)
     if data.budget_bytes is not None and not data.features.minimize_memory:
         bound = max(bound, order_bound_ms(data.profile, data.budget_bytes, data.transfers, deadline))

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from planner.auto_algorithms import apply_auto, with_smallest_workspaces
 from planner.budget_search import fitting, peak_bytes, plan_within
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 from planner.strategies.keep_all import keep_all_schedule
 
 NAME = "auto"

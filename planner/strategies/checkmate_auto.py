@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from planner.auto_algorithms import apply_auto
 from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.run import best_plan, plan_with_model
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 from planner.strategies.recompute_only import HEURISTIC_SHARE, greedy_phase
 
 CHECKMATE = Features(recompute=True, transfers=False, implementations="framework", max_recomputes=2)
@@ -23,8 +25,6 @@ CHECKMATE = Features(recompute=True, transfers=False, implementations="framework
 
 def with_auto(profile: GraphProfile, budget_bytes: int, base: Schedule) -> tuple[Schedule, str]:
     """Auto's algorithm choice on top of `base`, unless that is no faster (or, by a bug, does not fit)."""
-    from planner.auto_algorithms import apply_auto
-
     candidates = [("auto", apply_auto(profile, base, budget_bytes)), ("base", base)]
     name, schedule, _ = best_plan(profile, budget_bytes, candidates)
     return schedule, name

@@ -29,9 +29,10 @@ from __future__ import annotations
 from planner.attribute_plans import Attribute, AttributeProgram, GraphFacts
 from planner.budget_search import plan_fixed_recompute
 from planner.liveness import build_schedule
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 
 NAME = "checkpoint-all"
 

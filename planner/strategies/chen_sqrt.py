@@ -21,9 +21,10 @@ import math
 from planner.attribute_plans import AttributeProgram, GraphFacts
 from planner.budget_search import plan_fixed_recompute
 from planner.liveness import build_schedule
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 
 NAME = "chen-sqrt"
 

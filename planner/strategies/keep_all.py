@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from planner.builder import ScheduleBuilder, certify
+from planner.errors import InfeasibleBudget
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import simulate
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 from planner.units import format_bytes
 
 
@@ -47,8 +49,6 @@ def plan_keep_all(profile: GraphProfile, budget_bytes: int | None, options: Solv
         return schedule
     peak_bytes = schedule.summary.peak_memory_bytes
     if peak_bytes > budget_bytes:
-        from planner.planning import InfeasibleBudget
-
         raise InfeasibleBudget(
             f"strategy 'keep-all' finds no plan within {budget_bytes} bytes ({format_bytes(budget_bytes)}): keeping "
             f"every tensor peaks at {peak_bytes} bytes ({format_bytes(peak_bytes)}), the smallest budget it can meet",

@@ -20,12 +20,28 @@ from planner.builder import certify
 from planner.cpsat.data import Features
 from planner.cpsat.greedy import smallest_workspaces_differ
 from planner.cpsat.reorder import in_profile_order, reordered_schedule
-from planner.cpsat.run import plan_with_model
+from planner.cpsat.run import fits, plan_with_model
 from planner.errors import MososError
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
-from planner.strategies.recompute_only import at_lower_bound, certify_lower_bound, greedy_phase, phase_deadline
+from planner.strategies import strategy
+from planner.strategies.auto import plan_auto
+from planner.strategies.checkmate_auto import checkmate_auto_plan
+from planner.strategies.checkpoint_all import plan_checkpoint_all
+from planner.strategies.chen_sqrt import plan_chen_sqrt
+from planner.strategies.keep_all import plan_keep_all
+from planner.strategies.per_block import plan_per_block
+from planner.strategies.recompute_only import (
+    at_lower_bound,
+    certify_lower_bound,
+    greedy_phase,
+    phase_deadline,
+    recompute_only_plan,
+)
+from planner.strategies.str_auto import str_auto_plan
+from planner.strategies.swap_recompute import plan_swap_recompute
+from planner.strategies.vdnn import plan_vdnn_all, plan_vdnn_conv, plan_vdnn_dyn
 
 MOSOS = Features(recompute=True, transfers=True, implementations="all", max_recomputes=2, max_prefetches=1)
 
@@ -64,14 +80,6 @@ def solved_inside_shares(profile: GraphProfile) -> dict[str, float]:
 
 def _baseline_functions() -> dict:
     """Imported directly, so that a plugin registering one of these names cannot replace it here."""
-    from planner.strategies.auto import plan_auto
-    from planner.strategies.checkpoint_all import plan_checkpoint_all
-    from planner.strategies.chen_sqrt import plan_chen_sqrt
-    from planner.strategies.keep_all import plan_keep_all
-    from planner.strategies.per_block import plan_per_block
-    from planner.strategies.swap_recompute import plan_swap_recompute
-    from planner.strategies.vdnn import plan_vdnn_all, plan_vdnn_conv, plan_vdnn_dyn
-
     functions = {
         "keep-all": plan_keep_all, "vdnn-all": plan_vdnn_all, "vdnn-conv": plan_vdnn_conv, "vdnn-dyn": plan_vdnn_dyn,
         "chen-sqrt": plan_chen_sqrt, "checkpoint-all": plan_checkpoint_all,
@@ -99,8 +107,6 @@ class _PlanReporter:
     def __call__(self, name: str, schedule: Schedule | None) -> None:
         if self.options.progress is None or schedule is None:
             return
-        from planner.cpsat.run import fits
-
         step = fits(self.profile, schedule, self.budget_bytes)
         if step is None or step >= self.best:
             return
@@ -123,10 +129,6 @@ def baseline_plans(
     get theirs (`solved_inside_shares`) as a wall-clock window, model building included. `on_plan(name, plan)`
     hears of each heuristic plan as it comes.
     """
-    from planner.strategies.checkmate_auto import checkmate_auto_plan
-    from planner.strategies.recompute_only import recompute_only_plan
-    from planner.strategies.str_auto import str_auto_plan
-
     options = options.started()
     phase_end = options.deadline if deadline is None else min(deadline, options.deadline)
     phase = replace(options, deadline=phase_end)

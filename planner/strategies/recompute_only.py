@@ -18,9 +18,10 @@ from planner.cpsat.data import Features
 from planner.cpsat.greedy import greedy_recompute_schedule
 from planner.cpsat.reorder import reordered_schedule
 from planner.cpsat.run import plan_with_model
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, SolverInfo
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 
 # The most of a strategy's time limit that one heuristic pass (greedy, reordering) may take before the solve.
 HEURISTIC_SHARE = 0.2

@@ -8,9 +8,10 @@ workspace, timed as the fastest), after which Auto picks the algorithms.
 from __future__ import annotations
 
 from planner.cpsat.data import Features
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 from planner.strategies.checkmate_auto import plan_then_auto
 
 STR = Features(recompute=True, transfers=True, implementations="framework", max_recomputes=2, max_prefetches=1)

@@ -40,15 +40,15 @@ from typing import Callable
 
 from planner.attribute_plans import AttributeProgram, GraphFacts, move_prefetches_early, require_transfers
 from planner.auto_algorithms import apply_auto
-from planner.budget_search import smallest_budget
+from planner.budget import smallest_budget
 from planner.builder import PlannerBug, certify
-from planner.errors import ScheduleRejected
+from planner.errors import InfeasibleBudget, ScheduleRejected
 from planner.liveness import build_schedule
-from planner.planning import InfeasibleBudget
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.simulator import SimulationResult, simulate
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 from planner.units import format_bytes
 
 NAME = "swap-recompute-heuristic"
@@ -239,14 +239,16 @@ def plan_swap_recompute(profile: GraphProfile, budget_bytes: int | None, options
     # The heuristic finds a plan exactly when its starting point, everything swapped, fits.
     all_swap = {t: "swap" for t in facts.candidates}
 
-    def starting_point_fits(budget: int) -> Schedule | None:
-        evaluation = Evaluator(profile, budget, facts)(all_swap)
-        return evaluation.schedule if evaluation.fits else None
+    def starting_point_fits(budget: int) -> int | None:
+        return budget if Evaluator(profile, budget, facts)(all_swap).fits else None
+
+    def heuristic_fits(budget: int) -> int | None:
+        return None if heuristic(profile, budget, facts, options) is None else budget
 
     unbounded = Evaluator(profile, 2**62, facts)(all_swap).result.peak_memory_bytes
-    minimum = smallest_budget(starting_point_fits, budget_bytes, max(unbounded, budget_bytes + 1), options)
+    minimum = smallest_budget(starting_point_fits, budget_bytes, max(unbounded, budget_bytes + 1), options.out_of_time)
     if minimum is not None and not options.out_of_time() and heuristic(profile, minimum, facts, options) is None:
-        minimum = smallest_budget(lambda b: heuristic(profile, b, facts, options), minimum, 2 * minimum, options)
+        minimum = smallest_budget(heuristic_fits, minimum, 2 * minimum, options.out_of_time)
     if minimum is None:
         raise InfeasibleBudget(f"strategy {NAME!r} finds no plan within {budget_bytes} bytes, nor within any budget it tried")
     raise InfeasibleBudget(

@@ -34,9 +34,10 @@ from planner.attribute_plans import AttributeProgram, GraphFacts, is_convolution
 from planner.auto_algorithms import apply_auto
 from planner.budget_search import fitting, peak_bytes, plan_within
 from planner.liveness import build_schedule
+from planner.options import SolveOptions
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
-from planner.strategies import SolveOptions, strategy
+from planner.strategies import strategy
 from planner.strategies.keep_all import keep_all_schedule
 
 Policy = Literal["all", "conv"]

@@ -13,6 +13,7 @@ import hashlib
 from functools import lru_cache
 from importlib import resources
 
+from planner import __version__
 from planner.schedule import Schedule
 from planner.simulator import peak_at_optimizer_step
 from planner.viewer.chart import MemoryScale, chart_svg, layout, memory_instants
@@ -179,8 +180,6 @@ def _table(facts: PlanFacts) -> str:
 
 
 def render_page(facts: PlanFacts, schedule: Schedule, title: str) -> str:
-    from planner import __version__
-
     scale = MemoryScale(facts)
     profile = facts.profile
     hardware = profile.hardware
