@@ -46,7 +46,7 @@ def __getattr__(name: str):
 
         return PlannedModule
     if name == "optimize":
-        from executor.plan.plugin import optimize
+        from executor.replay.optimize import optimize
 
         return optimize
     if name in ("CaptureError", "ProfileMismatch", "ReplayError"):

@@ -410,7 +410,7 @@ def test_a_budget_the_step_was_measured_within_is_planned_when_the_planner_finds
     """BERT of the frontier at 108 MiB was measured under the greedy pass, then the solver's model (its compute
     order fixed) proved none of its plans fits and named 140 MiB: the schedule the step was measured under is a
     plan within the budget, and the answer. Here the planner finds nothing at all."""
-    import executor.plan.plugin as plugin
+    import executor.replay.optimize as plugin
 
     def finds_nothing(profile, budget_bytes, **options):
         raise InfeasibleBudget("no plan in the time limit (a stand-in planner)", minimum_budget_bytes=10 * budget_bytes)

@@ -18,8 +18,8 @@ models = pytest.importorskip("models")
 
 from executor.engine import conv_algorithms  # noqa: E402
 from executor.errors import ProfileMismatch, ReplayError  # noqa: E402
-from executor.plan.plugin import PlannerServiceError, plan_remotely  # noqa: E402
-from executor.plan.plugin import optimize as executor_optimize  # noqa: E402
+from executor.replay.optimize import PlannerServiceError, plan_remotely  # noqa: E402
+from executor.replay.optimize import optimize as executor_optimize  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
 from executor.engine.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402

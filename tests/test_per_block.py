@@ -111,7 +111,7 @@ def test_mosos_is_never_slower_than_per_block_checkpointing_on_the_zoos_transfor
 def test_the_per_block_plan_replays_bitwise():
     import torch
 
-    from executor.plan.plugin import optimize
+    from executor.replay.optimize import optimize
     from tests.zoo import assert_trains_like_plain
 
     profile, (model, args, kwargs, targets, loss_fn) = _zoo_profile("gpt2")

@@ -53,12 +53,12 @@ import copy, json, sys, time
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])
-import executor.plan.plugin
+import executor.replay.optimize
 import executor.measure.profiler
 from cached_model import build
 
 calls = {"capture": 0, "solve": 0}
-real_capture, real_plan = executor.measure.profiler.capture, executor.plan.plugin.plan
+real_capture, real_plan = executor.measure.profiler.capture, executor.replay.optimize.plan
 
 def counted_capture(*args, **kwargs):
     calls["capture"] += 1
@@ -68,7 +68,7 @@ def counted_plan(*args, **kwargs):
     calls["solve"] += 1
     return real_plan(*args, **kwargs)
 
-executor.measure.profiler.capture, executor.plan.plugin.plan = counted_capture, counted_plan
+executor.measure.profiler.capture, executor.replay.optimize.plan = counted_capture, counted_plan
 model = build(int(sys.argv[2]))
 plain = copy.deepcopy(model)
 x = torch.randn(1024, 96, generator=torch.Generator().manual_seed(1))

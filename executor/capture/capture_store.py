@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.utils._pytree import treespec_dumps, treespec_loads
 
 from executor.capture.capture import HAND_OFF, SHAPE_ONLY, CapturedStep, Source
+from executor.capture.feeds import Feeder
 
 # 2: the copies a forward operation hands to the backward (executor.capture.capture) carry their mark; 3: so do the
 # stand-ins of a convolution's input (compiled regions stop at them)
@@ -261,8 +262,6 @@ def _rebuild(data, tensors, model, loss_fn, leaves) -> CapturedStep:
 def _restore_values(step: CapturedStep, leaves: list, data: dict) -> None:
     """Every node's fake value, from the model's tensors and these inputs, checked against the capture's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from executor.capture.feeds import Feeder
 
     feeder = Feeder(step)
     values = feeder.feed(leaves)

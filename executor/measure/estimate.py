@@ -39,14 +39,28 @@ from torch import nn
 from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
-from executor.capture.planning_graph import (CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, node_sizes,
-                                             transient_peak_bytes)
-from executor.measure.profiler import (ProfiledStep, _Preserved, _first_device, as_tuple, fixed_memory,
-                                      optimizer_state_bytes, plan_step)
+from executor.capture.planning_graph import (
+    CONVOLUTION,
+    Group,
+    PlanningGraph,
+    node_sizes,
+    transient_peak_bytes,
+)
+from executor.measure.profiler import (
+    ProfiledStep,
+    _first_device,
+    _Preserved,
+    as_tuple,
+    fixed_memory,
+    optimizer_state_bytes,
+    plan_step,
+)
 from models import cudnn
 from models.estimator import TRANSFER_LATENCY_MS
 from models.gpus import GPU, GPUS, get_gpu
+from models.registry import get_model
 from models.roofline import ATTENTION_EFFICIENCY, Device
+from models.workload import load_workload
 from planner.errors import MososError
 from planner.profile import GraphProfile, parse_profile
 
@@ -353,7 +367,6 @@ def estimate_profile(
 def estimate_workload(spec: str, gpu: str | GPU, *, batch_size: int | None = None, math: str = "fp32",
                       optimizer: str = "sgd-momentum", memory_bytes: int | None = None) -> GraphProfile:
     """Estimate a `file.py:build` / `package.module:build` workload (models/workload.py) on `gpu`."""
-    from models.workload import load_workload
 
     gpu = gpu_of(gpu)  # an unknown GPU is refused before the user's build runs
     workload = load_workload(spec, batch_size=batch_size)
@@ -367,7 +380,6 @@ def estimate_reference(name: str, batch_size: int, gpu: str | GPU, *, small: boo
                        tokens: int | None = None, math: str = "fp32", optimizer: str = "sgd-momentum") -> GraphProfile:
     """A reference network of `models.registry` captured with its loss and estimated per operation: the same
     network and step `models.estimator.estimate` prices per layer, for comparing the two."""
-    from models.registry import get_model
 
     spec = get_model(name, small, image_size=image_size, tokens=tokens)
     with torch.device("meta"):

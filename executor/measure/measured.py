@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from planner.profile import GraphProfile
+from planner.profile import GraphProfile, parse_profile
 from planner.schedule import Compute, Schedule
 from planner.units import format_bytes
 
@@ -132,7 +132,6 @@ def measured_profile(profile: GraphProfile, schedule: Schedule, measured_ms: dic
     provenance = document["provenance"]
     provenance["notes"] = ((provenance.get("notes") or "") + "; node times re-measured on the planned step "
                            f"({profile.name})").lstrip("; ")
-    from planner.profile import parse_profile
 
     return parse_profile(document, "re-measured profile")
 

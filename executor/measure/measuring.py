@@ -35,11 +35,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from executor.engine.schedules import offload_everything_schedule
 from planner.budget import describe_minimum, minimum_budget_bytes
-from planner.errors import BudgetError, TimeLimitReached
+from planner.builder import certify, summarize
+from planner.cpsat.greedy import greedy_recompute_schedule, smallest_workspaces_differ
+from planner.cpsat.reorder import reordered_schedule
+from planner.errors import BudgetError, InfeasibleBudget, TimeLimitReached
+from planner.planning import plan
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Schedule
 from planner.simulator import ScheduleRejected, simulate
+from planner.strategies.keep_all import keep_all_schedule
 from planner.units import format_bytes
 
 MODES = ("auto", "keep-all", "frugal")
@@ -179,7 +185,6 @@ class MeasuringPlan:
         there: a plan known to run within the budget, for when the planner finds none (BERT of the frontier at
         108 MiB: measured under the greedy pass, while the solver's model, with its fixed compute order, proved
         none of its plans fits and named 140 MiB). None where it does not fit or names what the profile lacks."""
-        from planner.builder import summarize
 
         restamped = Schedule.model_validate(self.schedule.model_dump() | {
             "profile_digest": profile.digest(), "profile_name": profile.name, "budget_bytes": budget_bytes,
@@ -203,8 +208,6 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
     """The schedule to measure under (see the module's docstring); BudgetError if none fits. `deadline` (a
     `time.monotonic()` instant, a command's time limit): no search runs past it, and TimeLimitReached says which
     were tried when it comes first, rather than a BudgetError the cut searches could not back."""
-    from planner.planning import InfeasibleBudget, plan
-    from planner.strategies.keep_all import keep_all_schedule
 
     if mode not in MODES:
         raise ValueError(f"measuring mode is one of {', '.join(MODES)}, not {mode!r}")
@@ -228,7 +231,6 @@ def measuring_schedule(provisional: GraphProfile, budget_bytes: int | None, mode
             return MeasuringPlan(keep_all, "keep-all", keep_all_peak, budget_bytes, tried)
     smallest, unverified = [keep_all_peak], []  # budgets a measuring pass was seen to fit; budgets named only
     if provisional.hardware.can_transfer:
-        from executor.engine.schedules import offload_everything_schedule
 
         tried.append("offload-everything")
         schedule = offload_everything_schedule(provisional)
@@ -372,7 +374,6 @@ def measuring_pass_fits(provisional: GraphProfile, budget_bytes: int, time_limit
     """Whether keep-all or the greedy pass measures within `budget_bytes`: the quick part of measuring_schedule,
     for a batch that is only predicted (max-batch). False may be too strict (a solver might find a pass), never too
     lenient."""
-    from planner.strategies.keep_all import keep_all_schedule
 
     if budget_bytes < minimum_budget_bytes(provisional):
         return False
@@ -385,9 +386,6 @@ def _greedy(provisional: GraphProfile, budget_bytes: int, deadline: float) -> Sc
     """The greedy evict-and-recompute pass, then the memory-aware order, then the greedy pass with every node on
     its implementation of smallest workspace (a batch-split convolution where native's scratch leaves no room:
     the passes put native back wherever it fits), until `deadline` (time.monotonic())."""
-    from planner.builder import certify
-    from planner.cpsat.greedy import greedy_recompute_schedule, smallest_workspaces_differ
-    from planner.cpsat.reorder import reordered_schedule
 
     makers = [lambda: greedy_recompute_schedule(provisional, budget_bytes, deadline=deadline),
               lambda: reordered_schedule(provisional, budget_bytes, deadline=deadline)]

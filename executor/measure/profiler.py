@@ -36,30 +36,49 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.engine import conv_algorithms
 from executor.capture import autocast
 from executor.capture.capture import CapturedStep, _first_line, capture, tensor_signature
-from executor.measure.allocations import cpu_workspace_bytes, memory_events
-from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
-from executor.measure.convolution_scratch import (batch_split_scratch_bytes, covering_blocked_filter_gradient,
-                                                  convolution_geometry, convolution_input,
-                                                  native_scratch_bound_bytes,
-                                                  probe_native_scratch, splits_the_batch, sums_over_the_batch,
-                                                  unprobed_for_room)
+from executor.capture.feeds import Feeder
+from executor.capture.planning_graph import (
+    PlanningGraph,
+    accumulation_bytes,
+    build,
+    node_sizes,
+    reference_run,
+    transient_peak_bytes,
+)
+from executor.engine import conv_algorithms
 from executor.engine.codegen import CodeGenerator, Modes, schedule_operations
 from executor.engine.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
-from executor.errors import CaptureError
-from executor.capture.feeds import Feeder
-from executor.capture.planning_graph import (PlanningGraph, accumulation_bytes, build, node_sizes, reference_run,
-                                             transient_peak_bytes)
 from executor.engine.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
-from executor.measure.measuring import (MODES, MeasuringPlan, measuring_schedule, scratch_allowance_bytes, substituted,
-                                        with_implementations)
+from executor.errors import CaptureError
+from executor.measure.allocations import cpu_workspace_bytes, memory_events
+from executor.measure.convolution_scratch import (
+    batch_split_scratch_bytes,
+    convolution_geometry,
+    convolution_input,
+    covering_blocked_filter_gradient,
+    native_scratch_bound_bytes,
+    probe_native_scratch,
+    splits_the_batch,
+    sums_over_the_batch,
+    unprobed_for_room,
+)
+from executor.measure.measuring import (
+    MODES,
+    MeasuringPlan,
+    measuring_schedule,
+    scratch_allowance_bytes,
+    substituted,
+    with_implementations,
+)
+from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
 from planner.budget import minimum_budget_bytes
 from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile, parse_profile
+from planner.schedule import Schedule
 from planner.simulator import simulate
-from planner.units import format_bytes
+from planner.units import MAX_SIZE_BYTES, format_bytes
 
 TOOL = "mosos executor.measure.profiler 0.2 (torch.export joint graph)"
 
@@ -591,8 +610,6 @@ def _check_measuring_peak(profile: GraphProfile, provisional: GraphProfile, chos
     """Each measuring pass's schedule replayed on what was measured: its peak is what the passes really held. The
     provisional workspaces are upper estimates, so this stays within the budget; if a kernel's scratch was larger
     than that, say so loudly rather than let the promise break silently."""
-    from planner.schedule import Schedule
-    from planner.units import MAX_SIZE_BYTES
 
     peaks = []
     checked = _with_unmeasured_implementations(profile, provisional)

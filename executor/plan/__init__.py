@@ -1,3 +1,3 @@
-"""Plan: optimize() takes a model from capture through measuring to a schedule (solved here or by the planner
-service) and a PlannedModule; cache keeps plans between runs; schedules holds the hand-made schedules (keep all,
-offload or recompute everything) the tests and baselines use."""
+"""Plan: cache keeps plans between runs (keyed by the model, its inputs and the budget); schedules for measuring live
+in the step engine (executor.engine.schedules). optimize(), which takes a model from capture through measuring to a
+plan and a PlannedModule, sits above both, in executor.replay.optimize."""

@@ -41,9 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.capture.capture import tensor_signature
-from executor.capture.python_state import HOOK_DICTS
+from executor.capture.capture import capture, tensor_signature
 from executor.capture.capture_store import StoreError, changed_files, dump_step, load_step
+from executor.capture.python_state import HOOK_DICTS
+from executor.measure.profiler import preserved
 from planner import __version__ as MOSOS_VERSION
 from planner.errors import MososError
 from planner.profile import GraphProfile
@@ -486,8 +487,6 @@ def _check_fresh_capture(step, model, loss_fn, inputs: tuple, kwargs: dict | Non
     """The key cannot see everything the step computes (a global configuration object read in forward, a value in
     a closure): the step is captured again (fake tensors, no memory) and must be the kept one, operation for
     operation. What a hit saves is the profile and the solve."""
-    from executor.capture.capture import capture
-    from executor.measure.profiler import preserved
 
     started = time.perf_counter()
     with preserved(model):

@@ -1,4 +1,3 @@
-"""Replay: a schedule run in training. codegen writes the step as Python code (one line per computation, offload,
-prefetch, wait and free), replay wraps it in a module and an autograd function, runtime and transfers run its
-streams and pinned host buffers, accountant keeps the ledger that holds the step to the budget, compiled_nodes and
-regions run planning nodes as Inductor kernels, and reference checks a replay against plain PyTorch."""
+"""Replay: a schedule run in training. `optimize()` (optimize.py) captures, measures and plans a model (or takes its
+plan from the cache) and wraps it in a PlannedModule (replay.py), which runs the step the step engine generates
+(executor.engine), re-plans from measured times, and checks the replay against plain PyTorch (reference.py)."""

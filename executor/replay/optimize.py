@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,15 +19,25 @@ from torch import nn
 
 from executor.capture import autocast
 from executor.capture.capture import tensor_signature
+from executor.engine import conv_algorithms
+from executor.measure.profiler import (
+    ProfiledStep,
+    as_tuple,
+    check_optimizer_argument,
+    plan_step,
+    planning_of,
+    preserved,
+    profile_step,
+    provisional_profile,
+)
 from executor.plan.cache import PlanKey, open_cache, plan_key
-from executor.measure.profiler import (ProfiledStep, as_tuple, check_optimizer_argument, plan_step, planning_of,
-                                      preserved, profile_step, provisional_profile)
 from executor.replay.replay import STOPPING, PlannedModule
+from planner.budget import budget_from_ratio, check_memory_ratio, requested_budget
 from planner.errors import BudgetError, MososError
-from planner.planning import plan
+from planner.planning import check_plan_options, plan
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, parse_schedule
-from planner.units import format_bytes, parse_bytes
+from planner.units import format_bytes
 
 
 class PlannerServiceError(MososError):
@@ -108,9 +119,6 @@ def ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memo
     convolutions probed on a few samples of the batch)."""
     from torch.utils._pytree import tree_flatten
 
-    from executor.engine import conv_algorithms
-    from planner.budget import budget_from_ratio
-
     leaves = tree_flatten(((tuple(inputs), dict(kwargs or {}), targets), {}))[0]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms or conv_algorithms.ALGORITHMS,
@@ -123,7 +131,6 @@ COMPILED_ALGORITHMS = ("native", "channels-last", "batch-split", "batch-split-su
 
 
 def _algorithms(algorithms) -> tuple[str, ...]:
-    from executor.engine import conv_algorithms
 
     if algorithms == "all":
         return tuple(conv_algorithms.ALGORITHMS)
@@ -146,8 +153,6 @@ DEFAULT_BUDGET = _DefaultBudget("10GiB")
 def _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url) -> None:
     """What the solve would refuse, refused by the planner's own checks before the capture and the measuring pass
     (and before a cache hit, which would otherwise accept it until the first re-plan)."""
-    from planner.budget import check_memory_ratio
-    from planner.planning import check_plan_options
 
     if memory_ratio is not None:
         check_memory_ratio(memory_ratio)
@@ -232,9 +237,9 @@ def optimize(
         raise MososError(f"optimize() plans the model itself, not a {type(model).__name__} around it: plan the model, "
                          f"then wrap the planned module (DistributedDataParallel(optimize(model, ...)))")
     _check_planning_arguments(memory_ratio, strategy, time_limit_s, planner_url)
-    if memory_ratio is not None and budget is not None and budget is not DEFAULT_BUDGET:
-        raise BudgetError(f"give either a budget (budget={budget!r}) or a memory ratio "
-                          f"(memory_ratio={memory_ratio!r}), not both: the ratio would decide alone")
+    # the default budget gives way to a ratio; one the caller gave does not (planner.budget.requested_budget)
+    budget_bytes, memory_ratio = requested_budget(None if budget is DEFAULT_BUDGET and memory_ratio is not None
+                                                  else budget, memory_ratio)
     check_optimizer_argument(optimizer)
     if not callable(loss_fn):
         raise MososError("optimize() needs loss_fn: loss = loss_fn(model(*inputs), targets)")
@@ -245,43 +250,94 @@ def optimize(
     if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
         raise MososError(f"cache is True, False, None or a folder (a str or a path), not {type(cache).__name__} "
                          f"{cache!r}")
-    algorithms = _algorithms(algorithms if algorithms is not None
-                             else COMPILED_ALGORITHMS if compile else ("native",))
-    say = _reporter(progress)
-    budget_bytes = None if budget is None or memory_ratio is not None else parse_bytes(budget)
-    # a memory ratio is resolved at the first input signature; a later one (a last partial batch, another sequence
-    # length) gets the larger of those bytes, the memory the step was given, and the ratio of its own peak (a small
-    # batch's own fraction can be below its fixed memory)
-    ratio_resolved_bytes: list = []  # [bytes, the first signature's shapes and autocast regions]
+    options = OptimizeOptions(
+        budget_bytes=budget_bytes, memory_ratio=memory_ratio, strategy=strategy, planner_url=planner_url,
+        planner_token=planner_token, time_limit_s=time_limit_s, workers=workers, optimizer=optimizer,
+        d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
+        algorithms=_algorithms(algorithms if algorithms is not None
+                               else COMPILED_ALGORITHMS if compile else ("native",)),
+        repeats=repeats, warmup=warmup, measuring=measuring, compile=compile,
+    )
+    planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress))
+    profile, schedule, profiled, key = planner.plan_signature(as_tuple(example_inputs), kwargs, targets)
+    return PlannedModule(model, profile, schedule, loss_fn, profiled=profiled, timed_steps=timed_steps,
+                         plan_token=key,
+                         replan=planner.replan if replan_when_off else None,
+                         plan_signature=planner.plan_signature if new_signatures else None,
+                         max_signatures=max_signatures, progress=planner.say, compile=compile,
+                         compile_regions=compile_regions)
 
+
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """How optimize() plans each input signature: the budget (bytes, or a ratio of each signature's keep-all peak),
+    the solver, how the step is measured; checked by optimize() before anything runs."""
+
+    budget_bytes: int | None
+    memory_ratio: float | None
+    strategy: str
+    planner_url: str | None
+    planner_token: str | None
+    time_limit_s: float
+    workers: int | None
+    optimizer: object
+    d2h_gb_per_s: float | None
+    h2d_gb_per_s: float | None
+    algorithms: tuple[str, ...]
+    repeats: int
+    warmup: int
+    measuring: str
+    compile: bool
+
+    @property
+    def rounding_follows_plan(self) -> bool:
+        """A compiled step, or convolution algorithms other than ATen's own, rounds by the plan's picks: a plan taken
+        from the cache is then not re-planned on this process's timings (restarts sharing it stay bitwise alike)."""
+        return self.compile or any(algorithm != "native" for algorithm in self.algorithms)
+
+
+class SignaturePlanner:
+    """Plans one model, one input signature at a time: capture, measure within the budget and solve, or take the
+    plan from the cache; and re-plans on measured node times. The PlannedModule holds its two methods:
+    `plan_signature` for a new signature, `replan` after the timed steps."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, options: OptimizeOptions, store, say: Callable[[str], None]):
+        self.model, self.loss_fn, self.options, self.store, self.say = model, loss_fn, options, store, say
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # a memory ratio is resolved at the first input signature; a later one (a last partial batch, another
+        # sequence length) gets the larger of those bytes, the memory the step was given, and the ratio of its own
+        # peak (a small batch's own fraction can be below its fixed memory): [bytes, the first signature's shapes]
+        self.ratio_resolved_bytes: list = []
+        self.taken_from_cache: set[str] = set()
+
+    @staticmethod
     def shapes_of(inputs, kwargs, targets, autocast_state: tuple) -> tuple:
         return (tensor_signature(tuple(inputs), dict(kwargs or {})),
                 tensor_signature(targets) if targets is not None else None, tuple(autocast_state))
-    store = open_cache(cache)
-    # a compiled step, or convolution algorithms other than ATen's own, rounds by the plan's picks: a plan taken from
-    # the cache is then not re-planned on this process's timings (restarts sharing it stay bitwise alike)
-    rounding_follows_plan = compile or any(algorithm != "native" for algorithm in algorithms)
-    taken_from_cache: set[str] = set()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
 
-    def key_of(inputs, kwargs, targets, autocast_state: tuple) -> PlanKey:
-        shapes = shapes_of(inputs, kwargs, targets, autocast_state)
-        if memory_ratio is not None and ratio_resolved_bytes and shapes != ratio_resolved_bytes[1]:
-            budget_key = {"memory_ratio": memory_ratio, "at_least_bytes": ratio_resolved_bytes[0]}
+    def key_of(self, inputs, kwargs, targets, autocast_state: tuple) -> PlanKey:
+        options = self.options
+        shapes = self.shapes_of(inputs, kwargs, targets, autocast_state)
+        if options.memory_ratio is not None and self.ratio_resolved_bytes and shapes != self.ratio_resolved_bytes[1]:
+            budget_key = {"memory_ratio": options.memory_ratio, "at_least_bytes": self.ratio_resolved_bytes[0]}
+        elif options.memory_ratio is not None:
+            budget_key = {"memory_ratio": options.memory_ratio}
         else:
-            budget_key = {"memory_ratio": memory_ratio} if memory_ratio is not None else {"bytes": budget_bytes}
+            budget_key = {"bytes": options.budget_bytes}
         return plan_key(
-            model, loss_fn, inputs, kwargs, targets, device=device, autocast_state=autocast_state,
+            self.model, self.loss_fn, inputs, kwargs, targets, device=self.device, autocast_state=autocast_state,
             budget=budget_key,
-            strategy=strategy, optimizer=optimizer,
-            settings={"measuring": measuring, "d2h_gb_per_s": d2h_gb_per_s, "h2d_gb_per_s": h2d_gb_per_s,
-                      "planner": "service" if planner_url else "local", "algorithms": list(algorithms),
-                      **({"compile": True} if compile else {})},
+            strategy=options.strategy, optimizer=options.optimizer,
+            settings={"measuring": options.measuring, "d2h_gb_per_s": options.d2h_gb_per_s,
+                      "h2d_gb_per_s": options.h2d_gb_per_s, "planner": "service" if options.planner_url else "local",
+                      "algorithms": list(options.algorithms), **({"compile": True} if options.compile else {})},
         )
 
-    def make_plan(profile: GraphProfile, budget_bytes: int | None) -> Schedule:
-        if planner_url:
-            return plan_remotely(planner_url, profile, budget_bytes, None, strategy, time_limit_s, planner_token, say)
+    def make_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule:
+        options, say = self.options, self.say
+        if options.planner_url:
+            return plan_remotely(options.planner_url, profile, budget_bytes, None, options.strategy,
+                                 options.time_limit_s, options.planner_token, say)
         best = [float("inf")]
 
         def on_progress(event: dict) -> None:
@@ -291,81 +347,93 @@ def optimize(
                 best[0] = objective
                 phase = f" ({event['phase']})" if event.get("phase") else ""
                 gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
-                say(f"{event.get('strategy', strategy)}{phase}: best {objective:.4g}{gap}")
+                say(f"{event.get('strategy', options.strategy)}{phase}: best {objective:.4g}{gap}")
 
         # a re-plan runs beside training: it stops when the process exits (STOPPING)
-        return plan(profile, budget_bytes, strategy=strategy, time_limit_s=time_limit_s, workers=workers,
-                    progress=on_progress, should_stop=STOPPING.is_set)
+        return plan(profile, budget_bytes, strategy=options.strategy, time_limit_s=options.time_limit_s,
+                    workers=options.workers, progress=on_progress, should_stop=STOPPING.is_set)
 
-    def plan_signature(inputs: tuple, kwargs: dict | None, targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
+    def plan_signature(self, inputs: tuple, kwargs: dict | None,
+                       targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:
         """Capture, profile within the budget and plan one input signature (or take it from the cache); the key
         it is kept under comes back for a re-plan to replace it. Planned for the autocast regions in force at the
         call; everything it runs itself runs outside them."""
         autocast_state = autocast.autocast_state()
         with autocast.disabled():
-            return _plan_signature(inputs, kwargs, targets, autocast_state)
+            return self._plan_signature(inputs, kwargs, targets, autocast_state)
 
-    def _plan_signature(inputs, kwargs, targets, autocast_state):
-        key = key_of(inputs, kwargs, targets, autocast_state) if store is not None else None
-        cached = (store.load(key, model, loss_fn, inputs, kwargs, targets, say, autocast_state)
-                  if key is not None else None)
-        if cached is not None:
-            profiled = planning_of(cached.step, inputs, kwargs, targets)
-            if memory_ratio is not None and cached.schedule.budget_bytes is not None:
-                # what this ratio gives this signature now (or the first signature's budget, where more): a kept
-                # plan made for more (an edited entry, another run's first signature) would raise every later one
-                own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
-                                               algorithms)
-                allowed_bytes = max(own_bytes, ratio_resolved_bytes[0]) if ratio_resolved_bytes else own_bytes
-                if cached.schedule.budget_bytes > allowed_bytes * (1 + RATIO_CACHE_TOLERANCE):
-                    say(f"cached plan {key.digest[:12]} is not usable (made for a budget of "
-                        f"{format_bytes(cached.schedule.budget_bytes)}, above the {format_bytes(allowed_bytes)} "
-                        f"memory_ratio={memory_ratio:g} gives here): planning again")
-                    cached = None
-        if cached is not None:
-            summary = cached.schedule.summary
-            say(f"using the plan kept in {store.plans / key.digest[:12]}... (made "
-                f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(cached.created))}"
-                + (f", budget {format_bytes(cached.schedule.budget_bytes)}" if cached.schedule.budget_bytes else "")
-                + "): no profile or solve")
-            if summary is not None:
-                say(f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
-                    f"{format_bytes(summary.peak_memory_bytes)}")
-            if memory_ratio is not None and not ratio_resolved_bytes and cached.schedule.budget_bytes is not None:
-                ratio_resolved_bytes[:] = [own_bytes, shapes_of(inputs, kwargs, targets, autocast_state)]
-            taken_from_cache.add(key.digest)
-            return cached.profile, cached.schedule, profiled, key
+    def _from_cache(self, key: PlanKey, inputs, kwargs, targets, autocast_state):
+        """The kept plan of this signature, where one is kept and its budget is still what this run allows."""
+        options, store, say = self.options, self.store, self.say
+        model, loss_fn = self.model, self.loss_fn
+        cached = store.load(key, model, loss_fn, inputs, kwargs, targets, say, autocast_state)
+        if cached is None:
+            return None
+        profiled = planning_of(cached.step, inputs, kwargs, targets)
+        own_bytes = None
+        if options.memory_ratio is not None and cached.schedule.budget_bytes is not None:
+            # what this ratio gives this signature now (or the first signature's budget, where more): a kept
+            # plan made for more (an edited entry, another run's first signature) would raise every later one
+            own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, options.optimizer,
+                                           options.memory_ratio, options.algorithms)
+            allowed_bytes = max(own_bytes, self.ratio_resolved_bytes[0]) if self.ratio_resolved_bytes else own_bytes
+            if cached.schedule.budget_bytes > allowed_bytes * (1 + RATIO_CACHE_TOLERANCE):
+                say(f"cached plan {key.digest[:12]} is not usable (made for a budget of "
+                    f"{format_bytes(cached.schedule.budget_bytes)}, above the {format_bytes(allowed_bytes)} "
+                    f"memory_ratio={options.memory_ratio:g} gives here): planning again")
+                return None
+        summary = cached.schedule.summary
+        say(f"using the plan kept in {store.plans / key.digest[:12]}... (made "
+            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(cached.created))}"
+            + (f", budget {format_bytes(cached.schedule.budget_bytes)}" if cached.schedule.budget_bytes else "")
+            + "): no profile or solve")
+        if summary is not None:
+            say(f"plan ({summary.strategy}): step {summary.predicted_step_time_ms:.2f} ms, peak "
+                f"{format_bytes(summary.peak_memory_bytes)}")
+        if own_bytes is not None and not self.ratio_resolved_bytes:
+            self.ratio_resolved_bytes[:] = [own_bytes, self.shapes_of(inputs, kwargs, targets, autocast_state)]
+        self.taken_from_cache.add(key.digest)
+        return cached.profile, cached.schedule, profiled, key
+
+    def _plan_signature(self, inputs, kwargs, targets, autocast_state):
+        options, store, say = self.options, self.store, self.say
+        model, loss_fn = self.model, self.loss_fn
+        key = self.key_of(inputs, kwargs, targets, autocast_state) if store is not None else None
+        kept = self._from_cache(key, inputs, kwargs, targets, autocast_state) if key is not None else None
+        if kept is not None:
+            return kept
         say("capturing the step with torch.export")
         with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
             profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
         say(f"captured {len(profiled.planning.groups)} planning nodes in "
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
-        signature_budget = budget_bytes
-        if memory_ratio is not None:
-            own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, optimizer, memory_ratio,
-                                           algorithms, say)
-            if not ratio_resolved_bytes:
-                ratio_resolved_bytes[:] = [own_bytes, shapes_of(inputs, kwargs, targets, autocast_state)]
-            signature_budget = max(own_bytes, ratio_resolved_bytes[0])
-            say(f"budget {format_bytes(signature_budget)} ({memory_ratio:g} of the estimated keep-all peak"
+        signature_budget = options.budget_bytes
+        if options.memory_ratio is not None:
+            own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, options.optimizer,
+                                           options.memory_ratio, options.algorithms, say)
+            if not self.ratio_resolved_bytes:
+                self.ratio_resolved_bytes[:] = [own_bytes, self.shapes_of(inputs, kwargs, targets, autocast_state)]
+            signature_budget = max(own_bytes, self.ratio_resolved_bytes[0])
+            say(f"budget {format_bytes(signature_budget)} ({options.memory_ratio:g} of the estimated keep-all peak"
                 + (", or the first input signature's budget where that is more)" if signature_budget > own_bytes
                    else ")"))
         profile, profiled = profile_step(
             model, inputs, loss_fn, targets, kwargs=kwargs,
-            optimizer=optimizer, repeats=repeats, warmup=warmup,
-            d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=signature_budget, measuring=measuring,
-            algorithms=algorithms, profiled=profiled, progress=say, compile=compile,
+            optimizer=options.optimizer, repeats=options.repeats, warmup=options.warmup,
+            d2h_gb_per_s=options.d2h_gb_per_s, h2d_gb_per_s=options.h2d_gb_per_s, budget_bytes=signature_budget,
+            measuring=options.measuring, algorithms=options.algorithms, profiled=profiled, progress=say,
+            compile=options.compile,
         )
         say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
         try:
-            schedule = make_plan(profile, signature_budget)
+            schedule = self.make_plan(profile, signature_budget)
         except BudgetError as error:
             # the step was just measured within this budget: the measuring pass's schedule is a plan that fits
             schedule = profiled.measuring.as_plan(profile, signature_budget) if profiled.measuring else None
             if schedule is None:
                 raise
-            say(f"no plan found by {strategy!r} ({error}); the plan is the schedule the step was measured under, "
-                f"which fits")
+            say(f"no plan found by {options.strategy!r} ({error}); the plan is the schedule the step was measured "
+                "under, which fits")
         summary = schedule.summary
         if summary is not None:
             say(
@@ -377,23 +445,14 @@ def optimize(
             say(f"plan kept for later runs in {store.plans / key.digest[:12]}...")
         return profile, schedule, profiled, key
 
-    def replan(measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule | None:
-        if rounding_follows_plan and key is not None and key.digest in taken_from_cache:
+    def replan(self, measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule | None:
+        say = self.say
+        if self.options.rounding_follows_plan and key is not None and key.digest in self.taken_from_cache:
             say("the planned step is more than 10% off the simulated one, but its plan was taken from the cache and "
                 "picks kernels that round differently: kept as it is, so that every run using it runs the same bits")
             return None
         say("the planned step is more than 10% off the simulated one: re-planning on the measured node times")
-        replanned = make_plan(measured, schedule.budget_bytes)
-        if store is not None and key is not None:
-            store.update(key, measured, replanned, say)
+        replanned = self.make_plan(measured, schedule.budget_bytes)
+        if self.store is not None and key is not None:
+            self.store.update(key, measured, replanned, say)
         return replanned
-
-    inputs = as_tuple(example_inputs)
-    profile, schedule, profiled, key = plan_signature(inputs, kwargs, targets)
-    planned = PlannedModule(model, profile, schedule, loss_fn, profiled=profiled, timed_steps=timed_steps,
-                            plan_token=key,
-                            replan=replan if replan_when_off else None,
-                            plan_signature=plan_signature if new_signatures else None,
-                            max_signatures=max_signatures, progress=say, compile=compile,
-                            compile_regions=compile_regions)
-    return planned
