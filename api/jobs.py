@@ -22,6 +22,8 @@ from api.backend import Event, LocalProcesses, SolveBackend
 from api.metrics import Metrics
 from api.settings import Settings
 from api.store import Store
+# Imports inside functions here are deferred for start-up time: Ray's backend is imported when a server asks for it:
+# Ray takes seconds to import.
 
 log = logging.getLogger("mosos.api")
 

@@ -55,6 +55,8 @@ from planner.errors import Issue, MososError
 from planner.max_batch import DEFAULT_BATCH_LIMIT, DEFAULT_STRATEGIES, MAX_BATCH_LIMIT
 from planner.units import MAX_SIZE_BYTES
 from planner.validation import NumbersAreNumbers
+# Imports inside functions here are deferred for start-up time: the planner's strategies (OR-Tools), the estimator and
+# the request processes' helpers load when a search runs, not when the server starts.
 
 log = logging.getLogger("mosos.api")
 KEPT_SEARCHES = 256
@@ -468,7 +470,7 @@ class MaxBatchSearches:
         """
         from api.jobs import QueueFull, ServiceStopping
         from api.work import ParsedPlan, plan_request_hash
-        from planner.planning import InfeasibleBudget
+        from planner.errors import InfeasibleBudget
         from planner.schedule import parse_schedule
 
         svc = self.service

@@ -25,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 from api.settings import Settings
+# Imports inside functions here are deferred for start-up time: the models' tables load when the schema is first asked
+# for, not when the server starts.
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
 JSON_METHODS = ("post", "put", "patch")

@@ -21,6 +21,8 @@ from typing import Any
 
 from api.backend import Event, SolveBackend
 from api.settings import Settings
+# Imports inside functions here are deferred for start-up time: Ray workers import the planner and the cluster's
+# helpers when they start, not with the server.
 
 log = logging.getLogger("mosos.api")
 

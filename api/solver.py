@@ -18,6 +18,8 @@ import traceback
 from typing import Any
 
 from planner.plugins import PluginError, load_plugins  # noqa: F401  (api.app and api.work import them from here)
+# Imports inside functions here are deferred for start-up time: the planner (OR-Tools) loads in the solver processes,
+# which import this module before they solve.
 
 PROGRESS_INTERVAL_S = 0.2
 

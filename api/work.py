@@ -30,6 +30,8 @@ from planner.schedule import parse_schedule
 from planner.simulator import simulate
 from planner.strategies import load_all
 from planner.validation import describe, issues_from_validation_error
+# Imports inside functions here are deferred for start-up time: the request processes load the solver, the plot
+# (matplotlib), trace and viewer when a request needs them.
 
 PLANNER_VERSION = planner.__version__
 log = logging.getLogger("mosos.api")

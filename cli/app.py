@@ -11,6 +11,8 @@ from rich.markup import escape
 
 from cli.time_limit import counted_from_process_start
 from planner.errors import MososError
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 app = typer.Typer(
     name="mosos",

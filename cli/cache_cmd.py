@@ -13,6 +13,8 @@ from rich.markup import escape
 from cli.app import app, console, friendly
 from planner.errors import MososError
 from planner.units import format_bytes
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 cache_app = typer.Typer(help="The plans optimize() keeps across runs ($MOSOS_CACHE_DIR or the user's cache directory).",
                         no_args_is_help=True)

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Iterator
 
 from planner.errors import MososError
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 
 def writable_output(path: Path | None, option: str, suffixes: tuple[str, ...] | None = None) -> None:

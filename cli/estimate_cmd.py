@@ -21,6 +21,8 @@ from cli.app import app, console, friendly, step_note
 from cli.checks import distinct_files, whole_number_in, workload_file, writable_output, write_output
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 
 def _load_estimator():

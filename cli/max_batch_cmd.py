@@ -28,6 +28,8 @@ from planner.errors import MososError, TimeLimitReached
 from planner.max_batch import DEFAULT_STRATEGIES, MAX_BATCH_LIMIT, MaxBatchResult, max_batch, parse_overhead
 from planner.planning import strategy_names
 from planner.units import format_bytes, parse_bytes
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 MIN_SEARCH_S = 1.0  # what the search needs at least once the profiles are ready
 FINISH_S = 0.5  # kept from the search for the table, the JSON and the plot

@@ -22,6 +22,8 @@ from cli.checks import (distinct_files, positive_finite, time_limit_within, whol
 from cli.time_limit import command_started, time_limited
 from planner.errors import MososError
 from planner.units import format_bytes, parse_bytes
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 
 def _load():

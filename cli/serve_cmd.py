@@ -9,6 +9,8 @@ import typer
 
 from cli.app import app, error_console, friendly
 from planner.errors import MososError
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 
 class ServeError(MososError):

@@ -17,6 +17,8 @@ from planner.profile import load_profile
 from planner.schedule import load_schedule
 from planner.simulator import peak_at_optimizer_step, simulate
 from planner.units import format_bytes, parse_bytes
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 EXIT_REJECTED = 4
 

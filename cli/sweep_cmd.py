@@ -13,6 +13,8 @@ from rich.table import Table
 from cli.app import app, console, error_console, friendly
 from planner.errors import MososError
 from planner.units import format_bytes
+# Imports inside functions here are deferred for start-up time: a command loads what it alone uses when it runs:
+# `mosos --help` and the light commands start without OR-Tools, torch, the service or Ray.
 
 EXIT_SOME_FAILED = 1
 EXIT_INTERRUPTED = 130

@@ -19,6 +19,8 @@ import os
 import threading
 import time
 from typing import Any, Callable, Hashable
+# Imports inside functions here are deferred for start-up time: Ray workers import the planner when a task runs on
+# them.
 
 REPORT_INTERVAL_S = 0.2
 REPORT_TIMEOUT_S = 10.0

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from planner.errors import MososError
+# Imports inside functions here are deferred for start-up time: Ray workers import the planner when a task runs on
+# them.
 
 INSTALL_HINT = "pip install 'mosos[ray]'"
 PROBE_TIMEOUT_S = 120.0

@@ -13,6 +13,8 @@ from typing import Any
 
 from cluster.sweep import COLUMNS, SweepResult
 from cluster.sweep_spec import LoadedSpec
+# Imports inside functions here are deferred for start-up time: the planner loads when results are read, not when a
+# sweep's spec is.
 
 RESULTS_CSV = "results.csv"
 RESULTS_JSON = "results.json"

@@ -15,6 +15,8 @@ import traceback
 from typing import Any, Callable
 
 from cluster.sweep_spec import DEVICE_BUDGET
+# Imports inside functions here are deferred for start-up time: a Ray worker loads the planner and the estimator when
+# its first task runs.
 
 
 def estimate_profile(entry: dict) -> dict:

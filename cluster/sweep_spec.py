@@ -34,6 +34,8 @@ from planner.errors import BudgetError, DocumentError, Issue, MososError
 from planner.planning import MAX_TIME_LIMIT_S
 from planner.units import format_bytes, parse_bytes
 from planner.validation import format_location, issues_from_validation_error
+# Imports inside functions here are deferred for start-up time: the planner's strategies (OR-Tools) and the models'
+# tables load when a spec names them.
 
 MAX_SOLVES = 100_000
 DEVICE_BUDGET = "device"

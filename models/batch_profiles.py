@@ -40,6 +40,7 @@ from planner.profile import GraphProfile, parse_profile
 from planner.auto_algorithms import with_smallest_workspaces
 from planner.strategies.keep_all import keep_all_schedule
 from planner.simulator import simulate
+# Imports inside functions here are deferred for start-up time: the estimator loads when a profile is estimated.
 
 
 class BatchProfileError(MososError):

@@ -51,6 +51,8 @@ from models.trace import TracedGraph, TracedOp, TraceFailure, trace
 from planner.errors import MososError
 from planner.profile import FixedMemory, GraphProfile, Hardware, Implementation, Node, Provenance
 from planner.validation import issues_from_validation_error
+# Imports inside functions here are deferred for start-up time: the networks' registry (torch) loads when a network is
+# built.
 
 ESTIMATOR = "mosos roofline + cuDNN-7 algorithm families"
 ESTIMATOR_VERSION = "1.2"  # 1.1: a convolution's backward is two nodes (filter gradient, data gradient); 1.2: hand-offs

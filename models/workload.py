@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from planner.errors import MososError
+# Imports inside functions here are deferred for start-up time: the networks' registry (torch) loads when a network is
+# built.
 
 
 class WorkloadError(MososError):
