@@ -126,7 +126,7 @@ def test_gradient_accumulation_over_four_micro_batches_is_plain_pytorchs():
 
 def test_a_regulariser_in_the_loss_function_accumulates_bitwise():
     """A term on the parameters outside the planned module is summed in another order than eager's while .grad
-    holds gradients (README); given in the loss function, it is part of the planned step, bitwise."""
+    holds gradients (docs/training.md); given in the loss function, it is part of the planned step, bitwise."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     plain = copy.deepcopy(model)
