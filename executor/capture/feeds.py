@@ -50,6 +50,8 @@ class Feeder:
         for _, name, owner in step.gradients:
             root = model if owner == "model" else loss_fn
             self.gradient_owners.append(_owner(root, name))
+        self._attribute_reads = [_reader(module, attribute) for _, module, attribute in self.attributes]
+        self._gradient_reads = [_reader(module, attribute) for module, attribute in self.gradient_owners]
         self.written_back: list[tuple[str, object]] = []  # per mutation: ("attribute", (module, attr)) or ("input", leaf)
         for _, placeholder in step.mutations:
             source = step.sources[placeholder]
@@ -63,8 +65,8 @@ class Feeder:
 
     def feed(self, leaves: list) -> list:
         values: list = [None] * self.size
-        for index, module, attribute in self.attributes:
-            values[index] = getattr(module, attribute)
+        for (index, module, attribute), value in zip(self.attributes, _read_all(self._attribute_reads)):
+            values[index] = value
         for index, tensor in self.constants:
             values[index] = tensor
         for index, leaf in self.inputs:
@@ -76,7 +78,7 @@ class Feeder:
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters that receive gradients, in gradient order."""
-        return [getattr(module, attribute) for module, attribute in self.gradient_owners]
+        return _read_all(self._gradient_reads)
 
     def write_back(self, staging: list[torch.Tensor], leaves: list, written: frozenset = frozenset()) -> None:
         """Copy each written-back value (BatchNorm statistics, a mutated input) into its tensor, once a step;
@@ -121,3 +123,27 @@ class Feeder:
             meta = value.meta["val"]
             buffers.append(torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device))
         return buffers
+
+
+
+def _reader(module: nn.Module, attribute: str) -> tuple[dict | None, str, nn.Module]:
+    """(the module's parameters or buffers dict holding `attribute`, or None where getattr must read it, the
+    attribute, the module): reading the dict at every step skips nn.Module.__getattr__, a Python call (2 us a
+    tensor). A name its class defines (a property) is read as getattr reads it."""
+    if hasattr(type(module), attribute):
+        return None, attribute, module
+    for table in ("_parameters", "_buffers"):
+        held = module.__dict__.get(table)
+        if held is not None and attribute in held:
+            return held, attribute, module
+    return None, attribute, module
+
+
+def _read_all(reads: list) -> list:
+    """The tensors `reads` (from `_reader`) name now: a parameter replaced since (module.weight = Parameter(...))
+    is the new one, as nn.Module keeps it in the same dict; a name that left its dict is read by getattr."""
+    values = [None if table is None else table.get(attribute) for table, attribute, _ in reads]
+    for index in [index for index, value in enumerate(values) if value is None]:
+        _, attribute, module = reads[index]
+        values[index] = getattr(module, attribute)
+    return values

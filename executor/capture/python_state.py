@@ -79,19 +79,60 @@ _OBJECT = ("object",)
 
 
 def _attributes(module: nn.Module, configs: dict) -> tuple:
-    return tuple((name, _value(value, 0, configs)) for name, value in module.__dict__.items()
-                 if not name.startswith("_") or name == "_attn_implementation")
+    return tuple([(name, _value(value, 0, configs)) for name, value in module.__dict__.items()
+                  if name[:1] != "_" or name == "_attn_implementation"])
 
 
 def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
     return tuple(tuple((getattr(owner, name, None) or {}).keys()) for name in names)
 
 
-def _modules(model: nn.Module, prefix: str) -> tuple:
+def _module_hooks(module: nn.Module) -> tuple:
+    state = module.__dict__
+    return tuple([tuple((state.get(name) or {}).keys()) for name in HOOK_DICTS])
+
+
+def _walk(module: nn.Module, path: str, out: list) -> None:
+    """(path, module) in named_modules(remove_duplicate=False)'s order: every use of a shared module, pre-order.
+    Walked by hand: the fingerprint runs at every call, and named_modules' generators cost as much as the rest."""
+    out.append((path, module))
+    for name, child in module._modules.items():
+        if child is not None:
+            _walk(child, f"{path}.{name}" if path else name, out)
+
+
+def _modules_and_tensors(model: nn.Module, prefix: str) -> tuple[tuple, tuple]:
+    """The modules' fingerprint, and every parameter's and buffer's (in parameters()' then buffers()' order, each
+    once), in one walk of the module tree."""
+    walked: list = []
+    _walk(model, "", walked)
     configs: dict = {}
-    return tuple((prefix + path, type(module), module.training, _attributes(module, configs),
-                  _hooks(module, HOOK_DICTS))
-                 for path, module in model.named_modules(remove_duplicate=False))
+    modules = tuple([(prefix + path, type(module), module.training, _attributes(module, configs),
+                      _module_hooks(module)) for path, module in walked])
+    seen_modules: set = set()
+    unique = []
+    for _, module in walked:
+        if id(module) not in seen_modules:
+            seen_modules.add(id(module))
+            unique.append(module)
+    seen: set = set()
+    parameters, buffers = [], []
+    for module in unique:
+        for value in module._parameters.values():
+            if value is not None and id(value) not in seen:
+                seen.add(id(value))
+                parameters.append((value.requires_grad, value.dtype, value.device, value.shape, value.stride()))
+    seen = set()
+    for module in unique:
+        for value in module._buffers.values():
+            if value is not None and id(value) not in seen:
+                seen.add(id(value))
+                buffers.append((None, value.dtype, value.device, value.shape, value.stride()))
+    return modules, tuple(parameters) + tuple(buffers)
+
+
+def _modules(model: nn.Module, prefix: str) -> tuple:
+    return _modules_and_tensors(model, prefix)[0]
 
 
 def _callable(function: Callable) -> tuple:
@@ -119,9 +160,8 @@ def python_state(model: nn.Module, loss_fn: Callable) -> tuple:
     # a parameter's layout too: a checkpoint loaded with assign=True may hold it transposed, and the graph's matrix
     # products were traced for the old strides (gradients 2.8e-9 off eager's, silently); and every parameter's and
     # buffer's type, device and shape: after model.to(torch.float64) the float32 plan ran on, 1.58x over its budget
-    tensors = tuple((p.requires_grad, p.dtype, p.device, p.shape, p.stride()) for p in model.parameters()) + tuple(
-        (None, b.dtype, b.device, b.shape, b.stride()) for b in model.buffers())
-    return (_modules(model, ""), tensors, _callable(loss_fn), _hooks(nn.modules.module, _GLOBAL_HOOKS))
+    modules, tensors = _modules_and_tensors(model, "")
+    return (modules, tensors, _callable(loss_fn), _hooks(nn.modules.module, _GLOBAL_HOOKS))
 
 
 def describe_change(before: tuple, after: tuple) -> str:

@@ -31,22 +31,20 @@ def obeys_layout(gradient: torch.Tensor, parameter: torch.Tensor) -> bool:
             and gradient.dtype == parameter.dtype)
 
 
-def _not_a_view(gradient: torch.Tensor) -> torch.Tensor:
-    """The gradient as a tensor of its own on the same storage, as eager's `.grad` is: a view keeps its base, which
-    model.double() after a step left float32 under a float64 `.grad`, and the next capture failed on it."""
-    if not gradient._is_view():
-        return gradient
-    return gradient.new_empty(0).set_(gradient.untyped_storage(), gradient.storage_offset(), gradient.shape,
-                                      gradient.stride())
-
-
 def accumulate(parameter: torch.Tensor, gradient: torch.Tensor) -> int:
     """`.grad` as plain PyTorch's AccumulateGrad leaves it (no grad mode): kept as it is, copied into the
     parameter's layout, or added in place. Returns the bytes of a transient (a gradient added to an existing one)."""
     current = parameter.grad
     if current is None:
-        if obeys_layout(gradient, parameter):
-            parameter.grad = _not_a_view(gradient)
+        # obeys_layout, written out (this runs for every parameter at every step); a view becomes a tensor of its
+        # own on the same storage, as eager's `.grad` is: a view keeps its base, which model.double() after a step
+        # left float32 under a float64 `.grad`, and the next capture failed on it
+        storage = gradient.untyped_storage()
+        if (gradient.stride() == parameter.stride() and gradient.storage_offset() == 0
+                and storage.nbytes() == parameter.numel() * parameter.element_size()
+                and gradient.dtype == parameter.dtype):
+            parameter.grad = gradient.new_empty(0).set_(storage, 0, gradient.shape, gradient.stride()) \
+                if gradient._is_view() else gradient
         else:
             parameter.grad = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype,
                                                  device=parameter.device).copy_(gradient)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import threading
 import weakref
 from collections import OrderedDict
@@ -143,6 +144,21 @@ class _Prepared:
         self.compiled: CompiledNodes | None = compiler.record if compiler is not None else None
         self.program: Program = generator.program(self.operations, self.split,
                                                   name="planned step (timed)" if timed else "planned step")
+        # The ledger counts the real bytes of every node, which repeat exactly from step to step of one program
+        # (the same operations on inputs of the same shapes): it checks the first step of each program and each
+        # pattern of gradients already held (an addition into .grad holds a transient), and the steps after it run a
+        # program without its calls (a tiny-layer model's steps spent 40% of their time in it). `strict` and timed
+        # steps keep it on every step; compiled steps too (their kernels are generated once, with it).
+        self.ledger = modes.ledger
+        self.unchecked_program: Program | None = None
+        self.checked: dict[tuple, Accountant] = {}  # gradients held (per parameter) -> the ledger of its step
+        self._unchecked_generator = None
+        if modes.ledger and not modes.strict and not timed and compiler is None:
+            unchecked_modes = dataclasses.replace(modes, ledger=False)
+            self._unchecked_generator = lambda: CodeGenerator(planning, unchecked_modes,
+                                                              cuda=self.device.type == "cuda", region_memory=region_memory)
+        self.accumulators: tuple = ()  # the parameters' AccumulateGrad nodes, kept for the backward's check
+        self.accumulator_ids: tuple = ()
         node_ids = [g.id for g in groups]
         if timed:
             self.clock = cpu_clock(self.device)[0]
@@ -160,6 +176,26 @@ class _Prepared:
     @property
     def source(self) -> str:
         return self.program.source
+
+    def program_for(self, ledger_key: tuple) -> tuple[Program, bool]:
+        """(the program to run, whether it keeps the ledger): the ledger's, until a step with these gradients held
+        has been checked."""
+        if self._unchecked_generator is None or ledger_key not in self.checked:
+            return self.program, self.ledger
+        if self.unchecked_program is None:
+            self.unchecked_program = self._unchecked_generator().program(self.operations, self.split,
+                                                                          name="planned step (checked)")
+        return self.unchecked_program, False
+
+    def gradient_edges(self, parameters: list[torch.Tensor]) -> tuple:
+        """The parameters' AccumulateGrad nodes (None where frozen), found once per set of parameters: the
+        backward's check asks the engine about each at every step (finding them took 27 us a parameter)."""
+        ids = tuple(map(id, parameters))
+        if ids != self.accumulator_ids:
+            self.accumulators = tuple(torch.autograd.graph.get_gradient_edge(p).node if p.requires_grad else None
+                                      for p in parameters)
+            self.accumulator_ids = ids
+        return self.accumulators
 
 
 def _check_random_order(operations: list[Op], planning) -> None:
@@ -446,16 +482,20 @@ class PlannedModule(nn.Module):
         # the parameters the graph computes gradients for (names resolved once: walking the module tree each step
         # costs as much as a tenth of a small model's step)
         parameters = prepared.feeder.parameters()
-        if not any(p.requires_grad for p in parameters):
+        if not any([p.requires_grad for p in parameters]):
             raise ReplayError("the model has no trainable parameters: there is nothing to plan a backward for")
         _refuse_gradient_hooks(self.model, parameters)
         _refuse_uncounted_gradient_buckets(self)
         self._supersede_live_step()
         feed = prepared.feeder.feed(leaves)
-        ledger = Accountant(self.profile, self.profile.fixed_bytes) if self.ledger_enabled else None
+        ledger_key = tuple([p.grad is None for p in parameters]) if prepared.ledger else ()
+        program, keeps_ledger = prepared.program_for(ledger_key)
+        ledger = Accountant(self.profile, self.profile.fixed_bytes) if keeps_ledger else None
         prepared.runtime.begin_step(parameters, ledger)
-        self.last_ledger = ledger
-        state = _StepState(prepared, feed, leaves)
+        # a step without the ledger repeats the checked one's bytes: its ledger stands for this step's
+        self.last_ledger = ledger if ledger is not None else prepared.checked.get(ledger_key)
+        state = _StepState(prepared, feed, leaves, program)
+        state.ledger_key = ledger_key if ledger is not None else None
         state.planned = self
         self._live_step = weakref.ref(state)
         if self.device_memory is not None:
@@ -739,8 +779,10 @@ def _call_signature(inputs: tuple, kwargs: dict, targets, leaves: list, spec, au
 
 
 class _StepState:
-    def __init__(self, prepared: _Prepared, feed: list, leaves: list):
+    def __init__(self, prepared: _Prepared, feed: list, leaves: list, program: Program):
         self.prepared = prepared
+        self.program = program
+        self.ledger_key: tuple | None = None  # a step whose ledger, once its backward ends, checks its program
         self.feed = feed
         self.leaves = leaves
         self.live: tuple = ()
@@ -756,7 +798,7 @@ class _StepFunction(torch.autograd.Function):
         prepared = state.prepared
         started = prepared.clock() if prepared.timed else 0
         with autocast.disabled():  # the graph carries autocast's casts; the ambient autocast would cast again
-            loss, state.live = prepared.program.parts[0](state.feed, prepared.runtime)
+            loss, state.live = state.program.parts[0](state.feed, prepared.runtime)
         if prepared.timed:
             prepared.runtime.part(started)
         if loss is None:
@@ -776,7 +818,7 @@ class _StepFunction(torch.autograd.Function):
                 "saved tensors (the plan's budget holds one step at a time): call backward() on each loss before "
                 "the next call (gradients accumulate across calls, as in eager PyTorch)"
             )
-        _refuse_other_backwards(ctx.parameters)
+        _refuse_other_backwards(ctx.parameters, state.prepared.gradient_edges(ctx.parameters))
         state.planned._refuse_backward_through_superseded()
         if state.backward_done:
             raise ReplayError(
@@ -791,16 +833,18 @@ class _StepFunction(torch.autograd.Function):
                 started = prepared.clock() if prepared.timed else 0
                 if prepared.tangent_index is not None:
                     state.feed[prepared.tangent_index] = grad_loss
-                if len(prepared.program.parts) > 1:
+                if len(state.program.parts) > 1:
                     live, state.live = [state.live], ()
-                    prepared.program.parts[1](state.feed, runtime, grad_loss, live)
-                prepared.feeder.write_back(runtime.staging, state.leaves, prepared.program.direct)
+                    state.program.parts[1](state.feed, runtime, grad_loss, live)
+                prepared.feeder.write_back(runtime.staging, state.leaves, state.program.direct)
                 if prepared.timed:
                     runtime.part(started)
         finally:
             runtime.end_step()
             state.feed = []
             state.live = ()
+        if state.ledger_key is not None and state.planned.last_ledger is not None:
+            prepared.checked.setdefault(state.ledger_key, state.planned.last_ledger)
         state.planned._step_held()
         if prepared.timed:
             state.planned._step_timed(runtime)
@@ -842,9 +886,10 @@ def _refuse_uncounted_gradient_buckets(planned: PlannedModule) -> None:
 def _refuse_gradient_hooks(model: nn.Module, parameters: list[torch.Tensor]) -> None:
     """A hook registered with Tensor.register_hook on a parameter sees (and may change) its gradient before it is
     accumulated; the replay writes gradients into `.grad` itself, so such a hook would see none."""
-    hooked = next((p for p in parameters if getattr(p, "_backward_hooks", None)), None)
-    if hooked is None:
+    hooked = [p for p in parameters if p._backward_hooks]
+    if not hooked:
         return
+    hooked = hooked[0]
     name = next((name for name, p in model.named_parameters(remove_duplicate=False) if p is hooked), "a parameter")
     raise ReplayError(
         f"parameter {name!r} has a gradient hook (Tensor.register_hook): the replay writes each parameter's gradient "
@@ -853,7 +898,7 @@ def _refuse_gradient_hooks(model: nn.Module, parameters: list[torch.Tensor]) -> 
     )
 
 
-def _refuse_other_backwards(parameters) -> None:
+def _refuse_other_backwards(parameters, edges: tuple) -> None:
     """The replay computes every parameter's gradient into `.grad`, as loss.backward() does; torch.autograd.grad,
     backward(inputs=...) over some parameters and create_graph=True ask for something else, which it cannot give."""
     if torch.is_grad_enabled():
@@ -862,11 +907,12 @@ def _refuse_other_backwards(parameters) -> None:
             "computes gradients outside autograd, so they cannot be differentiated again; compute such a loss with "
             "the model itself"
         )
-    for parameter in parameters:
-        if not parameter.requires_grad:
+    will_execute = torch._C._will_engine_execute_node
+    for node in edges:
+        if node is None:  # frozen
             continue
         try:
-            runs = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(parameter).node)
+            runs = will_execute(node)
         except RuntimeError as error:
             if "autograd.grad" not in str(error):
                 raise
@@ -887,7 +933,7 @@ def _hooks_wait_for_accumulation(parameters) -> bool:
     runs; the replay has written `.grad` already, so the autograd engine must still run those nodes."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return True
-    return any(getattr(p, "_post_accumulate_grad_hooks", None) for p in parameters)
+    return any([p._post_accumulate_grad_hooks for p in parameters])
 
 
 def _accumulation_signals(parameters) -> tuple:
