@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/capture_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = ("# Capture: graph size, time and memory\n\n"
             f"Command: `{command.strip()}` (load average {' '.join(load)}, one torch thread, each workload in a fresh "
-            "process). Planning nodes: the joint graph's ATen operations grouped by the rule in the README "
+            "process). Planning nodes: the joint graph's ATen operations grouped by the rule in docs/executor.md "
             "(\"Planning nodes\"). Capture peak RSS rise: the process's peak resident set during `plan_step` "
             "(torch.export, AOTAutograd's joint graph, one run on fake tensors to learn sizes and aliases, "
             "grouping) above what the built model and its inputs already held.\n\n" + "\n".join(lines) + "\n")

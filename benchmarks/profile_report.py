@@ -165,7 +165,7 @@ def _measured_comparison() -> list[str]:
         "## Estimated vs. measured graphs (small variants, batch 2)",
         "",
         "Measured: `executor.measure.profiler.profile_model` on this CPU (1 repeat, native convolutions). The estimate has "
-        "one node per module call; the measured profile one per ATen planning node (README, \"Planning nodes\"), "
+        "one node per module call; the measured profile one per ATen planning node (docs/executor.md, \"Planning nodes\"), "
         "so ids and counts differ. Both count the same parameters and inputs; forward tensors differ by each "
         "side's conventions (the estimate counts CUDA's 1-byte dropout masks and no workspace outside "
         "convolutions; the measured profile what this CPU's kernels really keep and allocate).",

@@ -505,7 +505,7 @@ def _check_static(program, model: nn.Module) -> None:
               if symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))]
     if unused:
         # read for Python alone (a print, a log line, a metric): the capture saw a symbol in place of the value,
-        # and the replay never runs that Python; refused as the README promises for .item(), not left to go quiet
+        # and the replay never runs that Python; refused as docs/executor.md promises for .item(), not left to go quiet
         raise CaptureError(
             f"cannot capture {type(model).__name__}: its step reads a Python number from a tensor (.item(), float(t), "
             "int(t)) that no tensor of the step uses, e.g. to print or log it: Python code in forward runs once, at "

@@ -8,7 +8,7 @@ caught too. Every other operation output owns a storage: a *root*. Views are
 not planned at all: whoever reads a view reads its root, and derives the view
 again when it runs.
 
-The grouping rule (README, "Planning nodes"):
+The grouping rule (docs/executor.md, "Planning nodes"):
 
 1. Operations are taken in graph order (the order of an eager training step).
 2. An operation joins the group of an operation whose outputs it reads, if
