@@ -5,12 +5,13 @@ The steps of one round (at least `--rounds`, more for short steps: about 30 s, a
 another in a rotating order (so that a busy machine slows all of them
 alike), every step from `.grad` set to None, each timed alone with `time.perf_counter`; the table gives
 medians over the rounds and the median of the per-round ratios to the plain step. The planned steps run the
-generated code's fast path (no ledger), and keep-all once more with the ledger, the CPU's default. The
+generated code's fast path (no ledger), and keep-all once more with the ledger, the CPU's default (it checks the
+first step of each pattern of gradients held, then the checked program runs without it). The
 replay's own cost per node: the median of the per-round differences (planned keep-all - plain) over the planning
 nodes computed, what the generated step spends beyond the ATen work an eager step does (it can be negative: the generated step has no autograd graph
 to build). The step at 0.6 also pays for what it recomputes and copies.
 
-    python benchmarks/replay_speed.py      # BERT-small and ResNet-18-small; writes a section of
+    python benchmarks/replay_speed.py      # BERT-small, ResNet-18-small, 300 tiny layers; writes a section of
                                            # benchmarks/results/executor.md
 """
 
@@ -26,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-WORKLOADS = ("benchmarks/workloads.py:bert_small", "benchmarks/workloads.py:resnet18_small")
+WORKLOADS = ("benchmarks/workloads.py:bert_small", "benchmarks/workloads.py:resnet18_small",
+             "benchmarks/workloads.py:tiny_layers")
 HEADING = "## Replay speed on the CPU"
 
 

@@ -6,6 +6,8 @@
   4 heads, batch 8, sequence 128.
 - `gpt2_small`: GPT2LMHeadModel from a config: 4 layers, hidden 256, batch 8, sequence 128, its own loss.
 - `resnet18_small`: the reference ResNet-18 (models/), small variant, batch 8.
+- `tiny_layers`: issue 45's many small operations, 300 x tanh(x * scale + shift) on 16 x 64 activations (1,500
+  planning nodes of microseconds each): what the replay costs beyond the ATen work.
 """
 
 from __future__ import annotations
@@ -33,6 +35,23 @@ def elementwise(batch_size: int | None = None, activation_mib: int = 32, layers:
     rows = batch_size or 8
     x = torch.randn(rows, activation_mib * 2**20 // 4 // rows)
     return {"model": ElementwiseChain(layers), "inputs": (x,), "loss_fn": lambda out: out.square().mean()}
+
+
+class TinyLayer(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width) * 1.01)
+        self.shift = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        return torch.tanh(x * self.scale + self.shift)
+
+
+def tiny_layers(batch_size: int | None = None, layers: int = 300, width: int = 64):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[TinyLayer(width) for _ in range(layers)])
+    x, targets = torch.randn(batch_size or 16, width), torch.randn(batch_size or 16, width)
+    return {"model": model, "inputs": (x,), "targets": targets, "loss_fn": F.mse_loss}
 
 
 def bert_small(batch_size: int | None = None, layers: int = 4, hidden: int = 256, sequence: int = 128):

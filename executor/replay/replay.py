@@ -157,8 +157,6 @@ class _Prepared:
             unchecked_modes = dataclasses.replace(modes, ledger=False)
             self._unchecked_generator = lambda: CodeGenerator(planning, unchecked_modes,
                                                               cuda=self.device.type == "cuda", region_memory=region_memory)
-        self.accumulators: tuple = ()  # the parameters' AccumulateGrad nodes, kept for the backward's check
-        self.accumulator_ids: tuple = ()
         node_ids = [g.id for g in groups]
         if timed:
             self.clock = cpu_clock(self.device)[0]
@@ -186,16 +184,6 @@ class _Prepared:
             self.unchecked_program = self._unchecked_generator().program(self.operations, self.split,
                                                                           name="planned step (checked)")
         return self.unchecked_program, False
-
-    def gradient_edges(self, parameters: list[torch.Tensor]) -> tuple:
-        """The parameters' AccumulateGrad nodes (None where frozen), found once per set of parameters: the
-        backward's check asks the engine about each at every step (finding them took 27 us a parameter)."""
-        ids = tuple(map(id, parameters))
-        if ids != self.accumulator_ids:
-            self.accumulators = tuple(torch.autograd.graph.get_gradient_edge(p).node if p.requires_grad else None
-                                      for p in parameters)
-            self.accumulator_ids = ids
-        return self.accumulators
 
 
 def _check_random_order(operations: list[Op], planning) -> None:
@@ -818,7 +806,9 @@ class _StepFunction(torch.autograd.Function):
                 "saved tensors (the plan's budget holds one step at a time): call backward() on each loss before "
                 "the next call (gradients accumulate across calls, as in eager PyTorch)"
             )
-        _refuse_other_backwards(ctx.parameters, state.prepared.gradient_edges(ctx.parameters))
+        # the parameters' AccumulateGrad nodes as this step's graph holds them (after the module and the state);
+        # found through get_gradient_edge, they took 27 us a parameter at every step
+        _refuse_other_backwards(ctx.parameters, [node for node, _ in ctx.next_functions[2:]])
         state.planned._refuse_backward_through_superseded()
         if state.backward_done:
             raise ReplayError(
