@@ -7,8 +7,10 @@ run without its calls. Timing is benchmarks/replay_speed.py's; this test guards 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -19,22 +21,20 @@ import executor  # noqa: E402
 from executor.engine import accountant  # noqa: E402
 
 
-class Tiny(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(width) * 1.01)
-        self.shift = nn.Parameter(torch.zeros(width))
-
-    def forward(self, x):
-        return torch.tanh(x * self.scale + self.shift)
+def _workloads():
+    """benchmarks/workloads.py, whose `tiny_layers` the replay-speed benchmark times."""
+    spec = importlib.util.spec_from_file_location("mosos_benchmark_workloads",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "workloads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _planned(layers: int):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[Tiny(16) for _ in range(layers)])
-    x, t = torch.randn(4, 16), torch.randn(4, 16)
+    work = _workloads().tiny_layers(batch_size=4, layers=layers, width=16)
+    model, (x,), t = work["model"], work["inputs"], work["targets"]
     plain = copy.deepcopy(model)
-    planned = executor.optimize(model, (x,), nn.functional.mse_loss, targets=t, strategy="keep-all", budget=None,
+    planned = executor.optimize(model, (x,), work["loss_fn"], targets=t, strategy="keep-all", budget=None,
                                 progress=False, timed_steps=0, cache=False)
     return planned, plain, x, t
 
