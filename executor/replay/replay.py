@@ -175,10 +175,15 @@ class _Prepared:
     def source(self) -> str:
         return self.program.source
 
-    def program_for(self, ledger_key: tuple) -> tuple[Program, bool]:
+    @property
+    def checks_once(self) -> bool:
+        """Whether the ledger checks one step of each pattern of gradients held, then steps aside."""
+        return self._unchecked_generator is not None
+
+    def program_for(self, ledger_key: tuple | None) -> tuple[Program, bool]:
         """(the program to run, whether it keeps the ledger): the ledger's, until a step with these gradients held
-        has been checked."""
-        if self._unchecked_generator is None or ledger_key not in self.checked:
+        (`ledger_key`; None where the ledger is on every step or never) has been checked."""
+        if ledger_key is None or ledger_key not in self.checked:
             return self.program, self.ledger
         if self.unchecked_program is None:
             self.unchecked_program = self._unchecked_generator().program(self.operations, self.split,
@@ -476,12 +481,12 @@ class PlannedModule(nn.Module):
         _refuse_uncounted_gradient_buckets(self)
         self._supersede_live_step()
         feed = prepared.feeder.feed(leaves)
-        ledger_key = tuple([p.grad is None for p in parameters]) if prepared.ledger else ()
+        ledger_key = tuple([p.grad is None for p in parameters]) if prepared.checks_once else None
         program, keeps_ledger = prepared.program_for(ledger_key)
         ledger = Accountant(self.profile, self.profile.fixed_bytes) if keeps_ledger else None
         prepared.runtime.begin_step(parameters, ledger)
         # a step without the ledger repeats the checked one's bytes: its ledger stands for this step's
-        self.last_ledger = ledger if ledger is not None else prepared.checked.get(ledger_key)
+        self.last_ledger = ledger if ledger is not None or ledger_key is None else prepared.checked[ledger_key]
         state = _StepState(prepared, feed, leaves, program)
         state.ledger_key = ledger_key if ledger is not None else None
         state.planned = self
@@ -876,10 +881,9 @@ def _refuse_uncounted_gradient_buckets(planned: PlannedModule) -> None:
 def _refuse_gradient_hooks(model: nn.Module, parameters: list[torch.Tensor]) -> None:
     """A hook registered with Tensor.register_hook on a parameter sees (and may change) its gradient before it is
     accumulated; the replay writes gradients into `.grad` itself, so such a hook would see none."""
-    hooked = [p for p in parameters if p._backward_hooks]
-    if not hooked:
+    hooked = next(iter([p for p in parameters if p._backward_hooks]), None)  # a list: no generator call a parameter
+    if hooked is None:
         return
-    hooked = hooked[0]
     name = next((name for name, p in model.named_parameters(remove_duplicate=False) if p is hooked), "a parameter")
     raise ReplayError(
         f"parameter {name!r} has a gradient hook (Tensor.register_hook): the replay writes each parameter's gradient "
