@@ -141,3 +141,47 @@ def test_a_replan_runs_beside_training_and_is_taken_at_a_step_boundary(monkeypat
     planned(x, y).backward()
     assert planned.report() is not None
     assert any(r.replanned for r in [planned.report(), *planned.report().history])
+
+
+def test_a_replan_is_taken_onto_the_plan_it_was_made_for_when_another_input_signature_runs_meanwhile(monkeypatch):
+    """Bucketed lengths: the re-plan of one signature's plan comes back while another signature's step is in use.
+    It waits with its own plan and is taken when that signature comes back (CI once saw it taken onto the other
+    signature's step, which refused it as a profile made for another model)."""
+    import threading
+
+    monkeypatch.setattr(measured, "REPLAN_OFF", -1.0)  # every timed step is "off"
+    model, x, y = _model_and_data()
+    release = threading.Event()
+    replanned: list = []
+
+    def gated_replan(profile, schedule, token):
+        if "[1024," in profile.name:
+            return None  # the second signature's own re-plan keeps its plan, at once
+        release.wait(30)
+        replanned.append(profile.name)
+        return plan(profile, schedule.budget_bytes, strategy="recompute-only", time_limit_s=5, workers=1)
+
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, cache=False,
+                                time_limit_s=5, workers=1, progress=False, timed_steps=1, replan_when_off=True)
+    planned._replan = gated_replan
+    planned(x, y).backward()  # the timed step: the re-plan of the first signature's plan starts
+    assert planned.replanning
+    first_schedule = planned.schedule
+    half_x, half_y = x[:1024], y[:1024]
+    for _ in range(3):  # another signature: planned now, timed, its own re-plan kept at once
+        planned(half_x, half_y).backward()
+    second_schedule = planned.schedule
+    assert "[1024," in second_schedule.profile_name and "[2048," in first_schedule.profile_name
+    release.set()
+    deadline = time.perf_counter() + 30
+    while not replanned and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the first signature's re-plan has come back while the second's plan is in use
+    for _ in range(2):
+        planned(half_x, half_y).backward()  # not taken here: it is not this plan's
+    assert planned.schedule is second_schedule
+    for _ in range(2):
+        planned(x, y).backward()  # back to the first: its re-plan is taken
+    assert planned.schedule is not first_schedule and "[2048," in planned.schedule.profile_name
+    reports = [planned.report(), *planned.report().history]
+    assert any(r.replanned for r in reports)

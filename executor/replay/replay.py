@@ -348,7 +348,7 @@ class PlannedModule(nn.Module):
             evicted, _ = self._plans.popitem(last=False)
             self._say(f"dropping the plan for input signature {evicted[0]} (least recently used)")
         # until the new plan exists, no plan is in use: a failure below leaves the kept ones as they were
-        self._signature, self._prepared, self._timed = None, None, None
+        self._signature, self._prepared, self._timed, self._pending_replan = None, None, None, None
         try:
             profile, schedule, profiled, token = self._plan_signature(inputs, kwargs, targets)
         except MososError as error:
@@ -442,6 +442,7 @@ class PlannedModule(nn.Module):
                     setattr(self, name, value)
             if signature != self._signature:
                 self._switch_to(signature, inputs, kwargs, targets)
+                self._take_replan()  # one that came for this signature's plan while another ran
         check_inputs(self.profile, inputs, kwargs, targets)
         try:
             autocast.refuse_value_dependent_masks(kwargs, signature[-1])
@@ -661,8 +662,11 @@ class PlannedModule(nn.Module):
         return latest
 
 
+# what belongs to one input signature's plan, kept with it while another signature runs; a re-plan running beside
+# training is its plan's (taken onto another signature's step, it failed as "a profile made for another model")
 _PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_time_ms", "_steps_timed", "_timings",
-               "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token")
+               "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token",
+               "_pending_replan")
 
 
 def _quiet(message: str) -> None:
