@@ -15,6 +15,7 @@ from torch import nn  # noqa: E402
 import executor  # noqa: E402
 from executor.measure import measured  # noqa: E402
 from executor.engine.device_memory import HeldMemory  # noqa: E402
+from planner.errors import BudgetError  # noqa: E402
 from planner.planning import plan  # noqa: E402
 
 
@@ -29,6 +30,9 @@ class FakeCachingAllocator:
         self.fragmenting = fragmenting  # False: an ideal allocator, which reserves no more than is allocated
         self.cached: dict[int, int] = {}  # size -> cached free blocks of that size
         self.reserved_bytes = 0
+
+    def outside_allocator_bytes(self) -> int:
+        return self.context_bytes
 
     def begin_step(self) -> None:
         pass
@@ -185,3 +189,62 @@ def test_a_replan_is_taken_onto_the_plan_it_was_made_for_when_another_input_sign
     assert planned.schedule is not first_schedule and "[2048," in planned.schedule.profile_name
     reports = [planned.report(), *planned.report().history]
     assert any(r.replanned for r in reports)
+
+
+def test_memory_outside_the_allocator_at_the_start_is_taken_from_a_budget_in_bytes():
+    """A budget in bytes is what the device may hold: optimize() reads what the process holds outside PyTorch's
+    allocator when it begins (a CUDA context here), plans the step within the rest, and checks every step's held
+    memory against the whole budget."""
+    model, x, y = _model_and_data()
+    context_bytes = 3 * 2**20
+    fake = FakeCachingAllocator(None, context_bytes=context_bytes, fragmenting=False)
+    messages: list[str] = []
+    probe = executor.optimize(*_model_and_data()[:1], (x,), F.cross_entropy, targets=y, memory_ratio=0.8,
+                              cache=False, time_limit_s=5, workers=1, progress=False, timed_steps=0)
+    budget = probe.schedule.budget_bytes + context_bytes
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=budget, cache=False,
+                                time_limit_s=5, workers=1, progress=messages.append, timed_steps=0,
+                                device_memory=fake)
+    fake.planned = planned
+    assert planned.schedule.budget_bytes == budget - context_bytes
+    assert any("less the 3.00 MiB the device holds outside PyTorch's allocator" in m for m in messages), messages
+    planned(x, y).backward()
+    record = planned.held_memory
+    assert record.budget_bytes == budget and record.steps_over_budget == 0
+    assert record.worst.outside_allocator_bytes == context_bytes
+
+
+def test_a_budget_the_memory_outside_the_allocator_already_takes_is_refused_before_anything_runs():
+    model, x, y = _model_and_data()
+    fake = FakeCachingAllocator(None, context_bytes=64 * 2**20)
+    with pytest.raises(BudgetError, match="outside PyTorch's allocator"):
+        executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=32 * 2**20, cache=False, time_limit_s=5,
+                          workers=1, progress=False, device_memory=fake)
+
+
+def test_a_step_over_the_device_budget_re_plans_within_less_beside_training():
+    """The allocator held more than the budget: a re-plan within the plan's budget less the excess runs beside
+    training and is taken at a step boundary; where steps stay over, it stops after HELD_REPLANS."""
+    from executor.replay import replay
+
+    model, x, y = _model_and_data()
+    messages: list[str] = []
+    planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, memory_ratio=0.8, cache=False,
+                                time_limit_s=5, workers=1, progress=messages.append, timed_steps=0)
+    first_budget = planned.schedule.budget_bytes
+    planned.device_memory = FakeCachingAllocator(planned, context_bytes=0)  # keeps every segment it reserved
+    planned(x, y).backward()
+    record = planned.held_memory
+    assert record.steps_over_budget == 1 and planned.replanning
+    excess = record.worst.held_peak_bytes - first_budget
+    assert planned.wait_for_replan(60)
+    assert planned.schedule.budget_bytes == first_budget - excess
+    assert planned.schedule.summary.peak_memory_bytes <= first_budget - excess
+    assert any("re-planning within" in m and "beside training" in m for m in messages)
+    for _ in range(6):
+        planned(x, y).backward()
+        planned.wait_for_replan(60)
+    assert sum("re-planning within" in m for m in messages) <= replay.HELD_REPLANS
+    assert record.budget_bytes == first_budget  # the device's budget stays what it was
+    text = record.describe()
+    assert "re-planned within" in text

@@ -15,7 +15,7 @@ has none: there the ledger's allocated bytes are what the step holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -39,6 +39,9 @@ class HeldMemory:
 
 
 class DeviceMemory(Protocol):
+    def outside_allocator_bytes(self) -> int:
+        """What the process holds on the device outside PyTorch's allocator now (the CUDA context, libraries)."""
+
     def begin_step(self) -> None:
         """Start a step's peaks afresh."""
 
@@ -75,11 +78,12 @@ def device_memory_of(device: torch.device) -> DeviceMemory | None:
 class HeldRecord:
     """Every step's held memory against the budget, summed up for the report (kept small: a few numbers)."""
 
-    budget_bytes: int | None
+    budget_bytes: int | None  # what the device may hold: the plan's budget and what was outside the allocator at start
     steps: int = 0
     steps_over_budget: int = 0
     worst: HeldMemory | None = None
     first_over_step: int | None = None
+    replans: list[str] = field(default_factory=list)  # re-plans within less, started by a step over the budget
 
     def add(self, held: HeldMemory) -> bool:
         """Count one step; True where it held more than the budget."""
@@ -106,4 +110,6 @@ class HeldRecord:
                      f"first at step {self.first_over_step}: on a device of that size these steps run out of memory")
         elif self.budget_bytes is not None:
             text += f"; within the budget of {format_bytes(self.budget_bytes)} in every step"
+        for replan in self.replans:
+            text += f"; {replan}"
         return text

@@ -20,6 +20,7 @@ from torch import nn
 from executor.capture import autocast
 from executor.capture.capture import tensor_signature
 from executor.engine import conv_algorithms
+from executor.engine.device_memory import DeviceMemory, device_memory_of
 from executor.measure.profiler import (
     ProfiledStep,
     as_tuple,
@@ -188,6 +189,7 @@ def optimize(
     progress: bool | Callable[[str], None] = True,
     compile: bool = False,
     compile_regions: bool = True,
+    device_memory: DeviceMemory | None | str = "auto",
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or, not both, `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
@@ -258,14 +260,19 @@ def optimize(
                                else COMPILED_ALGORITHMS if compile else ("native",)),
         repeats=repeats, warmup=warmup, measuring=measuring, compile=compile,
     )
-    planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device_memory = device_memory_of(device) if device_memory == "auto" else device_memory
+    planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress),
+                               outside_allocator_bytes=device_memory.outside_allocator_bytes()
+                               if device_memory is not None else 0)
     profile, schedule, profiled, key = planner.plan_signature(as_tuple(example_inputs), kwargs, targets)
     return PlannedModule(model, profile, schedule, loss_fn, profiled=profiled, timed_steps=timed_steps,
                          plan_token=key,
                          replan=planner.replan if replan_when_off else None,
                          plan_signature=planner.plan_signature if new_signatures else None,
                          max_signatures=max_signatures, progress=planner.say, compile=compile,
-                         compile_regions=compile_regions)
+                         compile_regions=compile_regions, device_memory=device_memory,
+                         outside_allocator_bytes=planner.outside_allocator_bytes)
 
 
 @dataclass(frozen=True)
@@ -301,8 +308,12 @@ class SignaturePlanner:
     plan from the cache; and re-plans on measured node times. The PlannedModule holds its two methods:
     `plan_signature` for a new signature, `replan` after the timed steps."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, options: OptimizeOptions, store, say: Callable[[str], None]):
+    def __init__(self, model: nn.Module, loss_fn: Callable, options: OptimizeOptions, store, say: Callable[[str], None],
+                 outside_allocator_bytes: int = 0):
         self.model, self.loss_fn, self.options, self.store, self.say = model, loss_fn, options, store, say
+        # what the process held on the device outside PyTorch's allocator when optimize() began (the CUDA context,
+        # library handles): a budget in bytes is what the device may hold, so the plans get it less this
+        self.outside_allocator_bytes = outside_allocator_bytes
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         # a memory ratio is resolved at the first input signature; a later one (a last partial batch, another
         # sequence length) gets the larger of those bytes, the memory the step was given, and the ratio of its own
@@ -323,7 +334,7 @@ class SignaturePlanner:
         elif options.memory_ratio is not None:
             budget_key = {"memory_ratio": options.memory_ratio}
         else:
-            budget_key = {"bytes": options.budget_bytes}
+            budget_key = {"bytes": self.plan_budget_bytes()}
         return plan_key(
             self.model, self.loss_fn, inputs, kwargs, targets, device=self.device, autocast_state=autocast_state,
             budget=budget_key,
@@ -332,6 +343,21 @@ class SignaturePlanner:
                       "h2d_gb_per_s": options.h2d_gb_per_s, "planner": "service" if options.planner_url else "local",
                       "algorithms": list(options.algorithms), **({"compile": True} if options.compile else {})},
         )
+
+    def plan_budget_bytes(self) -> int | None:
+        """The budget in bytes the plans get: the caller's, less what the device held outside the allocator at the
+        start (None: a ratio, resolved per signature, with that memory on top of it)."""
+        options = self.options
+        if options.budget_bytes is None:
+            return None
+        left = options.budget_bytes - self.outside_allocator_bytes
+        if left <= 0:
+            raise BudgetError(
+                f"budget {format_bytes(options.budget_bytes)} is no more than the "
+                f"{format_bytes(self.outside_allocator_bytes)} this process already holds on {self.device} outside "
+                "PyTorch's allocator (the CUDA context, library handles): nothing is left for the step",
+                minimum_budget_bytes=None)
+        return left
 
     def make_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule:
         options, say = self.options, self.say
@@ -359,8 +385,19 @@ class SignaturePlanner:
         it is kept under comes back for a re-plan to replace it. Planned for the autocast regions in force at the
         call; everything it runs itself runs outside them."""
         autocast_state = autocast.autocast_state()
-        with autocast.disabled():
-            return self._plan_signature(inputs, kwargs, targets, autocast_state)
+        try:
+            with autocast.disabled():
+                return self._plan_signature(inputs, kwargs, targets, autocast_state)
+        except BudgetError as error:
+            outside = self.outside_allocator_bytes
+            if outside and self.options.budget_bytes is not None:
+                # the smallest budget named is the step's: the device's is that and what is held outside the allocator
+                if error.minimum_budget_bytes:
+                    error.minimum_budget_bytes += outside
+                error.args = (f"{error} (the step's budget is the {format_bytes(self.options.budget_bytes)} given less "
+                              f"the {format_bytes(outside)} the device holds outside PyTorch's allocator; a device "
+                              "budget names that on top)", *error.args[1:])
+            raise
 
     def _from_cache(self, key: PlanKey, inputs, kwargs, targets, autocast_state):
         """The kept plan of this signature, where one is kept and its budget is still what this run allows."""
@@ -407,7 +444,10 @@ class SignaturePlanner:
             profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
         say(f"captured {len(profiled.planning.groups)} planning nodes in "
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
-        signature_budget = options.budget_bytes
+        signature_budget = self.plan_budget_bytes()
+        if signature_budget is not None and self.outside_allocator_bytes:
+            say(f"budget {format_bytes(signature_budget)} for the step: {format_bytes(options.budget_bytes)} less the "
+                f"{format_bytes(self.outside_allocator_bytes)} the device holds outside PyTorch's allocator")
         if options.memory_ratio is not None:
             own_bytes = ratio_budget_bytes(profiled, model, inputs, kwargs, targets, options.optimizer,
                                            options.memory_ratio, options.algorithms, say)
@@ -451,7 +491,6 @@ class SignaturePlanner:
             say("the planned step is more than 10% off the simulated one, but its plan was taken from the cache and "
                 "picks kernels that round differently: kept as it is, so that every run using it runs the same bits")
             return None
-        say("the planned step is more than 10% off the simulated one: re-planning on the measured node times")
         replanned = self.make_plan(measured, schedule.budget_bytes)
         if self.store is not None and key is not None:
             self.store.update(key, measured, replanned, say)

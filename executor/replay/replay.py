@@ -242,6 +242,7 @@ class PlannedModule(nn.Module):
         compile: bool = False,
         compile_regions: bool = True,
         device_memory: DeviceMemory | None | str = "auto",
+        outside_allocator_bytes: int = 0,
     ):
         super().__init__()
         self.model = model
@@ -258,7 +259,11 @@ class PlannedModule(nn.Module):
         # what the device holds around each step (the allocator's reserved segments, memory outside it): on a GPU by
         # default, a fake caching allocator in tests; none on the CPU, whose ledger counts what a step holds
         self.device_memory = device_memory_of(self.device) if device_memory == "auto" else device_memory
-        self._held = HeldRecord(schedule.budget_bytes)
+        # what the process held outside the allocator when optimize() began (deducted from a budget in bytes before
+        # planning): the device may hold the plan's budget and that; a step over it starts a re-plan within less
+        self.outside_allocator_bytes = outside_allocator_bytes
+        self._device_budget_bytes = _device_budget(schedule, outside_allocator_bytes)
+        self._held = HeldRecord(self._device_budget_bytes)
         if schedule.profile_digest != profile.digest():
             raise ProfileMismatch(
                 f"the schedule was made for profile {schedule.profile_name!r} (digest {schedule.profile_digest[:12]}), "
@@ -293,6 +298,7 @@ class PlannedModule(nn.Module):
         self.signatures_planned = 0  # input signatures planned after the first (each once, unless evicted)
         self._plan_token = plan_token
         self._pending_replan: BackgroundReplan | None = None  # a re-plan running beside training
+        self._held_replans = 0  # re-plans within less started by a step that held more than the device budget
         self._live_step: weakref.ref | None = None  # the last step begun, until its backward
         self._superseded_nodes: list[weakref.ref] = []  # autograd nodes of superseded steps' losses still referenced
         self._set_measuring(profiled)
@@ -363,6 +369,8 @@ class PlannedModule(nn.Module):
             raise
         self._plans.pop(signature, None)
         self.profile, self.schedule, self._plan_token = profile, schedule, token
+        self._device_budget_bytes = _device_budget(schedule, self.outside_allocator_bytes)
+        self._held_replans = 0
         simulated = simulate(profile, schedule, keep_timeline=False)
         self.simulated_peak_bytes = simulated.peak_memory_bytes
         self.simulated_step_time_ms = simulated.step_time_ms
@@ -500,13 +508,37 @@ class PlannedModule(nn.Module):
         """After a step's backward: what the device held during it, against the budget."""
         if self.device_memory is None:
             return
-        self._held.budget_bytes = self.schedule.budget_bytes
+        budget = self._held.budget_bytes = self._device_budget_bytes
         held = self.device_memory.end_step()
-        if self._held.add(held) and self._held.steps_over_budget == 1:
+        over = self._held.add(held)
+        if over and self._held.steps_over_budget == 1:
             self._say(f"warning: step {self._held.steps} held {format_bytes(held.held_peak_bytes)} on the device "
                       f"(allocator reserved {format_bytes(held.reserved_peak_bytes)}, outside the allocator "
                       f"{format_bytes(held.outside_allocator_bytes)}), more than the budget of "
-                      f"{format_bytes(self.schedule.budget_bytes)}: report() counts such steps")
+                      f"{format_bytes(budget)}: report() counts such steps")
+        if over:
+            self._replan_within_less(held.held_peak_bytes - budget)
+
+    def _replan_within_less(self, excess_bytes: int) -> None:
+        """A step held more than the device's budget (the allocator's fragmentation, a library's workspace outside
+        the plan): plan again, beside training, within the plan's budget less the excess, at most HELD_REPLANS times;
+        the new plan is taken at a step boundary, as a re-plan on timings is."""
+        if self._replan is None or self._pending_replan is not None or self._held_replans >= HELD_REPLANS:
+            return
+        budget = self.schedule.budget_bytes
+        lowered = budget - excess_bytes if budget is not None else None
+        self._held_replans += 1
+        if lowered is None or lowered <= self.profile.fixed_bytes:
+            self._held.replans.append(f"no re-plan within less: {format_bytes(excess_bytes)} over leaves nothing "
+                                      "beside fixed memory")
+            return
+        self._say(f"re-planning within {format_bytes(lowered)} (the plan's budget less the "
+                  f"{format_bytes(excess_bytes)} the step held over the device's), beside training")
+        self._held.replans.append(f"re-planning within {format_bytes(lowered)} after a step "
+                                  f"{format_bytes(excess_bytes)} over")
+        self._pending_replan = BackgroundReplan(self._replan, self.profile,
+                                                self.schedule.model_copy(update={"budget_bytes": lowered}),
+                                                self._plan_token, None)
 
     @property
     def held_memory(self) -> HeldRecord | None:
@@ -565,6 +597,8 @@ class PlannedModule(nn.Module):
         if report.off and self._replan is not None and not any(r.replanned or r.replan_failed or r.replan_kept
                                                                 for r in self._reports[:-1]):
             profile = measured_profile(self.profile, self.schedule, self._measured_node_ms())
+            self._say("the planned step is more than 10% off the simulated one: re-planning on the measured node "
+                      "times, beside training")
             # the solver runs beside training: the steps go on under the current plan, which holds the budget, and
             # the new one is taken at the first step boundary after it is ready
             self._pending_replan = BackgroundReplan(self._replan, profile, self.schedule, self._plan_token, report)
@@ -575,21 +609,30 @@ class PlannedModule(nn.Module):
         if pending is None or not pending.done():
             return
         self._pending_replan = None
-        report = pending.report
+        report = pending.report  # None: a re-plan within less, started by a step over the device's budget
         if pending.error is not None:
             if not isinstance(pending.error, MososError):
                 raise pending.error
             # a better plan not found (a solver's time limit, a planner service down) fails no step: the current
             # plan holds the budget, and the report says why it stays
-            report.replan_failed = f"{type(pending.error).__name__}: {pending.error}"
+            failed = f"{type(pending.error).__name__}: {pending.error}"
+            if report is not None:
+                report.replan_failed = failed
+            else:
+                self._held.replans.append(f"the re-plan within less found no plan ({failed})")
             self._say(f"re-planning found no plan; the current one stays: {pending.error}")
             return
         schedule = pending.schedule
         if schedule is None:  # kept on purpose (a plan from the cache whose picks decide the rounding)
-            report.replan_kept = True
+            if report is not None:
+                report.replan_kept = True
             return
-        report.replanned = True
-        report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
+        if report is not None:
+            report.replanned = True
+            report.replan_step_time_ms = schedule.summary.predicted_step_time_ms if schedule.summary else None
+        else:
+            self._held.replans.append(f"re-planned within {format_bytes(schedule.budget_bytes)}, taken at step "
+                                      f"{self._held.steps + 1}")
         self._adopt(pending.profile, schedule)
         self._steps_timed = 0  # time the new plan's first steps too, and report them
 
@@ -666,11 +709,20 @@ class PlannedModule(nn.Module):
 # training is its plan's (taken onto another signature's step, it failed as "a profile made for another model")
 _PLAN_STATE = ("profile", "schedule", "simulated_peak_bytes", "simulated_step_time_ms", "_steps_timed", "_timings",
                "_reports", "_timed", "_prepared", "profiled_under", "profiled_peak_bytes", "_plan_token",
-               "_pending_replan")
+               "_pending_replan", "_device_budget_bytes", "_held_replans")
 
 
 def _quiet(message: str) -> None:
     pass
+
+
+# Re-plans within less that steps over the device's budget may start, per input signature's plan: where a second one
+# still holds too much, what grows is not the plan's to shrink, and the report says so
+HELD_REPLANS = 2
+
+
+def _device_budget(schedule: Schedule, outside_allocator_bytes: int) -> int | None:
+    return schedule.budget_bytes + outside_allocator_bytes if schedule.budget_bytes is not None else None
 
 
 # Set when the process exits: a re-plan still running beside training stops its solver (plan()'s should_stop), and
@@ -693,7 +745,7 @@ class BackgroundReplan:
     process exits (`STOPPING`, which optimize()'s re-plan passes to plan() as should_stop)."""
 
     def __init__(self, replan: Callable, profile: GraphProfile, schedule: Schedule, token: object,
-                 report: StepReport):
+                 report: StepReport | None):
         self.profile = profile
         self.report = report
         self.schedule: Schedule | None = None
