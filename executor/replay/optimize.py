@@ -488,8 +488,8 @@ class SignaturePlanner:
     def replan(self, measured: GraphProfile, schedule: Schedule, key: PlanKey | None) -> Schedule | None:
         say = self.say
         if self.options.rounding_follows_plan and key is not None and key.digest in self.taken_from_cache:
-            say("the planned step is more than 10% off the simulated one, but its plan was taken from the cache and "
-                "picks kernels that round differently: kept as it is, so that every run using it runs the same bits")
+            say("a re-plan was asked for, but the plan was taken from the cache and picks kernels that round "
+                "differently: kept as it is, so that every run using it runs the same bits")
             return None
         replanned = self.make_plan(measured, schedule.budget_bytes)
         if self.store is not None and key is not None:
