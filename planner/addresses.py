@@ -126,6 +126,12 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
     return best
 
 
+def _stop_at(time_s: float, deadline: float | None) -> float:
+    """When a search given `time_s` stops (time.monotonic()), never past the caller's deadline."""
+    stop = time.monotonic() + time_s
+    return stop if deadline is None else min(stop, deadline)
+
+
 # At most this many squeaky-wheel passes (a count, as the perturbed passes below)
 SQUEAKY_PASSES = 64
 
@@ -140,9 +146,7 @@ def _squeaky(best: AddressPlan, sizes: np.ndarray, starts: np.ndarray, ends: np.
     rng = np.random.default_rng(0)
     priority = (sizes * (ends - starts)).astype(np.float64)
     bound = best.lower_bound_bytes
-    stop = time.monotonic() + time_s
-    if deadline is not None:
-        stop = min(stop, deadline)
+    stop = _stop_at(time_s, deadline)
     count = 0
     while count < SQUEAKY_PASSES and time.monotonic() + pass_s <= stop:
         order = np.argsort(-priority, kind="stable").tolist()
@@ -172,9 +176,7 @@ def _perturbed(best: AddressPlan, sizes: np.ndarray, starts: np.ndarray, ends: n
     rng = np.random.default_rng(0)
     lifetimes = ends - starts
     keys = (sizes, lifetimes, sizes * lifetimes)
-    stop = time.monotonic() + time_s
-    if deadline is not None:
-        stop = min(stop, deadline)
+    stop = _stop_at(time_s, deadline)
     count = 0
     while count < PERTURBED_PASSES and time.monotonic() + pass_s <= stop:
         key = keys[count % 3] * rng.uniform(0.7, 1.3, len(sizes))

@@ -260,18 +260,14 @@ def optimize(
                                else COMPILED_ALGORITHMS if compile else ("native",)),
         repeats=repeats, warmup=warmup, measuring=measuring, compile=compile,
     )
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    device_memory = device_memory_of(device) if device_memory == "auto" else device_memory
-    planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress),
-                               outside_allocator_bytes=device_memory.outside_allocator_bytes()
-                               if device_memory is not None else 0)
+    planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress), device_memory)
     profile, schedule, profiled, key = planner.plan_signature(as_tuple(example_inputs), kwargs, targets)
     return PlannedModule(model, profile, schedule, loss_fn, profiled=profiled, timed_steps=timed_steps,
                          plan_token=key,
                          replan=planner.replan if replan_when_off else None,
                          plan_signature=planner.plan_signature if new_signatures else None,
                          max_signatures=max_signatures, progress=planner.say, compile=compile,
-                         compile_regions=compile_regions, device_memory=device_memory,
+                         compile_regions=compile_regions, device_memory=planner.device_memory,
                          outside_allocator_bytes=planner.outside_allocator_bytes)
 
 
@@ -309,12 +305,14 @@ class SignaturePlanner:
     `plan_signature` for a new signature, `replan` after the timed steps."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable, options: OptimizeOptions, store, say: Callable[[str], None],
-                 outside_allocator_bytes: int = 0):
+                 device_memory: DeviceMemory | None | str = None):
         self.model, self.loss_fn, self.options, self.store, self.say = model, loss_fn, options, store, say
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device_memory = device_memory_of(self.device) if device_memory == "auto" else device_memory
         # what the process held on the device outside PyTorch's allocator when optimize() began (the CUDA context,
         # library handles): a budget in bytes is what the device may hold, so the plans get it less this
-        self.outside_allocator_bytes = outside_allocator_bytes
-        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.outside_allocator_bytes = (self.device_memory.outside_allocator_bytes()
+                                        if self.device_memory is not None else 0)
         # a memory ratio is resolved at the first input signature; a later one (a last partial batch, another
         # sequence length) gets the larger of those bytes, the memory the step was given, and the ratio of its own
         # peak (a small batch's own fraction can be below its fixed memory): [bytes, the first signature's shapes]

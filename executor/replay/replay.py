@@ -525,10 +525,9 @@ class PlannedModule(nn.Module):
         the new plan is taken at a step boundary, as a re-plan on timings is."""
         if self._replan is None or self._pending_replan is not None or self._held_replans >= HELD_REPLANS:
             return
-        budget = self.schedule.budget_bytes
-        lowered = budget - excess_bytes if budget is not None else None
+        lowered = self.schedule.budget_bytes - excess_bytes  # a step is over only where there is a budget
         self._held_replans += 1
-        if lowered is None or lowered <= self.profile.fixed_bytes:
+        if lowered <= self.profile.fixed_bytes:
             self._held.replans.append(f"no re-plan within less: {format_bytes(excess_bytes)} over leaves nothing "
                                       "beside fixed memory")
             return
