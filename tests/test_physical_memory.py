@@ -3,6 +3,7 @@ around every step and reported against the budget; a re-plan runs beside trainin
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -248,3 +249,65 @@ def test_a_step_over_the_device_budget_re_plans_within_less_beside_training():
     assert record.budget_bytes == first_budget  # the device's budget stays what it was
     text = record.describe()
     assert "re-planned within" in text
+
+
+class _SolverThatDropsAnEarlyStop:
+    """A solver whose first stop comes before its search began, as CP-SAT's can: only a later one ends the solve."""
+
+    def __init__(self):
+        self.stops = 0
+        self.ended = threading.Event()
+
+    def stop_search(self):
+        self.stops += 1
+        if self.stops > 1:
+            self.ended.set()
+
+    def solve(self):
+        return self.ended.wait(5.0)
+
+
+def test_a_stop_asked_before_the_solve_began_still_stops_it():
+    from planner.cpsat.callback import StopWatcher
+
+    solver = _SolverThatDropsAnEarlyStop()
+    began = time.monotonic()
+    with StopWatcher(solver, lambda: True, period_s=0.01):
+        stopped = solver.solve()
+    assert stopped and time.monotonic() - began < 2.0, "the solve ran to its limit: the stop was asked only once"
+
+
+_EXITS_DURING_A_REPLAN = """
+import sys, time
+from planner.planning import plan
+from planner.profile import load_profile
+from executor.replay.replay import STOPPING, BackgroundReplan
+
+profile = load_profile("models/profiles/transformer-b64-h100.json")
+
+def replan(profile, schedule, token):
+    return plan(profile, memory_ratio=0.5, time_limit_s=120, should_stop=STOPPING.is_set,
+                progress=lambda event: print("solution", event.get("objective"), file=sys.stderr, flush=True))
+
+BackgroundReplan(replan, profile, None, None, None)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("after_s", [0.0, 1.5])
+def test_a_process_that_exits_while_a_replan_runs_stops_its_solver_and_exits_cleanly(tmp_path, after_s):
+    """The re-plan's solver thread is stopped and joined at exit: a solver left running into the interpreter's
+    finalization aborts the process (SIGABRT, 'terminate called without an active exception')."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exits.py"
+    script.write_text(_EXITS_DURING_A_REPLAN)
+    root = Path(__file__).resolve().parents[1]
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, str(script), str(after_s)], cwd=root, capture_output=True, text=True,
+                          timeout=100, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate" not in done.stderr
+    assert time.monotonic() - began < 60, "exit waited for the whole time limit instead of stopping the solver"

@@ -29,6 +29,7 @@ import atexit
 import copy
 import dataclasses
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Callable
@@ -729,14 +730,15 @@ def _device_budget(schedule: Schedule, outside_allocator_bytes: int) -> int | No
 # two-step script whose re-plan began after its first steps ended with SIGABRT, its steps all done).
 STOPPING = threading.Event()
 _RUNNING: "weakref.WeakSet[BackgroundReplan]" = weakref.WeakSet()
-_EXIT_WAIT_S = 10.0
+_EXIT_WAIT_S = 30.0
 
 
 @atexit.register
 def _stop_replans() -> None:
     STOPPING.set()
+    until = time.monotonic() + _EXIT_WAIT_S
     for replan in list(_RUNNING):
-        replan.wait(_EXIT_WAIT_S)
+        replan.join(max(0.0, until - time.monotonic()))
 
 
 class BackgroundReplan:
@@ -768,6 +770,11 @@ class BackgroundReplan:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._finished.wait(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Until its thread has ended, not only its answer: at exit, nothing of it may still run when the
+        interpreter finalizes."""
+        self._thread.join(timeout_s)
 
 
 def _output_is_the_loss(output):

@@ -71,8 +71,9 @@ class StopWatcher:
     def _run(self) -> None:
         while not self.done.wait(self.period_s):
             if self.should_stop():
+                # again every period until the solve ends: CP-SAT drops a stop asked before its solve has begun
+                # (`stop_search` reaches only a solve in progress), and that solve then ran to its time limit
                 self.solver.stop_search()
-                return
 
     def __enter__(self):
         if self.should_stop is not None:
