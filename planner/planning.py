@@ -18,6 +18,7 @@ from planner.profile import GraphProfile
 from planner.schedule import Compute, Prefetch, Schedule
 from planner.simulator import allocations, simulate
 from planner.strategies import load_all
+from planner.strategies.keep_all import keep_all_peak_bytes
 
 __all__ = ["InfeasibleBudget", "UnknownStrategy", "plan", "strategy_names", "check_plan_options", "addressed"]
 
@@ -92,6 +93,12 @@ def plan(
         addresses = addresses and ADDRESS_S_PER_NODE * len(profile.nodes) <= ADDRESS_SHARE * time_limit_s
         reserve_s = min(ADDRESS_SHARE * time_limit_s, ADDRESS_S_PER_NODE * len(profile.nodes)
                         + min(ADDRESS_SEARCH_S, 0.1 * time_limit_s)) if addresses else 0.0
+        fits_later = addresses and budget is not None and info.uses_budget and budget < keep_all_peak_bytes(profile)
+        if fits_later:
+            # a plan under the keep-all peak fills memory to its budget, where its buffers may not place within it:
+            # a share of the limit stays for planning again within less (without it, a solver that used its whole
+            # share left none, and at 20 s the U-Net and ResNet-50 plans at 0.5 came back unplaced)
+            reserve_s = min(ADDRESS_SHARE * time_limit_s, reserve_s + ARENA_FIT_SHARE * time_limit_s)
         options = SolveOptions(
             time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
             deadline=started + time_limit_s - reserve_s,
@@ -99,10 +106,16 @@ def plan(
         schedule = info.function(profile, budget, options)
         if not addresses:  # a caller that shares one time limit among many strategies (compare)
             return schedule
+        solved_s = time.monotonic() - started
         options = dataclasses.replace(options, deadline=started + time_limit_s)
         schedule = addressed(profile, schedule, options)
-        if budget is not None and info.uses_budget:
-            schedule = _fit_the_arena(profile, schedule, info.function, options)
+        if fits_later:
+            # planning again takes at most a few times what the first plan took: a solver that proved its plan in
+            # a second is not given the rest of a long limit to plan again within less
+            fit_deadline = min(options.deadline, time.monotonic() + max(
+                MIN_REPLAN_S, ARENA_FIT_TIMES_FIRST * solved_s))
+            schedule = _fit_the_arena(profile, schedule, info.function,
+                                      dataclasses.replace(options, deadline=fit_deadline))
         return schedule
 
 
@@ -116,13 +129,17 @@ ADDRESS_SEARCH_S = 1.0
 # Plans made again, each within a budget lowered by what the last one's arena passed it, while this much time is left
 ARENA_REPLANS = 4
 MIN_REPLAN_S = 0.5
+# The share of a time limit kept for those, where the budget is under the keep-all peak; and how many times the
+# first plan's time they may take in all
+ARENA_FIT_SHARE = 0.2
+ARENA_FIT_TIMES_FIRST = 2.0
 
 
 def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: SolveOptions) -> Schedule:
     """A plan whose buffers cannot be placed within the budget (fragmentation: the arena is more than the most bytes
-    ever live) planned again within less, so that its addresses fit: lowered by what the last plan's arena passed
-    the budget, or halfway back up where the strategy finds no plan that low. With no time left for that, as it is
-    (its summary says the arena it would need)."""
+    ever live) planned again within less, so that its addresses fit: below the last plan's peak by a quarter more
+    than its arena passed the budget, or halfway back up where the strategy finds no plan that low. With no time
+    left for that, as it is (its summary says the arena it would need)."""
     budget = schedule.budget_bytes
     if schedule.arena_bytes is not None:
         return schedule
@@ -133,17 +150,27 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
     if profile.fixed_bytes + schedule.summary.arena_bytes - budget <= rounding_bytes:
         return schedule
     last, planned_at, refused_at = schedule, budget, None
-    for _ in range(ARENA_REPLANS):
+    for attempt in range(ARENA_REPLANS):
         if (options.deadline - time.monotonic() < MIN_REPLAN_S
                 or (options.should_stop is not None and options.should_stop())):
             break
-        lowered = planned_at - (profile.fixed_bytes + last.summary.arena_bytes - budget)
+        # below the last plan's peak, not its budget (a plan under its budget came back unchanged), by a quarter
+        # more than the excess: the new plan's buffers fragment too, and a second attempt has half the time
+        excess = profile.fixed_bytes + last.summary.arena_bytes - budget
+        lowered = min(planned_at, last.summary.peak_memory_bytes) - excess * 5 // 4
         if refused_at is not None:
             lowered = max(lowered, (refused_at + planned_at) // 2)
         if lowered < profile.fixed_bytes or lowered >= planned_at:
             break
+        # each attempt gets half of what is left (the last all of it), less the time placing its buffers takes:
+        # an attempt cut into quarters was too short for CP-SAT to find any plan on a few hundred nodes
+        left_s = options.deadline - time.monotonic()
+        place_s = ADDRESS_S_PER_NODE * len(profile.nodes) + min(ADDRESS_SEARCH_S, 0.1 * left_s)
+        share = 1.0 if attempt == ARENA_REPLANS - 1 else 0.5
+        attempt_options = dataclasses.replace(options, deadline=time.monotonic() + max(
+            MIN_REPLAN_S / 2, share * (left_s - place_s)))
         try:
-            candidate = solve(profile, lowered, options)
+            candidate = solve(profile, lowered, attempt_options)
         except BudgetError:
             refused_at = lowered
             continue

@@ -161,3 +161,36 @@ def test_random_plans_are_placed_without_overlap(profile, fraction):
     assert address_plan.arena_bytes >= address_plan.lower_bound_bytes == most_live_bytes(buffers)
     assert address_plan.lower_bound_bytes >= schedule.summary.peak_memory_bytes - profile.fixed_bytes
     simulate(profile, _unbounded(with_addresses(profile, schedule, address_plan)))
+
+
+def test_a_plan_under_its_budget_whose_arena_does_not_fit_is_planned_again_below_its_own_peak():
+    """The plan's peak is under its budget and its arena over it: planning again within the budget less the excess
+    only, the solver gave back the same plan (the U-Net at 0.5: 46 MiB over, peak 225 MiB under). The budget asked
+    for is under the plan's own peak, by more than the excess, and every attempt is within the deadline."""
+    import time
+
+    from planner.addresses import without_addresses
+    from planner.options import SolveOptions
+    from planner.planning import _fit_the_arena
+
+    profile = load_profile(PROFILES[0].parent / "unet-b120-256-p40.json")
+    schedule = plan(profile, memory_ratio=0.7, strategy="swap-recompute-heuristic", time_limit_s=10, addresses=False)
+    summary = schedule.summary
+    under_bytes, excess_bytes = 200 * 2**20, 40 * 2**20
+    budget = summary.peak_memory_bytes + under_bytes
+    unplaced = without_addresses(schedule).model_copy(update={"budget_bytes": budget, "summary": summary.model_copy(
+        update={"arena_bytes": budget - profile.fixed_bytes + excess_bytes})})
+    asked: list[tuple[int, float]] = []
+
+    def refuse(profile, budget_bytes, options):
+        asked.append((budget_bytes, options.deadline))
+        raise BudgetError("no plan that low (a test)")
+
+    deadline = time.monotonic() + 30
+    options = SolveOptions(time_limit_s=30, deadline=deadline)
+    assert _fit_the_arena(profile, unplaced, refuse, options) is unplaced
+    assert asked, "no plan was asked for within less"
+    first_budget, first_deadline = asked[0]
+    assert first_budget <= summary.peak_memory_bytes - excess_bytes
+    assert all(deadline_s <= deadline for _, deadline_s in asked)
+    assert first_deadline < deadline - 5, "the first attempt took the whole time left"
