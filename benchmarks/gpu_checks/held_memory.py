@@ -3,7 +3,9 @@
 A LLaMA-style decoder from transformers (built from a config, nothing downloaded) trains under a cap equal to the
 budget (`torch.cuda.set_per_process_memory_fraction`, as a smaller GPU would cap it), each configuration in a fresh
 process (a cap cannot be lifted): plain PyTorch (expected to run out of memory), transformers' per-block gradient
-checkpointing, and mosos' optimize(budget=cap). Per configuration: out of memory or not, the step time, the
+checkpointing, mosos' optimize(budget=cap), and mosos again under the caching allocator's expandable segments
+(`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which maps pages into one growing segment instead of
+reserving segments of many sizes: the fragmentation planned addresses are meant to remove). Per configuration: out of memory or not, the step time, the
 allocator's peaks (allocated, reserved), what the device held outside the allocator, and mosos' own held-memory
 record (`planned.held_memory`: steps over the budget, re-plans within less).
 
@@ -78,7 +80,7 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool) 
     planned = None
     if kind == "checkpoint":
         model.gradient_checkpointing_enable()
-    if kind == "mosos":
+    if kind.startswith("mosos"):
         import executor
 
         planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
@@ -109,13 +111,22 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool) 
     return found
 
 
+# configurations run in a process with these allocator settings (set before CUDA starts)
+ALLOCATOR_CONF = {"mosos-expandable": "expandable_segments:True"}
+
+
 def run(kind: str, args, cap_bytes: int | None) -> dict:
+    import os
+
+    environment = dict(os.environ)
+    if kind in ALLOCATOR_CONF:
+        environment["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF[kind]
     command = [sys.executable, __file__, "--one", kind, "--device", args.device, "--steps", str(args.steps)]
     if cap_bytes is not None:
         command += ["--cap-bytes", str(cap_bytes)]
     if args.small:
         command.append("--small")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return {"kind": kind, "oom": None, "error": (done.stderr or done.stdout)[-400:]}
@@ -142,7 +153,7 @@ def main() -> None:
     else:
         held_peak = 64 * MIB  # no cap on the CPU: the script's own check
     cap = int(args.ratio * held_peak)
-    rows = [run(kind, args, cap) for kind in ("plain", "checkpoint", "mosos")]
+    rows = [run(kind, args, cap) for kind in ("plain", "checkpoint", "mosos", "mosos-expandable")]
     table = ["| configuration | out of memory | steps | step ms | allocated MiB | reserved MiB | outside MiB | mosos |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
