@@ -85,10 +85,13 @@ def _node_times_ms(profile) -> list[float]:
     return [next(i for i in node.implementations if i.name in ("native", "default")).time_ms for node in profile.nodes]
 
 
-def _lower_envelope_ms(passes: list[list[float]]) -> float:
-    """Each node's fastest time over the passes, summed: a loaded machine only ever slows a pass, and it slows
-    passes, not nodes, so the envelope of several passes is the least disturbed estimate of the step."""
-    return sum(min(times) for times in zip(*passes))
+def _paired_ratio(keep_all_ms: list[float], frugal_ms: list[float]) -> float:
+    """The median over the rounds of each frugal pass's time against the mean of the keep-all passes taken just
+    before and just after it (K F K F ... K)."""
+    import statistics
+
+    assert len(keep_all_ms) == len(frugal_ms) + 1
+    return statistics.median(frugal / ((keep_all_ms[i] + keep_all_ms[i + 1]) / 2) for i, frugal in enumerate(frugal_ms))
 
 
 def _profiles_measured_in_turn(rounds: int = 4) -> dict:
@@ -115,10 +118,13 @@ def _profiles_measured_in_turn(rounds: int = 4) -> dict:
         frugal = frugal or measured
         frugal_ms.append(_node_times_ms(measured))
         keep_all_ms.append(_node_times_ms(measure(profiled=profiled)[0]))
-    # the plan made from the frugal profile, replayed on the keep-all one, against the keep-all profile's own plan
+    # the plan made from the frugal profile, replayed on the keep-all one, against the keep-all profile's own plan;
+    # the strategy's plans, not placed (a plan whose buffers do not place is planned again within less, which
+    # compares the placements' luck, not the profiles)
     plan_budget = int(keep_all_peak_bytes(keep_all) * 0.6)
-    from_keep_all = plan(keep_all, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
-    from_frugal = plan(frugal, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1)
+    from_keep_all = plan(keep_all, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1,
+                         addresses=False)
+    from_frugal = plan(frugal, plan_budget, strategy="recompute-only", time_limit_s=20, workers=1, addresses=False)
     transplanted = Schedule.model_validate(from_frugal.model_dump() | {"profile_digest": keep_all.digest(),
                                                                         "profile_name": keep_all.name})
     replayed = simulate(keep_all, transplanted, plan_budget, keep_timeline=False)
@@ -129,10 +135,11 @@ def _profiles_measured_in_turn(rounds: int = 4) -> dict:
 @pytest.mark.slow
 def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
     """Measured under a frugal schedule although keep-all would fit, the frugal passes against the keep-all passes
-    taken in turn with them: each kind's lower envelope (each node's fastest time over its passes, summed). Within
-    one process on the 2-core CI machine whole passes drift by 15-30% (keep-all passes at 303-396 ms, and a median
-    of four against a median of three came out at 0.900); the envelopes of four passes each agreed within 4% in
-    every run taken to choose this measure.
+    taken in turn with them (K F K F ... K): each frugal pass against the mean of the keep-all passes on either side
+    of it, the median of those ratios. Within one process on the 2-core CI machine whole passes drift by 15-30%
+    (keep-all passes at 303-396 ms; a median of four against a median of three came out at 0.900; each kind's lower
+    envelope, its nodes' fastest times summed, at 1.112 in a CI run whose paired ratios were 0.92-1.06, median
+    1.03): a ratio taken between neighbouring passes is what drift leaves alone.
 
     In a fresh process whose C allocator keeps what is freed, as a GPU's caching allocator does: glibc hands large
     freed blocks back to the kernel, and the keep-all pass, whose memory only grows, then pays a page fault per
@@ -147,9 +154,9 @@ def test_a_profile_measured_within_the_budget_agrees_with_the_keep_all_one():
     completed = _fresh("-c", code, env=env)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads(completed.stdout.split("RESULT ", 1)[1])
-    keep_all_ms, frugal_ms = _lower_envelope_ms(result["keep_all_ms"]), _lower_envelope_ms(result["frugal_ms"])
-    passes = {kind: [round(sum(times), 1) for times in result[kind]] for kind in ("keep_all_ms", "frugal_ms")}
-    assert abs(frugal_ms / keep_all_ms - 1) <= 0.10, (frugal_ms, keep_all_ms, passes)
+    passes = {kind: [sum(times) for times in result[kind]] for kind in ("keep_all_ms", "frugal_ms")}
+    ratio = _paired_ratio(passes["keep_all_ms"], passes["frugal_ms"])
+    assert abs(ratio - 1) <= 0.10, (ratio, {kind: [round(ms, 1) for ms in totals] for kind, totals in passes.items()})
     assert result["transplanted_ms"] <= result["keep_all_plan_ms"] * 1.02, result
 
 
