@@ -91,10 +91,9 @@ def plan(
         # at most) to search for a smaller arena: without it, a solver that used its whole limit left its plan to
         # the greedy passes, a few percent over what fits.
         addresses = addresses and ADDRESS_S_PER_NODE * len(profile.nodes) <= ADDRESS_SHARE * time_limit_s
-        reserve_s = min(ADDRESS_SHARE * time_limit_s, ADDRESS_S_PER_NODE * len(profile.nodes)
-                        + min(ADDRESS_SEARCH_S, 0.1 * time_limit_s)) if addresses else 0.0
-        fits_later = addresses and budget is not None and info.uses_budget and budget < keep_all_peak_bytes(profile)
-        if fits_later:
+        reserve_s = min(ADDRESS_SHARE * time_limit_s, _placing_s(profile, time_limit_s)) if addresses else 0.0
+        fits_later = addresses and budget is not None and info.uses_budget
+        if fits_later and budget < keep_all_peak_bytes(profile):
             # a plan under the keep-all peak fills memory to its budget, where its buffers may not place within it:
             # a share of the limit stays for planning again within less (without it, a solver that used its whole
             # share left none, and at 20 s the U-Net and ResNet-50 plans at 0.5 came back unplaced)
@@ -135,6 +134,11 @@ ARENA_FIT_SHARE = 0.2
 ARENA_FIT_TIMES_FIRST = 2.0
 
 
+def _placing_s(profile: GraphProfile, time_limit_s: float) -> float:
+    """What placing a plan's buffers is given of `time_limit_s`: its passes, and a tenth for the search."""
+    return ADDRESS_S_PER_NODE * len(profile.nodes) + min(ADDRESS_SEARCH_S, 0.1 * time_limit_s)
+
+
 def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: SolveOptions) -> Schedule:
     """A plan whose buffers cannot be placed within the budget (fragmentation: the arena is more than the most bytes
     ever live) planned again within less, so that its addresses fit: below the last plan's peak by a quarter more
@@ -165,10 +169,9 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
         # each attempt gets half of what is left (the last all of it), less the time placing its buffers takes:
         # an attempt cut into quarters was too short for CP-SAT to find any plan on a few hundred nodes
         left_s = options.deadline - time.monotonic()
-        place_s = ADDRESS_S_PER_NODE * len(profile.nodes) + min(ADDRESS_SEARCH_S, 0.1 * left_s)
         share = 1.0 if attempt == ARENA_REPLANS - 1 else 0.5
         attempt_options = dataclasses.replace(options, deadline=time.monotonic() + max(
-            MIN_REPLAN_S / 2, share * (left_s - place_s)))
+            MIN_REPLAN_S / 2, share * (left_s - _placing_s(profile, left_s))))
         try:
             candidate = solve(profile, lowered, attempt_options)
         except BudgetError:

@@ -298,6 +298,7 @@ time.sleep(float(sys.argv[1]))
 def test_a_process_that_exits_while_a_replan_runs_stops_its_solver_and_exits_cleanly(tmp_path, after_s):
     """The re-plan's solver thread is stopped and joined at exit: a solver left running into the interpreter's
     finalization aborts the process (SIGABRT, 'terminate called without an active exception')."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -307,7 +308,7 @@ def test_a_process_that_exits_while_a_replan_runs_stops_its_solver_and_exits_cle
     root = Path(__file__).resolve().parents[1]
     began = time.monotonic()
     done = subprocess.run([sys.executable, str(script), str(after_s)], cwd=root, capture_output=True, text=True,
-                          timeout=100, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                          timeout=100, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "terminate" not in done.stderr
     assert time.monotonic() - began < 60, "exit waited for the whole time limit instead of stopping the solver"

@@ -5,9 +5,10 @@ budget (`torch.cuda.set_per_process_memory_fraction`, as a smaller GPU would cap
 process (a cap cannot be lifted): plain PyTorch (expected to run out of memory), transformers' per-block gradient
 checkpointing, mosos' optimize(budget=cap), and mosos again under the caching allocator's expandable segments
 (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which maps pages into one growing segment instead of
-reserving segments of many sizes: the fragmentation planned addresses are meant to remove). Per configuration: out of memory or not, the step time, the
-allocator's peaks (allocated, reserved), what the device held outside the allocator, and mosos' own held-memory
-record (`planned.held_memory`: steps over the budget, re-plans within less).
+reserving segments of many sizes: the fragmentation planned addresses are meant to remove). Per configuration:
+out of memory or not, the step time, the allocator's peaks (allocated, reserved), what the device held outside
+the allocator, and mosos' own held-memory record (`planned.held_memory`: steps over the budget, re-plans within
+less).
 
     python benchmarks/gpu_checks/held_memory.py [--device cuda] [--ratio 0.5] [--steps 6] [--write]
     python benchmarks/gpu_checks/held_memory.py --device cpu --small   # the script's own check, no cap
