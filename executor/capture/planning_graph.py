@@ -68,6 +68,9 @@ class Facts:
     storage_of: dict[fx.Node, fx.Node] = field(default_factory=dict)  # a root on an earlier root's storage -> that root
     random_ops: set = field(default_factory=set)
     values_seen: int = 0
+    # a storage-owning value -> (shape, stride, dtype, device type) where its storage is exactly its elements
+    # (what executor.engine.arena places)
+    layout_of: dict[fx.Node, tuple] = field(default_factory=dict)
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -157,6 +160,7 @@ def _record_op(node: fx.Node, value, env, facts: Facts, argument_storages) -> No
             facts.alias_of[node] = storages[key]
         else:
             facts.root_bytes[node] = storage_bytes(value)
+            _record_layout(node, value, facts)
         return
     outputs = [t for t in tensors_in(value) if t.untyped_storage().nbytes()]
     if not outputs:
@@ -189,7 +193,31 @@ def _record_item(node: fx.Node, value, facts: Facts, argument_storages, output_s
         facts.storage_of[node] = seen[key]  # its own value, on the storage of an earlier output (counted once)
     else:
         seen[key] = node
+        _record_layout(node, value, facts)
     facts.root_bytes[node] = storage_bytes(value)
+
+
+def _record_layout(node: fx.Node, value: torch.Tensor, facts: Facts) -> None:
+    layout = plain_layout(value)
+    if layout is not None:
+        facts.layout_of[node] = layout
+
+
+def span_elements(shape, stride) -> int:
+    """Elements a tensor of this shape and stride reaches from its first (0 for an empty one)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
+def plain_layout(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype, str] | None:
+    """(shape, stride, dtype, device type) of a result whose storage is exactly its own elements, from the first;
+    None for a window on a larger buffer (such a result cannot be placed on its own: executor.engine.arena)."""
+    if tensor.storage_offset() != 0 or tensor.layout != torch.strided:
+        return None
+    if span_elements(tensor.shape, tensor.stride()) * tensor.element_size() != tensor.untyped_storage().nbytes():
+        return None
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device.type
 
 
 # --- the planning graph ----------------------------------------------------------------------------------

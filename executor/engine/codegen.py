@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.fx as fx
 
-from executor.engine import conv_algorithms
+from executor.engine import arena, conv_algorithms
+from executor.engine.arena import Layout
 from executor.capture.capture import HAND_OFF, SHAPE_ONLY
 from executor.engine.compiled_nodes import EAGER
 from executor.capture.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
@@ -64,6 +65,7 @@ class Op:
     group: int
     implementation: str = "default"
     transfer: str = ""  # wait: offload | prefetch
+    offset_bytes: int | None = None  # compute, prefetch: the planned address of its outputs (with Modes.arena)
 
 
 @dataclass
@@ -75,6 +77,9 @@ class Modes:
     # mutations (by index) that may be written straight into their tensor, where nothing later reads it, instead
     # of through a staging buffer and a copy at the end of the step (the replay: the model's own buffers)
     direct_writes: frozenset = frozenset()
+    # write each node's outputs into its planned slot of the arena (executor.engine.arena), where the schedule has
+    # planned addresses; the program names what it cannot place
+    arena: bool = False
 
 
 @dataclass
@@ -87,6 +92,12 @@ class Program:
     computes: int
     constants: dict[str, Any] = field(default_factory=dict)
     direct: frozenset = frozenset()  # mutations written in place during the step (no write-back at its end)
+    # with Modes.arena: the tensors of the slots it writes (S.slots, by index), and per node id what it allocates
+    # outside the arena and why
+    slots: list = field(default_factory=list)
+    allowances: dict[str, str] = field(default_factory=dict)
+    written: frozenset = frozenset()  # node ids whose outputs out= overloads write into their slots (no allocation)
+    prefetched_into: frozenset = frozenset()  # node ids prefetched into their slots (no allocation)
 
 
 def _literal(value, constants: dict[str, Any]) -> str:
@@ -162,6 +173,11 @@ class CodeGenerator:
         self.direct: set[int] = set()
         self.in_place_values: set[fx.Node] = set()  # values an in-place operation left in their graph input
         self._position = 0  # of the operation being generated
+        self.slots: list[Layout] = []  # with Modes.arena: the arena's views the program writes, by index
+        self._slot_index: dict[Layout, int] = {}
+        self.allowances: dict[str, str] = {}  # node id -> what it allocates outside the arena, and why
+        self.written: set[str] = set()  # node ids whose outputs are all written into their slots by out= overloads
+        self.prefetched_into: set[str] = set()  # node ids prefetched into their slots
         self._last_read: dict[fx.Node, int] = {}  # mutated placeholder -> position of the last compute reading it
         self.outputs_of: dict[int | None, list[fx.Node]] = {}
         for value in list(self.gradient_index) + list(self.mutation_index) + [self.step.loss]:
@@ -198,8 +214,10 @@ class CodeGenerator:
 
     # -- one planning node ---------------------------------------------------------------------------
 
-    def compute(self, w: _Writer, group: Group, implementation: str, first: bool, rng_later: bool) -> None:
-        """The code of one computation of `group`: its operations, graph outputs, and transient frees."""
+    def compute(self, w: _Writer, group: Group, implementation: str, first: bool, rng_later: bool,
+                offset_bytes: int | None = None) -> None:
+        """The code of one computation of `group`: its operations, graph outputs, and transient frees; with
+        Modes.arena, its outputs written into the slot at `offset_bytes`."""
         graph = self.planning
         w(f"# compute {group.id} [{implementation}]" + ("" if first else " (recompute)"))
         if self.modes.timing:
@@ -220,13 +238,18 @@ class CodeGenerator:
             line, bound = compiled
             made.update(bound)
             body.append((None, [line]))
+        slot_of = self._slots(group, offset_bytes) if self.modes.arena and compiled is None else {}
+        copied = False
         for op in group.ops if compiled is None else ():
             lines: list[str] = []
             for argument in op.all_input_nodes:
                 self._derive(argument, lines, derived, made)
             in_place = first and self._batch_norm_in_place(op)
+            written = self._written(op, group, implementation, slot_of) if slot_of and not in_place else None
             if in_place:
                 lines.append(f"{local(op)} = {self.op(BATCH_NORM_IN_PLACE)}({self._arguments(op)})")
+            elif written is not None:
+                lines.append(written)
             else:
                 lines.extend(self._call(op, group, implementation))
             for item in sorted((u for u in op.users if u.target is operator.getitem), key=self.position.__getitem__):
@@ -238,9 +261,19 @@ class CodeGenerator:
                 elif item in graph.facts.root_bytes or item in graph.facts.alias_of:
                     lines.append(f"{local(item)} = {local(op)}[{item.args[1]}]")
                     made.add(item)
+            if slot_of and written is None:
+                # computed where the allocator puts it, then copied into its slot: the result's allocation lives
+                # only as long as the copy (the allowance the program names), the slot as long as the plan says
+                for value in self._results(op):
+                    if value in slot_of:
+                        lines.append(f"S.slots[{slot_of[value]}].copy_({local(value)})")
+                        lines.append(f"{local(value)} = S.slots[{slot_of[value]}]")
+                        copied = True
             made.add(op)
             body.append((op, lines))
         tail = self._owned_outputs(group, first, derived, made)  # graph outputs whose storage this node owns
+        if slot_of and not copied:
+            self.written.add(group.id)
         # frees of transients right after their last use inside the node
         keep = set(group.outputs)
         transient = [n for n in made if n not in keep]
@@ -274,6 +307,94 @@ class CodeGenerator:
         if self.modes.timing:
             w(f"S.tock({group.index})")
         del members
+
+    # -- the arena -----------------------------------------------------------------------------------
+
+    def _results(self, op: fx.Node) -> list[fx.Node]:
+        """The storage-owning values an operation makes: itself, or its tuple's items."""
+        if op in self.planning.facts.root_bytes:
+            return [op]
+        return [u for u in op.users if u.target is operator.getitem and u in self.planning.facts.root_bytes]
+
+    def _allow(self, group: Group, reason: str) -> None:
+        self.allowances.setdefault(group.id, reason)
+
+    def _slots(self, group: Group, offset_bytes: int | None) -> dict[fx.Node, int]:
+        """The slot index (S.slots) of each output of `group` placed at `offset_bytes`, or {} where the node
+        keeps the allocator's (the reason among the program's allowances)."""
+        facts = self.planning.facts
+        root_of = self.planning.root_of
+        outputs = list(group.outputs)
+        if not outputs:
+            if any(value in self.planning.gradient_roots for op in group.ops for value in self._results(op)):
+                self._allow(group, arena.GRADIENTS)
+            return {}
+        if any(root_of.get(value) in outputs for value in self.outputs_of.get(group.index, [])
+               if value is self.step.loss or value in self.gradient_index):
+            # the caller keeps the loss (a gradient, .grad) past the step, when the slot is another node's
+            self._allow(group, arena.HANDS_ON_GRAPH_OUTPUT)
+            return {}
+        if offset_bytes is None:
+            self._allow(group, arena.NO_ADDRESS)
+            return {}
+        if any(value in facts.storage_of or value not in facts.layout_of for value in outputs):
+            self._allow(group, arena.NOT_PLAIN_STORAGE)
+            return {}
+        if any(facts.layout_of[value][3] != ("cuda" if self.cuda else "cpu") for value in outputs):
+            self._allow(group, arena.ANOTHER_DEVICE)
+            return {}
+        layouts = arena.pack(offset_bytes, self.planning.size_bytes(group), [facts.layout_of[v] for v in outputs])
+        if layouts is None:
+            self._allow(group, arena.DOES_NOT_FILL_SLOT)
+            return {}
+        made = {value for op in group.ops for value in self._results(op)}
+        if any(value not in set(outputs) and value not in self.planning.fixed_roots for value in made):
+            self._allow(group, arena.INTERMEDIATES)
+        slot_of: dict[fx.Node, int] = {}
+        for value, layout in zip(outputs, layouts):
+            index = self._slot_index.get(layout)
+            if index is None:
+                index = self._slot_index[layout] = len(self.slots)
+                self.slots.append(layout)
+            slot_of[value] = index
+        return slot_of
+
+    def _written(self, op: fx.Node, group: Group, implementation: str, slot_of: dict[fx.Node, int]) -> str | None:
+        """The line calling `op`'s out= overload into its slots, or None where it computes elsewhere (the reason
+        among the program's allowances, if the op makes an output of the node)."""
+        results = self._results(op)
+        placed = [value for value in results if value in slot_of]
+        if not placed:
+            return None
+        target = op.target
+        if op is group.convolution and implementation not in ("native", "default"):
+            self._allow(group, arena.OWN_ALGORITHM)
+            return None
+        if not isinstance(target, torch._ops.OpOverload):
+            self._allow(group, arena.NO_OUT_OVERLOAD)
+            return None
+        if op in results and target in arena.WRITTEN_BY_COPY and arena.copies_into(op.args, op.kwargs, self.cuda):
+            # a copy (with a cast) into a new tensor: straight into the slot, as the operator itself does
+            return f"{local(op)} = S.slots[{slot_of[op]}].copy_({self.argument(op.args[0])})"
+        if op in results and target is torch.ops.aten.relu.default:
+            # ATen's relu is clamp_min(self, 0), whose out= overload writes in place
+            return f"{local(op)} = {self.op(torch.ops.aten.clamp_min.out)}({self.argument(op.args[0])}, 0, " \
+                   f"out=S.slots[{slot_of[op]}])"
+        found = arena.out_overload(target)
+        if isinstance(found, str):
+            self._allow(group, found)
+            return None
+        overload, names = found
+        if op in results:  # one result
+            outs = [f"{names[0]}=S.slots[{slot_of[op]}]"]
+        else:
+            index = {value.args[1]: value for value in results}
+            if len(placed) != len(results) or sorted(index) != list(range(len(names))):
+                self._allow(group, arena.PARTLY_KEPT)
+                return None
+            outs = [f"{name}=S.slots[{slot_of[index[k]]}]" for k, name in enumerate(names)]
+        arguments = ", ".join(part for part in (self._arguments(op), ", ".join(outs)) if part)
+        return f"{local(op)} = {self.op(overload)}({arguments})"
 
     def _owned_outputs(self, group: Group, first: bool, derived: list, made: set) -> list[str]:
         """The code handing on the step's graph outputs whose storage the node owns, after its computation: a
@@ -477,14 +598,19 @@ class CodeGenerator:
                     seen.add(op.group)
                     rng_later = later_computes[offset + k] > 0
                     self._position = offset + k
-                    self.compute(w, group, op.implementation, first, rng_later)
+                    self.compute(w, group, op.implementation, first, rng_later, op.offset_bytes)
                     on_device.add(op.group)
                     if self.modes.ledger or self.modes.strict or self.modes.timing:
                         w(f"S.computed({op.group}, {op.implementation!r}, {_tuple(outputs)})")
                 elif op.kind == "offload":
                     w(f"S.offload({op.group}, {_tuple(outputs)})")
                 elif op.kind == "prefetch":
-                    if outputs:
+                    into = self._slots(group, op.offset_bytes) if self.modes.arena else {}
+                    if outputs and into:
+                        offsets = _tuple([str(self.slots[into[n]].offset_bytes) for n in group.outputs])
+                        w(f"{_tuple(outputs)} = S.prefetch({op.group}, {offsets})")
+                        self.prefetched_into.add(group.id)
+                    elif outputs:
                         w(f"{_tuple(outputs)} = S.prefetch({op.group})")
                     else:
                         w(f"S.prefetch({op.group})")
@@ -517,7 +643,8 @@ class CodeGenerator:
         exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
         parts = [namespace[f"part_{i}"] for i in range(len(parts_ops))]
         return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants,
-                       frozenset(self.direct))
+                       frozenset(self.direct), list(self.slots), dict(self.allowances), frozenset(self.written),
+                       frozenset(self.prefetched_into))
 
     def _free(self, w: _Writer, group: Group, tensors: bool = True) -> None:
         """The code of a free; `tensors=False`: a node computed and freed inside a region never had its outputs
@@ -705,11 +832,11 @@ def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -
     operations = []
     for _, _, op in schedule.operations():
         if isinstance(op, Compute):
-            operations.append(Op("compute", index_of[op.node], op.implementation))
+            operations.append(Op("compute", index_of[op.node], op.implementation, offset_bytes=op.offset_bytes))
         elif isinstance(op, Offload):
             operations.append(Op("offload", index_of[op.tensor]))
         elif isinstance(op, Prefetch):
-            operations.append(Op("prefetch", index_of[op.tensor]))
+            operations.append(Op("prefetch", index_of[op.tensor], offset_bytes=op.offset_bytes))
         elif isinstance(op, Wait):
             operations.append(Op("wait", index_of[op.tensor], transfer=op.transfer))
         elif isinstance(op, Free):

@@ -10,15 +10,21 @@ from typing import Callable
 
 import torch
 
+from executor.capture.planning_graph import span_elements
 from executor.engine.accountant import Accountant
 from executor.errors import ReplayError
 from executor.engine.transfers import Transfers
 
 
-def distinct_storage_bytes(tensors) -> int:
+def distinct_storage_bytes(tensors, arena_ptr: int = 0) -> int:
+    """Bytes of the tensors' distinct storages; a tensor in the arena (its storage's address `arena_ptr`) counts
+    its own bytes, the slot it was planned."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
+        if arena_ptr and storage.data_ptr() == arena_ptr:
+            seen[tensor.data_ptr()] = span_elements(tensor.shape, tensor.stride()) * tensor.element_size()
+            continue
         seen[storage.data_ptr() or id(storage)] = storage.nbytes()
     return sum(seen.values())
 
@@ -71,6 +77,16 @@ class StepRuntime:
         self.accumulated_bytes = 0
         self.watch: list = []
         self.loss_storage = 0  # data_ptr of the loss's storage once the forward part returned it
+        # with planned addresses: the arena's views the program writes (executor.engine.arena), None until bound
+        self.slots: list[torch.Tensor] | None = None
+        self.arena_ptr = 0
+
+    def bind_arena(self, arena, layouts: list, size_bytes: int) -> None:
+        """The program's slots as views of `arena` (grown to `size_bytes` where smaller), once per arena buffer."""
+        if self.slots is None or self.arena_ptr != (arena.buffer.data_ptr() if arena.buffer is not None else 0):
+            self.slots = arena.views(self, layouts, size_bytes)
+            self.transfers.arena = arena.buffer
+            self.arena_ptr = arena.buffer.data_ptr()
 
     # -- per step ------------------------------------------------------------------------------------
 
@@ -115,13 +131,13 @@ class StepRuntime:
         if self.ledger is not None:
             self.ledger.offload(self.node_ids[group])
 
-    def prefetch(self, group: int) -> tuple:
+    def prefetch(self, group: int, offsets_bytes: tuple | None = None) -> tuple:
         try:
-            tensors = self.transfers.prefetch(group)
+            tensors = self.transfers.prefetch(group, offsets_bytes)
         except KeyError:
             raise ReplayError(f"{self.node_ids[group]!r} is prefetched but was never offloaded in this step") from None
         if self.ledger is not None:
-            self.ledger.prefetch(self.node_ids[group], distinct_storage_bytes(tensors))
+            self.ledger.prefetch(self.node_ids[group], distinct_storage_bytes(tensors, self.arena_ptr))
         return tensors
 
     def wait(self, group: int, transfer: str) -> None:
@@ -137,8 +153,9 @@ class StepRuntime:
             from torch.multiprocessing.reductions import StorageWeakRef
 
             # the loss handed to the caller stays alive, as it should
+            # the arena stays: its slots are the plan's to reuse
             self.watch = [StorageWeakRef(t.untyped_storage()) for t in tensors
-                          if t.untyped_storage().data_ptr() != self.loss_storage]
+                          if t.untyped_storage().data_ptr() not in (self.loss_storage, self.arena_ptr or -1)]
 
     def released(self, group: int) -> None:
         """Strict mode, after a free: nothing else may hold the freed storages (else the plan's memory is fiction)."""
@@ -151,7 +168,7 @@ class StepRuntime:
     def computed(self, group: int, implementation: str, tensors: tuple | None) -> None:
         """`tensors` None: a node computed and freed inside one compiled region, whose outputs were never made
         apart; the ledger counts what the schedule let it hold, the profile's size."""
-        size = distinct_storage_bytes(tensors) if tensors is not None else self.planned_bytes[group]
+        size = distinct_storage_bytes(tensors, self.arena_ptr) if tensors is not None else self.planned_bytes[group]
         if self.expected_bytes is not None and size != self.expected_bytes[group]:
             raise ReplayError(
                 f"{self.node_ids[group]!r} holds {size} bytes but the profile says {self.expected_bytes[group]}: the "

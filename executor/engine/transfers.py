@@ -10,7 +10,9 @@ has read it. On the CPU the same calls make plain synchronous copies into
 separate host tensors, and waiting is a no-op.
 
 Copies are made per storage (raw bytes), so any tensor geometry (views,
-strides, several tensors on one storage) comes back exactly as it was. A
+strides, several tensors on one storage) comes back exactly as it was; a
+tensor in the arena (planned addresses) is copied as its own bytes, not the
+arena's, and comes back into the slot its prefetch was planned at. A
 storage that is not on the device (the CPU scalars an attention kernel hands
 its backward, its random generator's seed and offset) takes no device memory:
 it stays where it is and comes back as itself, on its own device.
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from executor.capture.planning_graph import span_elements
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -51,6 +55,7 @@ class Transfers:
         # a freed tensor under an unfinished offload: False, the allocator takes its memory back after the copy
         # (its free lands in whichever later allocation finds the copy done); True, the host waits for the copy
         self.wait_before_free = False
+        self.arena: torch.Tensor | None = None  # the arena's bytes while a step writes into it (executor.engine.arena)
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -66,11 +71,27 @@ class Transfers:
     def host_pool_bytes(self) -> int:
         return sum(b.numel() for pool in self.host_pool.values() for b in pool)
 
+    def _in_arena(self, tensor: torch.Tensor) -> bool:
+        return self.arena is not None and tensor.untyped_storage().data_ptr() == self.arena.data_ptr() \
+            and tensor.device == self.arena.device
+
+    def _window(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor's own bytes in the arena."""
+        start = tensor.data_ptr() - self.arena.data_ptr()
+        return self.arena[start:start + span_elements(tensor.shape, tensor.stride()) * tensor.element_size()]
+
     def offload(self, key: int, tensors: tuple) -> HostCopy:
-        storages: list[torch.UntypedStorage] = []
+        storages: list = []  # a storage, or a tensor's window in the arena (uint8)
         index_of: dict[int, int] = {}
         slots = []
         for tensor in tensors:
+            if self._in_arena(tensor):
+                ptr = tensor.data_ptr()
+                if ptr not in index_of:
+                    index_of[ptr] = len(storages)
+                    storages.append(self._window(tensor))
+                slots.append((index_of[ptr], (tuple(tensor.shape), tuple(tensor.stride()), 0, tensor.dtype)))
+                continue
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
             if ptr not in index_of:
@@ -78,8 +99,11 @@ class Transfers:
                 storages.append(storage)
             slots.append((index_of[ptr], (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype)))
         elsewhere = {i: storage for i, storage in enumerate(storages) if storage.device.type != self.device.type}
-        buffers = self._host_buffers(key, [0 if i in elsewhere else s.nbytes() for i, s in enumerate(storages)])
-        copied = [pair for i, pair in enumerate(zip(buffers, storages)) if i not in elsewhere]
+        sizes = [0 if i in elsewhere else s.numel() if isinstance(s, torch.Tensor) else s.nbytes()
+                 for i, s in enumerate(storages)]
+        buffers = self._host_buffers(key, sizes)
+        copied = [(buffer, storage if isinstance(storage, torch.Tensor) else _bytes_view(storage))
+                  for i, (buffer, storage) in enumerate(zip(buffers, storages)) if i not in elsewhere]
         if self.cuda:
             ready = torch.cuda.current_stream(self.device).record_event()
             with torch.cuda.stream(self.d2h_stream):
@@ -87,12 +111,12 @@ class Transfers:
                 unread = self.prefetch_done.pop(key, None)
                 if unread is not None:  # a prefetch nobody waited for may still read these host buffers
                     self.d2h_stream.wait_event(unread)
-                for buffer, storage in copied:
-                    buffer.copy_(_bytes_view(storage), non_blocking=True)
+                for buffer, source in copied:
+                    buffer.copy_(source, non_blocking=True)
                 self.offload_done[key] = self.d2h_stream.record_event()
         else:
-            for buffer, storage in copied:
-                buffer.copy_(_bytes_view(storage))
+            for buffer, source in copied:
+                buffer.copy_(source)
         copy = HostCopy(buffers, slots, elsewhere)
         self.copies[key] = copy
         return copy
@@ -109,13 +133,21 @@ class Transfers:
                 done.synchronize()
                 return
             for tensor in tensors:
-                if tensor.device.type == self.device.type:
+                if self._in_arena(tensor):
+                    # the arena is never freed: what must wait for the copy is the next computation writing this
+                    # slot, on the compute stream
+                    torch.cuda.current_stream(self.device).wait_event(done)
+                elif tensor.device.type == self.device.type:
                     tensor.record_stream(self.d2h_stream)
 
-    def prefetch(self, key: int) -> tuple:
+    def prefetch(self, key: int, offsets_bytes: tuple | None = None) -> tuple:
+        """The node's tensors back on the device: into the arena at `offsets_bytes` (one per tensor, each offloaded
+        from the arena as its own bytes), else into new allocations."""
         copy = self.copies.get(key)
         if copy is None:
             raise KeyError(key)
+        if offsets_bytes is not None:
+            return self._prefetch_into_arena(key, copy, offsets_bytes)
         devices = [torch.empty(buffer.numel(), dtype=torch.uint8, device=self.device) for buffer in copy.buffers]
         copied = [pair for i, pair in enumerate(zip(devices, copy.buffers)) if i not in copy.elsewhere]
         if self.cuda:
@@ -140,6 +172,32 @@ class Transfers:
                        else devices[buffer_index].untyped_storage())
             rebuilt.append(torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride))
         return tuple(rebuilt)
+
+    def _prefetch_into_arena(self, key: int, copy: HostCopy, offsets_bytes: tuple) -> tuple:
+        windows = []
+        for (buffer_index, _), offset in zip(copy.slots, offsets_bytes):
+            windows.append(self.arena[offset:offset + copy.buffers[buffer_index].numel()])
+        pairs = [(windows[k], copy.buffers[buffer_index]) for k, (buffer_index, _) in enumerate(copy.slots)]
+        self._copy_in(key, pairs)
+        rebuilt = []
+        for window, (_, (size, stride, _, dtype)) in zip(windows, copy.slots):
+            rebuilt.append(window.view(dtype).as_strided(size, stride))
+        return tuple(rebuilt)
+
+    def _copy_in(self, key: int, pairs: list) -> None:
+        if not self.cuda:
+            for device_buffer, host_buffer in pairs:
+                device_buffer.copy_(host_buffer)
+            return
+        allocated = torch.cuda.current_stream(self.device).record_event()
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(allocated)
+            offloaded = self.offload_done.get(key)
+            if offloaded is not None:
+                self.h2d_stream.wait_event(offloaded)
+            for device_buffer, host_buffer in pairs:
+                device_buffer.copy_(host_buffer, non_blocking=True)
+            self.prefetch_done[key] = self.h2d_stream.record_event()
 
     def wait(self, key: int, transfer: str) -> None:
         if not self.cuda:

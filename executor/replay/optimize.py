@@ -190,6 +190,7 @@ def optimize(
     compile: bool = False,
     compile_regions: bool = True,
     device_memory: DeviceMemory | None | str = "auto",
+    arena: bool = False,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or, not both, `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
@@ -232,6 +233,10 @@ def optimize(
     `compile_regions` (the default), consecutive computations with nothing scheduled between them but frees run as
     one kernel, so that fusion crosses node boundaries (executor/engine/regions.py: within one layer of a repeated module,
     never holding more than the plan's peak); its rounding is the same from run to run.
+
+    `arena=True` (eager replay, a plan with planned addresses): the step writes every node's outputs into their
+    planned slot of one arena allocated once, through the operators' out= overloads, so the allocator is asked only
+    for what `planned.arena_allowances` names; the arena stays allocated between steps.
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
@@ -268,7 +273,7 @@ def optimize(
                          plan_signature=planner.plan_signature if new_signatures else None,
                          max_signatures=max_signatures, progress=planner.say, compile=compile,
                          compile_regions=compile_regions, device_memory=planner.device_memory,
-                         outside_allocator_bytes=planner.outside_allocator_bytes)
+                         outside_allocator_bytes=planner.outside_allocator_bytes, arena=arena)
 
 
 @dataclass(frozen=True)

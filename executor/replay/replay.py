@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from executor.engine.arena import Arena
 from executor.engine.accountant import Accountant
 from executor.engine.device_memory import DeviceMemory, HeldRecord, device_memory_of
 from executor.capture.capture import tensor_signature
@@ -131,9 +132,11 @@ class _Prepared:
         self.device = planned.device
         # the planned model's own tensors (the capture may have been made on another copy of the same model)
         self.feeder = feeder = Feeder(step, planned.model, planned.loss_fn)
-        modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict, timing=timed,
-                      direct_writes=feeder.in_place_candidates())
         compiler = NodeCompiler(planned._say, max_region_kernels=MAX_REGION_KERNELS) if planned.compile else None
+        # planned addresses: the eager replay writes each node's outputs into its slot of the module's arena
+        self.arena_bytes = schedule.arena_bytes if planned.arena_enabled and compiler is None else None
+        modes = Modes(ledger=planned.ledger_enabled, strict=planned.strict, timing=timed,
+                      direct_writes=feeder.in_place_candidates(), arena=self.arena_bytes is not None)
         nodes = profile.node_by_id
         implementations = {(g.index, impl.name): (impl.time_ms, impl.workspace_bytes)
                            for g in groups for impl in nodes[g.id].implementations}
@@ -175,6 +178,17 @@ class _Prepared:
     @property
     def source(self) -> str:
         return self.program.source
+
+    def bind(self, program: Program, arena: Arena) -> None:
+        """Before a step of `program`: its slots as views of the arena (made again only where the program or the
+        arena's buffer changed)."""
+        if self.arena_bytes is None:
+            return
+        runtime = self.runtime
+        if runtime.slots is None or getattr(runtime, "bound_program", None) is not program:
+            runtime.slots = None
+            runtime.bound_program = program
+        runtime.bind_arena(arena, program.slots, self.arena_bytes)
 
     @property
     def checks_once(self) -> bool:
@@ -244,9 +258,14 @@ class PlannedModule(nn.Module):
         compile_regions: bool = True,
         device_memory: DeviceMemory | None | str = "auto",
         outside_allocator_bytes: int = 0,
+        arena: bool = False,
     ):
         super().__init__()
         self.model = model
+        # planned addresses (a schedule with them, the eager replay): one arena allocated at the first step and
+        # kept, each node's outputs written into their slot (executor.engine.arena)
+        self.arena_enabled = bool(arena)
+        self._arena = Arena(next((p.device for p in model.parameters()), torch.device("cpu")))
         self.compile = compile  # planning nodes as Inductor kernels (the profile must have been measured so)
         # with compile: consecutive computations with nothing scheduled between them as one kernel (executor.engine.regions)
         self.compile_regions = compile_regions
@@ -494,6 +513,7 @@ class PlannedModule(nn.Module):
         ledger_key = tuple([p.grad is None for p in parameters]) if prepared.checks_once else None
         program, keeps_ledger = prepared.program_for(ledger_key)
         ledger = Accountant(self.profile, self.profile.fixed_bytes) if keeps_ledger else None
+        prepared.bind(program, self._arena)
         prepared.runtime.begin_step(parameters, ledger)
         # a step without the ledger repeats the checked one's bytes: its ledger stands for this step's
         self.last_ledger = ledger if ledger is not None or ledger_key is None else prepared.checked[ledger_key]
@@ -692,6 +712,19 @@ class PlannedModule(nn.Module):
         """With `compile`: the nodes that run as Inductor kernels, and those that run eagerly with the reason."""
         prepared = self._prepared
         return prepared.compiled if prepared is not None else None
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the arena this module holds (0 without planned addresses in use)."""
+        return self._arena.size_bytes
+
+    @property
+    def arena_allowances(self) -> dict[str, str] | None:
+        """With planned addresses in use: per node, what it allocates outside the arena and why (None: no arena)."""
+        prepared = self._prepared
+        if prepared is None or prepared.arena_bytes is None:
+            return None
+        return dict(prepared.program.allowances)
 
     def report(self) -> StepReport | None:
         """Measured against planned: the step time and peak of the first timed steps beside the simulator's, and
