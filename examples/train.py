@@ -57,6 +57,8 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--compile", action="store_true",
                         help="run the planning nodes as Inductor kernels (equal to plain PyTorch to rounding)")
+    parser.add_argument("--arena", action="store_true",
+                        help="write every node's outputs into the plan's arena (planned addresses), allocated once")
     parser.add_argument("--compare-plain", action="store_true",
                         help="with --budget: run plain PyTorch beside the plan even where it does not fit the budget")
     args = parser.parse_args()
@@ -99,7 +101,7 @@ def main() -> int:
             model, inputs, loss_fn, budget=args.budget, targets=targets, kwargs=kwargs,
             memory_ratio=args.memory_ratio, strategy=args.strategy, planner_url=args.planner_url,
             time_limit_s=args.time_limit, optimizer="momentum", d2h_gb_per_s=args.d2h_gb_per_s,
-            h2d_gb_per_s=args.h2d_gb_per_s, compile=args.compile,
+            h2d_gb_per_s=args.h2d_gb_per_s, compile=args.compile, arena=args.arena,
         )
     except MososError as error:
         print(f"error: {error}", file=sys.stderr)

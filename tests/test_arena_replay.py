@@ -2,8 +2,9 @@
 
 A planned step with `arena=True` must compute exactly what plain PyTorch computes (bitwise, every zoo model,
 every kind of plan: keep-all, mosos within a budget, recompute-heavy, offload-heavy), keep the ledger's peak the
-simulator's, and ask the allocator for nothing a node written by out= overloads used to allocate: what it still
-allocates is what the program names (`arena_allowances`).
+simulator's, ask the allocator for nothing a node written by out= overloads used to allocate (what it still
+allocates is what the program names, `arena_allowances`), and hold beside the arena no more than the program's
+`outside_arena_bytes`, which the budget must have room for.
 """
 
 from __future__ import annotations
@@ -73,10 +74,9 @@ def test_the_zoo_trains_bitwise_like_plain_pytorch_writing_into_the_arena(name):
         "offload-heavy": offload_everything_schedule(profile),
     }
     for kind, schedule in schedules.items():
-        if schedule.arena_bytes is None:
-            # a budget its arena does not fit (planning again where it does not is planner.planning's): the replay
-            # is tested on its addresses without the budget
-            schedule = addressed(profile, schedule.model_copy(update={"budget_bytes": None}))
+        # the replay is tested on the plan's addresses without its budget: whether the arena and what the allocator
+        # still holds beside it fit a budget is the refusal's test below
+        schedule = addressed(profile, schedule.model_copy(update={"budget_bytes": None}))
         assert schedule.arena_bytes is not None, kind
         planned_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
         planned = PlannedModule(planned_model, profile, schedule, loss_fn, profiled=captured, strict=True, arena=True)
@@ -101,6 +101,16 @@ def test_the_zoo_trains_bitwise_like_plain_pytorch_writing_into_the_arena(name):
         for (key, a), (_, b) in zip(planned_model.state_dict().items(), plain_model.state_dict().items()):
             assert torch.equal(a, b), f"{kind}: {key} differs after two steps"
         assert planned.arena_bytes == schedule.arena_bytes, kind
+        # beside the arena, the allocator holds no more than the program says it may (the copies' sources, the
+        # workspaces of operations allocating for themselves, nodes kept out) and the step's new .grad tensors
+        from executor.measure.allocations import AllocationTrace
+
+        planned_model.zero_grad(set_to_none=True)
+        with AllocationTrace() as trace:
+            planned(*args, targets=targets, **kwargs).backward()
+        gradients = sum(p.grad.untyped_storage().nbytes() for p in planned_model.parameters() if p.grad is not None)
+        outside = planned._prepared.program.outside_arena_bytes
+        assert trace.peak_bytes <= outside + gradients, (kind, trace.peak_bytes, outside, gradients)
         allowances = planned.arena_allowances
         assert allowances is not None and set(allowances) <= {node.id for node in profile.nodes}, kind
         assert planned._prepared.program.written, f"{kind}: no node written in place"
@@ -126,8 +136,9 @@ def _allocated_bytes(planned, model, args, targets) -> int:
 @pytest.mark.parametrize("kind", ["keep-all", "recompute-heavy", "offload-heavy"])
 def test_a_step_in_the_arena_allocates_only_what_its_allowances_name(kind):
     """Against the same plan replayed through the allocator, a step writing into the arena allocates exactly the
-    planned bytes of the computations out= overloads write into their slots, and of the prefetches into slots,
-    fewer: everything else it still allocates belongs to a node `arena_allowances` names, with the reason."""
+    bytes the program placed fewer (outputs out= overloads write into their slots, values made and dropped inside a
+    node in its workspace slot, prefetches into their slots): everything else it still allocates belongs to a node
+    `arena_allowances` names, with the reason."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128),
                                 torch.nn.LayerNorm(128), torch.nn.Dropout(0.1), torch.nn.Linear(128, 128),
@@ -149,11 +160,35 @@ def test_a_step_in_the_arena_allocates_only_what_its_allowances_name(kind):
     written = program.written
     assert written and set(program.allowances).isdisjoint(written - {
         node for node, reason in program.allowances.items() if reason == arena.INTERMEDIATES})
-    saved = 0
-    for _, _, op in schedule.operations():
-        if op.op == "compute" and op.node in written:
-            saved += nodes[op.node].size_bytes
-        elif op.op == "prefetch" and op.tensor in program.prefetched_into:
-            saved += nodes[op.tensor].size_bytes
+    saved = sum(spared for _, spared in program.placed)
+    saved += sum(nodes[op.tensor].size_bytes for _, _, op in schedule.operations()
+                 if op.op == "prefetch" and op.tensor in program.prefetched_into)
     assert allocated[False] - allocated[True] == saved, (allocated, saved, program.allowances)
     assert saved > 0
+
+
+def test_an_arena_with_no_room_beside_it_for_what_the_allocator_still_holds_is_refused_with_the_reason():
+    """A budget the arena fills exactly leaves nothing for the allocations the program names (a layer norm computed
+    elsewhere and copied in): the step goes through the allocator, as planned, and says why."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 10))
+    inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    loss_fn = torch.nn.functional.cross_entropy
+    profile, captured = _profile(model, (inputs,), {}, targets, loss_fn)
+    unbounded = addressed(profile, plan(profile, strategy="keep-all"))
+    tight = addressed(profile, unbounded.model_copy(update={"budget_bytes": profile.fixed_bytes
+                                                            + unbounded.arena_bytes}))
+    assert tight.arena_bytes is not None
+    messages = []
+    copied = copy.deepcopy(model)
+    planned = PlannedModule(copied, profile, tight, loss_fn, profiled=captured, arena=True, progress=messages.append)
+    loss = planned(inputs, targets=targets)
+    loss.backward()
+    assert planned.arena_refused is not None and "pass the budget" in planned.arena_refused
+    assert any("not writing into the arena" in message for message in messages)
+    assert planned.arena_bytes == 0 and planned.arena_allowances is None
+    plain = copy.deepcopy(model)
+    assert torch.equal(loss.detach(), loss_fn(plain(inputs), targets).detach())
+    roomy = PlannedModule(copy.deepcopy(model), profile, unbounded, loss_fn, profiled=captured, arena=True)
+    roomy(inputs, targets=targets).backward()
+    assert roomy.arena_refused is None and roomy.arena_bytes == unbounded.arena_bytes

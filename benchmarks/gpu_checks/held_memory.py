@@ -5,7 +5,9 @@ budget (`torch.cuda.set_per_process_memory_fraction`, as a smaller GPU would cap
 process (a cap cannot be lifted): plain PyTorch (expected to run out of memory), transformers' per-block gradient
 checkpointing, mosos' optimize(budget=cap), and mosos again under the caching allocator's expandable segments
 (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which maps pages into one growing segment instead of
-reserving segments of many sizes: the fragmentation planned addresses are meant to remove). Per configuration:
+reserving segments of many sizes), and mosos writing into its arena (`optimize(arena=True)`: each node's
+outputs in the slot its planned address names, the arena allocated once: the fragmentation planned addresses are
+meant to remove). Per configuration:
 out of memory or not, the step time, the allocator's peaks (allocated, reserved), what the device held outside
 the allocator, and mosos' own held-memory record (`planned.held_memory`: steps over the budget, re-plans within
 less).
@@ -85,7 +87,8 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool) 
         import executor
 
         planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
-                                    budget=cap_bytes, time_limit_s=60, progress=False, cache=False)
+                                    budget=cap_bytes, time_limit_s=60, progress=False, cache=False,
+                                    arena=kind == "mosos-arena")
     times_ms = []
     try:
         for _ in range(steps):
@@ -154,7 +157,7 @@ def main() -> None:
     else:
         held_peak = 64 * MIB  # no cap on the CPU: the script's own check
     cap = int(args.ratio * held_peak)
-    rows = [run(kind, args, cap) for kind in ("plain", "checkpoint", "mosos", "mosos-expandable")]
+    rows = [run(kind, args, cap) for kind in ("plain", "checkpoint", "mosos", "mosos-expandable", "mosos-arena")]
     table = ["| configuration | out of memory | steps | step ms | allocated MiB | reserved MiB | outside MiB | mosos |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:

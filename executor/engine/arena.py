@@ -40,8 +40,18 @@ DOES_NOT_FILL_SLOT = "its results do not fill the planned slot"
 NO_ADDRESS = "no planned address"
 ANOTHER_DEVICE = "a result on another device (a CPU scalar)"
 OWN_ALGORITHM = "a convolution algorithm of our own"
-INTERMEDIATES = "intermediate values inside the node (its planned workspace)"
+INTERMEDIATES = "values made and dropped inside the node that its workspace slot cannot take"
 GRADIENTS = "parameter gradients (.grad, fixed memory, allocated as eager allocates them)"
+
+SEES_STORAGE = "read by an operation that sees its whole storage (as_strided, a scatter)"
+
+# Operators whose result depends on their argument's storage, not only on its elements: offsets counted from the
+# storage's start (as_strided), or a copy of the whole storage under the argument (ATen's clone_preserve_strides,
+# which the scatters and the functional copy call). A value in the arena has the arena for its storage: such a
+# reader would see other nodes' bytes, or copy the whole arena, so the value keeps the allocator's.
+SEES_WHOLE_STORAGE = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "as_strided", "as_strided_scatter", "as_strided_copy", "slice_scatter", "select_scatter", "diagonal_scatter",
+    "copy"))
 
 # Operators that make a new tensor and copy their argument into it (a cast, a layout): written as a copy into the
 # slot, the same kernel (`copies_into` says when the call's options allow it)

@@ -45,6 +45,7 @@ from executor.capture.capture import HAND_OFF, SHAPE_ONLY
 from executor.engine.compiled_nodes import EAGER
 from executor.capture.planning_graph import CONVOLUTION, CONVOLUTION_BACKWARD, Group, PlanningGraph, is_random
 from executor.engine.regions import regions as region_ranges
+from planner.addresses import aligned
 from planner.schedule import Compute, Free, Offload, Prefetch, Schedule, Wait
 from planner.strategies.per_block import layer_prefix
 
@@ -66,6 +67,8 @@ class Op:
     implementation: str = "default"
     transfer: str = ""  # wait: offload | prefetch
     offset_bytes: int | None = None  # compute, prefetch: the planned address of its outputs (with Modes.arena)
+    workspace_offset_bytes: int | None = None  # compute: the planned address of its workspace
+    workspace_bytes: int = 0  # compute: the implementation's workspace in the profile
 
 
 @dataclass
@@ -98,6 +101,12 @@ class Program:
     allowances: dict[str, str] = field(default_factory=dict)
     written: frozenset = frozenset()  # node ids whose outputs out= overloads write into their slots (no allocation)
     prefetched_into: frozenset = frozenset()  # node ids prefetched into their slots (no allocation)
+    # per computation writing into the arena, in order: (node id, bytes it no longer asks the allocator for: its
+    # outputs where out= overloads write them all, and the values made and dropped inside placed in its workspace)
+    placed: list = field(default_factory=list)
+    # what the allocator may hold beside the arena at once: every node kept out of it, and the most one computation
+    # holds for itself (results copied in, the workspace of operations that allocate their own)
+    outside_arena_bytes: int = 0
 
 
 def _literal(value, constants: dict[str, Any]) -> str:
@@ -178,6 +187,13 @@ class CodeGenerator:
         self.allowances: dict[str, str] = {}  # node id -> what it allocates outside the arena, and why
         self.written: set[str] = set()  # node ids whose outputs are all written into their slots by out= overloads
         self.prefetched_into: set[str] = set()  # node ids prefetched into their slots
+        self.placed: list[tuple[str, int]] = []  # per computation in the arena: (node id, bytes the allocator is spared)
+        self.transient: list[tuple[str, int]] = []  # per computation: (node id, bytes it holds beside the arena)
+        self.kept_outside: dict[str, int] = {}  # nodes whose outputs stay with the allocator -> their bytes
+        self._sees_storage: dict[fx.Node, bool] = {}
+        self.rng_states_kept = 0  # random nodes recomputed later: their generator states live until the step ends
+        # with Modes.arena and no planned workspace: a node's workspace by implementation (the profile's)
+        self.workspace_of: Callable[[int, str], int] | None = None
         self._last_read: dict[fx.Node, int] = {}  # mutated placeholder -> position of the last compute reading it
         self.outputs_of: dict[int | None, list[fx.Node]] = {}
         for value in list(self.gradient_index) + list(self.mutation_index) + [self.step.loss]:
@@ -215,9 +231,10 @@ class CodeGenerator:
     # -- one planning node ---------------------------------------------------------------------------
 
     def compute(self, w: _Writer, group: Group, implementation: str, first: bool, rng_later: bool,
-                offset_bytes: int | None = None) -> None:
+                offset_bytes: int | None = None, workspace: tuple[int, int] | None = None) -> None:
         """The code of one computation of `group`: its operations, graph outputs, and transient frees; with
-        Modes.arena, its outputs written into the slot at `offset_bytes`."""
+        Modes.arena, its outputs written into the slot at `offset_bytes`, and what it makes and drops inside into its
+        workspace ((offset, bytes))."""
         graph = self.planning
         w(f"# compute {group.id} [{implementation}]" + ("" if first else " (recompute)"))
         if self.modes.timing:
@@ -226,6 +243,7 @@ class CodeGenerator:
             w(f"S.memory_begin({group.index})")
         if group.random and first and rng_later:
             w(f"S.rng[{group.index}] = S.get_rng()")
+            self.rng_states_kept += 1
         if group.random and not first:
             w("_rng_now = S.get_rng()")
             w(f"S.set_rng(S.rng[{group.index}])")
@@ -239,19 +257,26 @@ class CodeGenerator:
             made.update(bound)
             body.append((None, [line]))
         slot_of = self._slots(group, offset_bytes) if self.modes.arena and compiled is None else {}
-        copied = False
+        scratch_of = self._scratch(group, implementation, first, workspace) if slot_of else {}
+        copied, spared, copied_bytes = False, 0, 0  # spared: bytes out= overloads write into the arena
+        functional = False  # an operation left to allocate its own results (and whatever scratch it takes)
+        in_place_seen = False
         for op in group.ops if compiled is None else ():
             lines: list[str] = []
             for argument in op.all_input_nodes:
                 self._derive(argument, lines, derived, made)
             in_place = first and self._batch_norm_in_place(op)
-            written = self._written(op, group, implementation, slot_of) if slot_of and not in_place else None
+            in_place_seen = in_place_seen or in_place
+            written = self._written(op, group, implementation, {**slot_of, **scratch_of}) \
+                if slot_of and not in_place else None
             if in_place:
                 lines.append(f"{local(op)} = {self.op(BATCH_NORM_IN_PLACE)}({self._arguments(op)})")
             elif written is not None:
                 lines.append(written)
+                spared += sum(graph.facts.root_bytes[value] for value in self._results(op))
             else:
                 lines.extend(self._call(op, group, implementation))
+                functional = True
             for item in sorted((u for u in op.users if u.target is operator.getitem), key=self.position.__getitem__):
                 if in_place and item.args[1] in (3, 4):
                     # the running statistics, updated in the model's buffers by the call itself
@@ -265,15 +290,29 @@ class CodeGenerator:
                 # computed where the allocator puts it, then copied into its slot: the result's allocation lives
                 # only as long as the copy (the allowance the program names), the slot as long as the plan says
                 for value in self._results(op):
-                    if value in slot_of:
+                    if value in slot_of:  # an output (a value made and dropped inside gains nothing by a copy)
                         lines.append(f"S.slots[{slot_of[value]}].copy_({local(value)})")
                         lines.append(f"{local(value)} = S.slots[{slot_of[value]}]")
                         copied = True
+                        copied_bytes += graph.facts.root_bytes[value]
             made.add(op)
             body.append((op, lines))
         tail = self._owned_outputs(group, first, derived, made)  # graph outputs whose storage this node owns
         if slot_of and not copied:
             self.written.add(group.id)
+        if slot_of:
+            self.placed.append((group.id, spared))
+        if self.modes.arena and compiled is None:
+            # what the allocator holds beside the arena while this computation runs: results computed elsewhere and
+            # copied in, and (where an operation allocates for itself) up to the node's measured workspace; a node
+            # kept out of the arena holds its outputs there for as long as the schedule keeps them
+            workspace_bytes = workspace[1] if workspace is not None else self._workspace_bytes(group, implementation)
+            self.transient.append((group.id, copied_bytes + (workspace_bytes if functional or in_place_seen else 0)))
+            if not slot_of:
+                self.kept_outside[group.id] = self.planning.size_bytes(group)
+        if slot_of and any(value not in scratch_of and value not in self.planning.fixed_roots
+                           and value not in set(group.outputs) for op in group.ops for value in self._results(op)):
+            self._allow(group, arena.INTERMEDIATES)
         # frees of transients right after their last use inside the node
         keep = set(group.outputs)
         transient = [n for n in made if n not in keep]
@@ -343,21 +382,96 @@ class CodeGenerator:
         if any(facts.layout_of[value][3] != ("cuda" if self.cuda else "cpu") for value in outputs):
             self._allow(group, arena.ANOTHER_DEVICE)
             return {}
+        if any(self._storage_seen(value) for value in outputs):
+            self._allow(group, arena.SEES_STORAGE)
+            return {}
         layouts = arena.pack(offset_bytes, self.planning.size_bytes(group), [facts.layout_of[v] for v in outputs])
         if layouts is None:
             self._allow(group, arena.DOES_NOT_FILL_SLOT)
             return {}
-        made = {value for op in group.ops for value in self._results(op)}
-        if any(value not in set(outputs) and value not in self.planning.fixed_roots for value in made):
-            self._allow(group, arena.INTERMEDIATES)
-        slot_of: dict[fx.Node, int] = {}
-        for value, layout in zip(outputs, layouts):
-            index = self._slot_index.get(layout)
-            if index is None:
-                index = self._slot_index[layout] = len(self.slots)
-                self.slots.append(layout)
-            slot_of[value] = index
-        return slot_of
+        return {value: self._slot(layout) for value, layout in zip(outputs, layouts)}
+
+    def _outside_arena_bytes(self) -> int:
+        """With Modes.arena: the most the allocator holds beside the arena at once (Program.outside_arena_bytes),
+        the generator states random nodes keep for their recomputation (and one more while one recomputes)
+        included."""
+        if not self.modes.arena:
+            return 0
+        states = (self.rng_states_kept + 1) * _rng_state_bytes(self.cuda) if self.rng_states_kept else 0
+        return sum(self.kept_outside.values()) + max((b for _, b in self.transient), default=0) + states
+
+    def _storage_seen(self, root: fx.Node) -> bool:
+        """Whether an operation that sees a tensor's whole storage reads `root` or a view of it (anywhere in the
+        step: a value in the arena would show it the arena)."""
+        seen = self._sees_storage.get(root)
+        if seen is None:
+            alias_of = self.planning.facts.alias_of
+            stack, found = [root], False
+            while stack and not found:
+                node = stack.pop()
+                for user in node.users:
+                    if user.target in arena.SEES_WHOLE_STORAGE:
+                        found = True
+                        break
+                    if alias_of.get(user) is node:
+                        stack.append(user)
+            seen = self._sees_storage[root] = found
+        return seen
+
+    def _workspace_bytes(self, group: Group, implementation: str) -> int:
+        return self.workspace_of(group.index, implementation) if self.workspace_of is not None else 0
+
+    def _slot(self, layout: Layout) -> int:
+        index = self._slot_index.get(layout)
+        if index is None:
+            index = self._slot_index[layout] = len(self.slots)
+            self.slots.append(layout)
+        return index
+
+    def _scratch(self, group: Group, implementation: str, first: bool,
+                 workspace: tuple[int, int] | None) -> dict[fx.Node, int]:
+        """Slots in the node's workspace for the values it makes and drops inside (those an out= overload can
+        write), first fit by their lifetimes inside the node; the rest are among the program's allowances."""
+        facts, ops = self.planning.facts, group.ops
+        keep = set(group.outputs) | self.planning.fixed_roots
+        inside = [(k, value) for k, op in enumerate(ops) for value in self._results(op) if value not in keep]
+        if not inside:
+            return {}
+        step_position = {op: k for k, op in enumerate(ops)}
+        handed = {self.planning.root_of.get(v) for v in self.outputs_of.get(group.index, [])}
+        device = "cuda" if self.cuda else "cpu"
+        placed: list[tuple[int, int, int]] = []  # (start, end, last op index) in the workspace
+        scratch_of: dict[fx.Node, int] = {}
+        start_bytes, size_bytes = workspace if workspace is not None else (0, 0)
+        for k, value in inside:
+            layout = facts.layout_of.get(value)
+            op = ops[k]
+            if (layout is None or layout[3] != device or value in facts.storage_of or value in handed
+                    or not self._writable(op, group, implementation, first) or self._storage_seen(value)):
+                continue
+            readers = [step_position[r] for r in self.planning.readers.get(value, []) if r in step_position]
+            last = max(readers, default=len(ops))
+            need = aligned(Layout(0, *layout[:3]).size_bytes)  # as planner.addresses places buffers
+            live = sorted((a, b) for a, b, end in placed if end >= k)
+            offset = 0
+            for a, b in live:
+                if offset + need <= a:
+                    break
+                offset = max(offset, b)
+            if offset + need > size_bytes:
+                continue
+            placed.append((offset, offset + need, last))
+            scratch_of[value] = self._slot(Layout(start_bytes + offset, *layout[:3]))
+        return scratch_of
+
+    def _writable(self, op: fx.Node, group: Group, implementation: str, first: bool) -> bool:
+        target = op.target
+        if (op is group.convolution and implementation not in ("native", "default")) \
+                or (first and self._batch_norm_in_place(op)) or not isinstance(target, torch._ops.OpOverload):
+            return False
+        if target in arena.WRITTEN_BY_COPY or target is torch.ops.aten.relu.default:
+            return op in self.planning.facts.root_bytes
+        return not isinstance(arena.out_overload(target), str)
 
     def _written(self, op: fx.Node, group: Group, implementation: str, slot_of: dict[fx.Node, int]) -> str | None:
         """The line calling `op`'s out= overload into its slots, or None where it computes elsewhere (the reason
@@ -598,7 +712,9 @@ class CodeGenerator:
                     seen.add(op.group)
                     rng_later = later_computes[offset + k] > 0
                     self._position = offset + k
-                    self.compute(w, group, op.implementation, first, rng_later, op.offset_bytes)
+                    self.compute(w, group, op.implementation, first, rng_later, op.offset_bytes,
+                                 (op.workspace_offset_bytes, op.workspace_bytes)
+                                 if op.workspace_offset_bytes is not None else None)
                     on_device.add(op.group)
                     if self.modes.ledger or self.modes.strict or self.modes.timing:
                         w(f"S.computed({op.group}, {op.implementation!r}, {_tuple(outputs)})")
@@ -644,7 +760,8 @@ class CodeGenerator:
         parts = [namespace[f"part_{i}"] for i in range(len(parts_ops))]
         return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants,
                        frozenset(self.direct), list(self.slots), dict(self.allowances), frozenset(self.written),
-                       frozenset(self.prefetched_into))
+                       frozenset(self.prefetched_into), list(self.placed),
+                       self._outside_arena_bytes())
 
     def _free(self, w: _Writer, group: Group, tensors: bool = True) -> None:
         """The code of a free; `tensors=False`: a node computed and freed inside a region never had its outputs
@@ -830,9 +947,13 @@ class _RegionSpec:
 def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -> list[Op]:
     """A schedule's operations as the generator's, planning nodes by index."""
     operations = []
+    nodes = profile.node_by_id if profile is not None else {}
     for _, _, op in schedule.operations():
         if isinstance(op, Compute):
-            operations.append(Op("compute", index_of[op.node], op.implementation, offset_bytes=op.offset_bytes))
+            workspace = next((i.workspace_bytes for i in nodes[op.node].implementations
+                              if i.name == op.implementation), 0) if op.workspace_offset_bytes is not None else 0
+            operations.append(Op("compute", index_of[op.node], op.implementation, offset_bytes=op.offset_bytes,
+                                 workspace_offset_bytes=op.workspace_offset_bytes, workspace_bytes=workspace))
         elif isinstance(op, Offload):
             operations.append(Op("offload", index_of[op.tensor]))
         elif isinstance(op, Prefetch):
@@ -842,6 +963,14 @@ def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -
         elif isinstance(op, Free):
             operations.append(Op("free", index_of[op.tensor]))
     return operations
+
+
+def _rng_state_bytes(cuda: bool) -> int:
+    """Bytes of one saved generator state (the CPU's, and the GPU's with it): the tensors S.get_rng() returns."""
+    size = torch.get_rng_state().numel()
+    if cuda:
+        size += torch.cuda.get_rng_state().numel()
+    return aligned(size)
 
 
 def _tuple(names: list[str]) -> str:

@@ -143,11 +143,32 @@ class _Prepared:
         planned_bytes = [nodes[g.id].size_bytes for g in groups]
         region_memory = ((planned_bytes, lambda group, name: implementations[(group, name)][1])
                          if planned.compile_regions else None)
-        generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler,
-                                  region_memory=region_memory)
+        workspace_of = lambda group, name: implementations[(group, name)][1]  # noqa: E731
+
+        def generator_for(modes: Modes) -> CodeGenerator:
+            generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler,
+                                      region_memory=region_memory)
+            generator.workspace_of = workspace_of
+            return generator
+
+        name = "planned step (timed)" if timed else "planned step"
+        self.program: Program = generator_for(modes).program(self.operations, self.split, name=name)
+        # the arena, and beside it what the allocator still holds (the program's allowances), must fit the budget
+        # with fixed memory; where they do not, the step goes through the allocator, and `arena_refused` says why
+        self.arena_refused: str | None = None
+        if self.arena_bytes is not None and schedule.budget_bytes is not None:
+            held = profile.fixed_bytes + self.arena_bytes + self.program.outside_arena_bytes
+            if held > schedule.budget_bytes:
+                self.arena_refused = (
+                    f"the arena ({format_bytes(self.arena_bytes)}) and what the allocator would still hold beside it "
+                    f"({format_bytes(self.program.outside_arena_bytes)}: {len(self.program.allowances)} nodes it "
+                    f"names) pass the budget of {format_bytes(schedule.budget_bytes)} with fixed memory "
+                    f"({format_bytes(profile.fixed_bytes)}): the step goes through the allocator, as planned")
+                planned._say(f"not writing into the arena: {self.arena_refused}")
+                self.arena_bytes = None
+                modes = dataclasses.replace(modes, arena=False)
+                self.program = generator_for(modes).program(self.operations, self.split, name=name)
         self.compiled: CompiledNodes | None = compiler.record if compiler is not None else None
-        self.program: Program = generator.program(self.operations, self.split,
-                                                  name="planned step (timed)" if timed else "planned step")
         # The ledger counts the real bytes of every node, which repeat exactly from step to step of one program
         # (the same operations on inputs of the same shapes): it checks the first step of each program and each
         # pattern of gradients already held (an addition into .grad holds a transient), and the steps after it run a
@@ -159,8 +180,7 @@ class _Prepared:
         self._unchecked_generator = None
         if modes.ledger and not modes.strict and not timed and compiler is None:
             unchecked_modes = dataclasses.replace(modes, ledger=False)
-            self._unchecked_generator = lambda: CodeGenerator(planning, unchecked_modes,
-                                                              cuda=self.device.type == "cuda", region_memory=region_memory)
+            self._unchecked_generator = lambda: generator_for(unchecked_modes)
         node_ids = [g.id for g in groups]
         if timed:
             self.clock = cpu_clock(self.device)[0]
@@ -699,6 +719,8 @@ class PlannedModule(nn.Module):
         self.simulated_peak_bytes = simulated.peak_memory_bytes
         self.simulated_step_time_ms = simulated.step_time_ms
         self._timings = []
+        # the arena is made again at the new plan's size at its first step (a plan within less holds less)
+        self._arena.release()
         self._prepared = _Prepared(self, profiled)
 
     @property
@@ -717,6 +739,13 @@ class PlannedModule(nn.Module):
     def arena_bytes(self) -> int:
         """Bytes of the arena this module holds (0 without planned addresses in use)."""
         return self._arena.size_bytes
+
+    @property
+    def arena_refused(self) -> str | None:
+        """With `arena=True`: why the step goes through the allocator instead (None: it writes into the arena, or
+        the arena was not asked for)."""
+        prepared = self._prepared
+        return prepared.arena_refused if prepared is not None else None
 
     @property
     def arena_allowances(self) -> dict[str, str] | None:
