@@ -137,6 +137,13 @@ def main() -> int:
           f"{summary.predicted_step_time_ms:.2f} ms, predicted peak {format_bytes(summary.peak_memory_bytes)}")
     if planned.compiled_nodes is not None:
         print(f"compiled: {planned.compiled_nodes.describe()}")
+    if args.arena:
+        if planned.arena_refused is not None:
+            print(f"arena: not used: {planned.arena_refused}")
+        else:
+            allowances = planned.arena_allowances
+            print(f"arena: {format_bytes(planned.schedule.arena_bytes)} (planned addresses); {len(allowances)} nodes "
+                  "still allocate for themselves (planned.arena_allowances)")
     plain_peak_note = format_bytes(keep_all_peak_bytes(planned.profile)) + " (simulated keep-all)"
     print(f"{'step':>4}  {'plain loss':>12}  {'planned loss':>12}  {'plain ms':>9}  {'planned ms':>10}  "
           f"{'plain peak':>26}  {'planned peak':>14}")

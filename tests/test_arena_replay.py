@@ -192,3 +192,39 @@ def test_an_arena_with_no_room_beside_it_for_what_the_allocator_still_holds_is_r
     roomy = PlannedModule(copy.deepcopy(model), profile, unbounded, loss_fn, profiled=captured, arena=True)
     roomy(inputs, targets=targets).backward()
     assert roomy.arena_refused is None and roomy.arena_bytes == unbounded.arena_bytes
+
+
+def test_optimize_plans_room_beside_the_arena_and_trains_in_it():
+    """optimize(arena=True) plans within the budget less what the step would hold beside the arena, so that the
+    arena is used where its buffers place; without a budget it always is. Either way the step is plain PyTorch's."""
+    import executor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                torch.nn.LayerNorm(256), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 10))
+    inputs, targets = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    loss_fn = torch.nn.functional.cross_entropy
+    plain = copy.deepcopy(model)
+    expected = loss_fn(plain(inputs), targets)
+    expected.backward()
+    for budget in (None, 0.9):
+        messages: list[str] = []
+        trained = copy.deepcopy(model)
+        planned = executor.optimize(trained, inputs, loss_fn, targets=targets, budget=None,
+                                    **({"memory_ratio": budget} if budget else {}), arena=True, time_limit_s=10,
+                                    progress=messages.append, cache=False, timed_steps=0)
+        loss = planned(inputs, targets=targets)
+        loss.backward()
+        assert torch.equal(loss.detach(), expected.detach())
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(trained.parameters(), plain.parameters()))
+        if budget is None:
+            assert planned.arena_refused is None and planned.arena_bytes == planned.schedule.arena_bytes > 0
+            continue
+        assert any(message.startswith("planning within") for message in messages), messages
+        if planned.arena_refused is None:
+            program = planned._prepared.program
+            assert (planned.profile.fixed_bytes + planned.arena_bytes + program.outside_arena_bytes
+                    <= planned.schedule.budget_bytes)
+        else:
+            assert "planned addresses" in planned.arena_refused or "pass the budget" in planned.arena_refused

@@ -33,7 +33,6 @@ import io
 import logging
 import operator
 import os
-import traceback
 import sys
 import warnings
 from dataclasses import dataclass, field

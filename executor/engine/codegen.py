@@ -397,7 +397,7 @@ class CodeGenerator:
         included."""
         if not self.modes.arena:
             return 0
-        states = (self.rng_states_kept + 1) * _rng_state_bytes(self.cuda) if self.rng_states_kept else 0
+        states = (self.rng_states_kept + 1) * rng_state_bytes(self.cuda) if self.rng_states_kept else 0
         return sum(self.kept_outside.values()) + max((b for _, b in self.transient), default=0) + states
 
     def _storage_seen(self, root: fx.Node) -> bool:
@@ -965,7 +965,7 @@ def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -
     return operations
 
 
-def _rng_state_bytes(cuda: bool) -> int:
+def rng_state_bytes(cuda: bool) -> int:
     """Bytes of one saved generator state (the CPU's, and the GPU's with it): the tensors S.get_rng() returns."""
     size = torch.get_rng_state().numel()
     if cuda:

@@ -50,7 +50,7 @@ from executor.capture.planning_graph import (
 from executor.engine import conv_algorithms
 from executor.engine.codegen import CodeGenerator, Modes, schedule_operations
 from executor.engine.compiled_nodes import EAGER, CompiledNodes, NodeCompiler
-from executor.engine.runtime import TimedStepRuntime, distinct_storage_bytes, obeys_layout
+from executor.engine.runtime import TimedStepRuntime, obeys_layout
 from executor.errors import CaptureError
 from executor.measure.allocations import cpu_workspace_bytes, memory_events
 from executor.measure.convolution_scratch import (

@@ -32,10 +32,10 @@ from executor.measure.profiler import (
     provisional_profile,
 )
 from executor.plan.cache import PlanKey, open_cache, plan_key
-from executor.replay.replay import STOPPING, PlannedModule
+from executor.replay.replay import STOPPING, PlannedModule, arena_reserve_bytes
 from planner.budget import budget_from_ratio, check_memory_ratio, requested_budget
 from planner.errors import BudgetError, MososError
-from planner.planning import check_plan_options, plan
+from planner.planning import addressed, check_plan_options, plan
 from planner.profile import GraphProfile
 from planner.schedule import Schedule, parse_schedule
 from planner.units import format_bytes
@@ -263,7 +263,7 @@ def optimize(
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
         algorithms=_algorithms(algorithms if algorithms is not None
                                else COMPILED_ALGORITHMS if compile else ("native",)),
-        repeats=repeats, warmup=warmup, measuring=measuring, compile=compile,
+        repeats=repeats, warmup=warmup, measuring=measuring, compile=compile, arena=bool(arena) and not compile,
     )
     planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress), device_memory)
     profile, schedule, profiled, key = planner.plan_signature(as_tuple(example_inputs), kwargs, targets)
@@ -273,7 +273,7 @@ def optimize(
                          plan_signature=planner.plan_signature if new_signatures else None,
                          max_signatures=max_signatures, progress=planner.say, compile=compile,
                          compile_regions=compile_regions, device_memory=planner.device_memory,
-                         outside_allocator_bytes=planner.outside_allocator_bytes, arena=arena)
+                         outside_allocator_bytes=planner.outside_allocator_bytes, arena=options.arena)
 
 
 @dataclass(frozen=True)
@@ -296,6 +296,7 @@ class OptimizeOptions:
     warmup: int
     measuring: str
     compile: bool
+    arena: bool = False  # the replay writes into the arena: plans leave room beside it (arena_reserve_bytes)
 
     @property
     def rounding_follows_plan(self) -> bool:
@@ -323,6 +324,8 @@ class SignaturePlanner:
         # peak (a small batch's own fraction can be below its fixed memory): [bytes, the first signature's shapes]
         self.ratio_resolved_bytes: list = []
         self.taken_from_cache: set[str] = set()
+        # profile digest -> what its plans left beside the arena (options.arena): a re-plan leaves it again
+        self.arena_reserves: dict[str, int] = {}
 
     @staticmethod
     def shapes_of(inputs, kwargs, targets, autocast_state: tuple) -> tuple:
@@ -344,7 +347,8 @@ class SignaturePlanner:
             strategy=options.strategy, optimizer=options.optimizer,
             settings={"measuring": options.measuring, "d2h_gb_per_s": options.d2h_gb_per_s,
                       "h2d_gb_per_s": options.h2d_gb_per_s, "planner": "service" if options.planner_url else "local",
-                      "algorithms": list(options.algorithms), **({"compile": True} if options.compile else {})},
+                      "algorithms": list(options.algorithms), **({"compile": True} if options.compile else {}),
+                      **({"arena": True} if options.arena else {})},
         )
 
     def plan_budget_bytes(self) -> int | None:
@@ -362,7 +366,18 @@ class SignaturePlanner:
                 minimum_budget_bytes=None)
         return left
 
-    def make_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule:
+    def make_plan(self, profile: GraphProfile, budget_bytes: int | None, reserve_bytes: int = 0) -> Schedule:
+        """A plan within `budget_bytes`, made within that less `reserve_bytes` (what a step writing into its arena
+        holds beside it): the schedule says the budget it was asked for, which it fits."""
+        if reserve_bytes and budget_bytes is not None:
+            self.say(f"planning within {format_bytes(budget_bytes - reserve_bytes)}: the budget less the "
+                     f"{format_bytes(reserve_bytes)} the allocator may hold beside the arena")
+            schedule = self._make_plan(profile, budget_bytes - reserve_bytes)
+            self.arena_reserves[profile.digest()] = reserve_bytes
+            return schedule.model_copy(update={"budget_bytes": budget_bytes})
+        return self._make_plan(profile, budget_bytes)
+
+    def _make_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule:
         options, say = self.options, self.say
         if options.planner_url:
             return plan_remotely(options.planner_url, profile, budget_bytes, None, options.strategy,
@@ -468,8 +483,9 @@ class SignaturePlanner:
             compile=options.compile,
         )
         say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
+        reserve = arena_reserve_bytes(profile, profiled, self.device) if options.arena else 0
         try:
-            schedule = self.make_plan(profile, signature_budget)
+            schedule = self.make_plan(profile, signature_budget, reserve)
         except BudgetError as error:
             # the step was just measured within this budget: the measuring pass's schedule is a plan that fits
             schedule = profiled.measuring.as_plan(profile, signature_budget) if profiled.measuring else None
@@ -477,6 +493,8 @@ class SignaturePlanner:
                 raise
             say(f"no plan found by {options.strategy!r} ({error}); the plan is the schedule the step was measured "
                 "under, which fits")
+            if options.arena:  # its buffers placed, where they fit
+                schedule = addressed(profile, schedule)
         summary = schedule.summary
         if summary is not None:
             say(
@@ -494,7 +512,7 @@ class SignaturePlanner:
             say("a re-plan was asked for, but the plan was taken from the cache and picks kernels that round "
                 "differently: kept as it is, so that every run using it runs the same bits")
             return None
-        replanned = self.make_plan(measured, schedule.budget_bytes)
+        replanned = self.make_plan(measured, schedule.budget_bytes, self.arena_reserves.get(schedule.profile_digest, 0))
         if self.store is not None and key is not None:
             self.store.update(key, measured, replanned, say)
         return replanned

@@ -42,7 +42,7 @@ from executor.engine.arena import Arena
 from executor.engine.accountant import Accountant
 from executor.engine.device_memory import DeviceMemory, HeldRecord, device_memory_of
 from executor.capture.capture import tensor_signature
-from executor.engine.codegen import CodeGenerator, Modes, Op, Program, schedule_operations
+from executor.engine.codegen import CodeGenerator, Modes, Op, Program, rng_state_bytes, schedule_operations
 from executor.engine.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.replay import optimizer_state
 from executor.capture import autocast
@@ -55,6 +55,7 @@ from executor.engine.runtime import StepRuntime, TimedStepRuntime
 from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
+from planner.strategies.keep_all import keep_all_schedule
 from planner.simulator import simulate
 from planner.units import format_bytes
 
@@ -156,6 +157,12 @@ class _Prepared:
         # the arena, and beside it what the allocator still holds (the program's allowances), must fit the budget
         # with fixed memory; where they do not, the step goes through the allocator, and `arena_refused` says why
         self.arena_refused: str | None = None
+        if planned.arena_enabled and self.arena_bytes is None:
+            self.arena_refused = (
+                "compiled nodes allocate their own outputs" if compiler is not None else
+                "the plan carries no planned addresses (its buffers did not place within its budget, even planned "
+                "again within less, or it was made without them)")
+            planned._say(f"not writing into the arena: {self.arena_refused}")
         if self.arena_bytes is not None and schedule.budget_bytes is not None:
             held = profile.fixed_bytes + self.arena_bytes + self.program.outside_arena_bytes
             if held > schedule.budget_bytes:
@@ -224,6 +231,30 @@ class _Prepared:
             self.unchecked_program = self._unchecked_generator().program(self.operations, self.split,
                                                                           name="planned step (checked)")
         return self.unchecked_program, False
+
+
+def arena_reserve_bytes(profile: GraphProfile, profiled: ProfiledStep, device: torch.device) -> int:
+    """What a step writing into its arena holds beside it, at most, under any plan of `profile` (a plan for the
+    arena is made within the budget less this): every node's computation appears in the keep-all plan, whose
+    program bounds it (Program.outside_arena_bytes), here with each node's largest workspace over its
+    implementations and a generator state for every random node (recomputed ones keep theirs)."""
+    planning = profiled.planning
+    groups = planning.groups
+    operations = schedule_operations(profile, keep_all_schedule(profile), {group.id: group.index for group in groups})
+    split = next((k for k, op in enumerate(operations)
+                  if op.kind == "compute" and groups[op.group].kind == "backward"), len(operations))
+    nodes = profile.node_by_id
+    largest = {g.index: max((i.workspace_bytes for i in nodes[g.id].implementations), default=0) for g in groups}
+    # any address will do: the program is generated to be read, not run (what it would hold beside the arena does not
+    # depend on where the slots are)
+    operations = [dataclasses.replace(op, offset_bytes=0, workspace_offset_bytes=0, workspace_bytes=largest[op.group])
+                  if op.kind == "compute" else op for op in operations]
+    generator = CodeGenerator(planning, Modes(arena=True), cuda=device.type == "cuda")
+    generator.workspace_of = lambda group, name: largest[group]
+    program = generator.program(operations, split, name="arena reserve")
+    randoms = sum(1 for group in groups if group.random)
+    return program.outside_arena_bytes + (randoms + 1) * rng_state_bytes(device.type == "cuda") if randoms \
+        else program.outside_arena_bytes
 
 
 def _check_random_order(operations: list[Op], planning) -> None:
