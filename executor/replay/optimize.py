@@ -372,9 +372,14 @@ class SignaturePlanner:
         if reserve_bytes and budget_bytes is not None:
             self.say(f"planning within {format_bytes(budget_bytes - reserve_bytes)}: the budget less the "
                      f"{format_bytes(reserve_bytes)} the allocator may hold beside the arena")
-            schedule = self._make_plan(profile, budget_bytes - reserve_bytes)
             self.arena_reserves[profile.digest()] = reserve_bytes
-            return schedule.model_copy(update={"budget_bytes": budget_bytes})
+            try:
+                schedule = self._make_plan(profile, budget_bytes - reserve_bytes)
+            except BudgetError as error:
+                self.say(f"no plan leaves that room ({error}): planning within the whole budget, and the step goes "
+                         "through the allocator")
+            else:
+                return schedule.model_copy(update={"budget_bytes": budget_bytes})
         return self._make_plan(profile, budget_bytes)
 
     def _make_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule:
