@@ -228,3 +228,27 @@ def test_optimize_plans_room_beside_the_arena_and_trains_in_it():
                     <= planned.schedule.budget_bytes)
         else:
             assert "planned addresses" in planned.arena_refused or "pass the budget" in planned.arena_refused
+
+
+def test_a_copied_or_pickled_planned_module_makes_its_own_arena():
+    """A deep copy or a pickled planned module (torch.save of the whole module) shares no arena with the original:
+    it makes its own at its first step, and trains as the original does."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    inputs, targets = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss_fn = torch.nn.functional.cross_entropy
+    profile, captured = _profile(model, (inputs,), {}, targets, loss_fn)
+    schedule = addressed(profile, plan(profile, strategy="keep-all"))
+    planned = PlannedModule(copy.deepcopy(model), profile, schedule, loss_fn, profiled=captured, arena=True)
+    expected = planned(inputs, targets=targets)
+    expected.backward()
+    for other in (copy.deepcopy(planned), pickle.loads(pickle.dumps(planned))):
+        assert other.arena_bytes == 0 and other.arena_enabled
+        other.model.zero_grad(set_to_none=True)
+        loss = other(inputs, targets=targets)
+        loss.backward()
+        assert torch.equal(loss.detach(), expected.detach())
+        assert other.arena_bytes == planned.arena_bytes > 0
+        assert other._arena.buffer.data_ptr() != planned._arena.buffer.data_ptr()

@@ -480,6 +480,7 @@ class PlannedModule(nn.Module):
         self._plans = OrderedDict()
         self._refused = OrderedDict()
         self._plan_signature = self._replan = self._pending_replan = None
+        self._arena = Arena(self.device)  # its own, made at its first step (a copy or a loaded module shares none)
         optimizer_state.watch(self)  # its own optimizer is checked against its plan too
 
     @property
@@ -875,7 +876,7 @@ def _output_is_the_loss(output):
 
 
 _NOT_COPIED = ("_prepared", "_timed", "_live_step", "_superseded_nodes", "last_ledger", "_plans", "_plan_signature",
-               "_replan", "_refused", "_pending_replan")
+               "_replan", "_refused", "_pending_replan", "_arena")
 REFUSALS_KEPT = 16
 _STATE = 4  # where a signature holds the model's Python state (executor.capture.python_state)
 
