@@ -95,17 +95,13 @@ class Layout:
 
     @property
     def size_bytes(self) -> int:
-        return span_elements(self.shape, self.stride) * _element_size(self.dtype)
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
+        return span_elements(self.shape, self.stride) * self.dtype.itemsize
 
 
 def pack(slot_offset_bytes: int, slot_bytes: int, results: list[tuple]) -> list[Layout] | None:
     """Layouts of `results` ((shape, stride, dtype, ...) each) side by side in one slot, widest elements first (each
     then starts at a multiple of its element size); None where they do not fill exactly `slot_bytes`."""
-    order = sorted(range(len(results)), key=lambda i: -_element_size(results[i][2]))
+    order = sorted(range(len(results)), key=lambda i: -results[i][2].itemsize)
     layouts: list[Layout | None] = [None] * len(results)
     offset = slot_offset_bytes
     for i in order:

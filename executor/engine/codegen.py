@@ -310,8 +310,9 @@ class CodeGenerator:
             self.transient.append((group.id, copied_bytes + (workspace_bytes if functional or in_place_seen else 0)))
             if not slot_of:
                 self.kept_outside[group.id] = self.planning.size_bytes(group)
-        if slot_of and any(value not in scratch_of and value not in self.planning.fixed_roots
-                           and value not in set(group.outputs) for op in group.ops for value in self._results(op)):
+        kept = set(group.outputs) | self.planning.fixed_roots
+        if slot_of and any(value not in scratch_of and value not in kept
+                           for op in group.ops for value in self._results(op)):
             self._allow(group, arena.INTERMEDIATES)
         # frees of transients right after their last use inside the node
         keep = set(group.outputs)
@@ -465,40 +466,42 @@ class CodeGenerator:
         return scratch_of
 
     def _writable(self, op: fx.Node, group: Group, implementation: str, first: bool) -> bool:
+        return not (first and self._batch_norm_in_place(op)) and not isinstance(
+            self._writer(op, group, implementation), str)
+
+    def _writer(self, op: fx.Node, group: Group, implementation: str):
+        """How `op` writes into given tensors: "copy" (a copy with a cast, as the operator itself makes it),
+        "clamp_min" (ATen's relu is clamp_min(self, 0), whose out= overload writes in place), (its out= overload,
+        the out arguments' names), or the reason it cannot."""
         target = op.target
-        if (op is group.convolution and implementation not in ("native", "default")) \
-                or (first and self._batch_norm_in_place(op)) or not isinstance(target, torch._ops.OpOverload):
-            return False
-        if target in arena.WRITTEN_BY_COPY or target is torch.ops.aten.relu.default:
-            return op in self.planning.facts.root_bytes
-        return not isinstance(arena.out_overload(target), str)
+        if op is group.convolution and implementation not in ("native", "default"):
+            return arena.OWN_ALGORITHM
+        if not isinstance(target, torch._ops.OpOverload):
+            return arena.NO_OUT_OVERLOAD
+        one_result = op in self.planning.facts.root_bytes
+        if one_result and target in arena.WRITTEN_BY_COPY and arena.copies_into(op.args, op.kwargs, self.cuda):
+            return "copy"
+        if one_result and target is torch.ops.aten.relu.default:
+            return "clamp_min"
+        return arena.out_overload(target)
 
     def _written(self, op: fx.Node, group: Group, implementation: str, slot_of: dict[fx.Node, int]) -> str | None:
-        """The line calling `op`'s out= overload into its slots, or None where it computes elsewhere (the reason
-        among the program's allowances, if the op makes an output of the node)."""
+        """The line calling `op` into its slots, or None where it computes elsewhere (the reason among the
+        program's allowances, if the op makes an output of the node)."""
         results = self._results(op)
         placed = [value for value in results if value in slot_of]
         if not placed:
             return None
-        target = op.target
-        if op is group.convolution and implementation not in ("native", "default"):
-            self._allow(group, arena.OWN_ALGORITHM)
-            return None
-        if not isinstance(target, torch._ops.OpOverload):
-            self._allow(group, arena.NO_OUT_OVERLOAD)
-            return None
-        if op in results and target in arena.WRITTEN_BY_COPY and arena.copies_into(op.args, op.kwargs, self.cuda):
-            # a copy (with a cast) into a new tensor: straight into the slot, as the operator itself does
+        writer = self._writer(op, group, implementation)
+        if writer == "copy":
             return f"{local(op)} = S.slots[{slot_of[op]}].copy_({self.argument(op.args[0])})"
-        if op in results and target is torch.ops.aten.relu.default:
-            # ATen's relu is clamp_min(self, 0), whose out= overload writes in place
+        if writer == "clamp_min":
             return f"{local(op)} = {self.op(torch.ops.aten.clamp_min.out)}({self.argument(op.args[0])}, 0, " \
                    f"out=S.slots[{slot_of[op]}])"
-        found = arena.out_overload(target)
-        if isinstance(found, str):
-            self._allow(group, found)
+        if isinstance(writer, str):
+            self._allow(group, writer)
             return None
-        overload, names = found
+        overload, names = writer
         if op in results:  # one result
             outs = [f"{names[0]}=S.slots[{slot_of[op]}]"]
         else:

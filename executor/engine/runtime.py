@@ -80,11 +80,14 @@ class StepRuntime:
         # with planned addresses: the arena's views the program writes (executor.engine.arena), None until bound
         self.slots: list[torch.Tensor] | None = None
         self.arena_ptr = 0
+        self.bound_layouts: list | None = None  # the layouts `slots` were made from
 
     def bind_arena(self, arena, layouts: list, size_bytes: int) -> None:
-        """The program's slots as views of `arena` (grown to `size_bytes` where smaller), once per arena buffer."""
-        if self.slots is None or self.arena_ptr != (arena.buffer.data_ptr() if arena.buffer is not None else 0):
+        """`layouts` (a program's slots) as views of `arena`, grown to `size_bytes` where smaller: made again only
+        where the layouts or the arena's buffer changed (the arena drops `slots` when its buffer goes)."""
+        if self.slots is None or self.bound_layouts is not layouts or self.arena_ptr != arena.buffer.data_ptr():
             self.slots = arena.views(self, layouts, size_bytes)
+            self.bound_layouts = layouts
             self.transfers.arena = arena.buffer
             self.arena_ptr = arena.buffer.data_ptr()
 

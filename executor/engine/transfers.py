@@ -149,23 +149,7 @@ class Transfers:
         if offsets_bytes is not None:
             return self._prefetch_into_arena(key, copy, offsets_bytes)
         devices = [torch.empty(buffer.numel(), dtype=torch.uint8, device=self.device) for buffer in copy.buffers]
-        copied = [pair for i, pair in enumerate(zip(devices, copy.buffers)) if i not in copy.elsewhere]
-        if self.cuda:
-            allocated = torch.cuda.current_stream(self.device).record_event()
-            with torch.cuda.stream(self.h2d_stream):
-                self.h2d_stream.wait_event(allocated)
-                offloaded = self.offload_done.get(key)
-                if offloaded is not None:
-                    self.h2d_stream.wait_event(offloaded)
-                # No record_stream on the device buffers: the compute stream waits for this copy (the schedule's
-                # wait, or `settle` at the end of the step) before anything frees them, and a record_stream would
-                # hold each block until every later prefetch queued on this stream had finished.
-                for device_buffer, host_buffer in copied:
-                    device_buffer.copy_(host_buffer, non_blocking=True)
-                self.prefetch_done[key] = self.h2d_stream.record_event()
-        else:
-            for device_buffer, host_buffer in copied:
-                device_buffer.copy_(host_buffer)
+        self._copy_in(key, [pair for i, pair in enumerate(zip(devices, copy.buffers)) if i not in copy.elsewhere])
         rebuilt = []
         for buffer_index, (size, stride, offset, dtype) in copy.slots:
             storage = (copy.elsewhere[buffer_index] if buffer_index in copy.elsewhere
@@ -174,17 +158,20 @@ class Transfers:
         return tuple(rebuilt)
 
     def _prefetch_into_arena(self, key: int, copy: HostCopy, offsets_bytes: tuple) -> tuple:
-        windows = []
+        windows = {}  # buffer index -> its window in the arena (tensors offloaded as one window come back as one)
         for (buffer_index, _), offset in zip(copy.slots, offsets_bytes):
-            windows.append(self.arena[offset:offset + copy.buffers[buffer_index].numel()])
-        pairs = [(windows[k], copy.buffers[buffer_index]) for k, (buffer_index, _) in enumerate(copy.slots)]
-        self._copy_in(key, pairs)
-        rebuilt = []
-        for window, (_, (size, stride, _, dtype)) in zip(windows, copy.slots):
-            rebuilt.append(window.view(dtype).as_strided(size, stride))
-        return tuple(rebuilt)
+            windows.setdefault(buffer_index, self.arena[offset:offset + copy.buffers[buffer_index].numel()])
+        self._copy_in(key, [(window, copy.buffers[index]) for index, window in windows.items()])
+        return tuple(windows[index].view(dtype).as_strided(size, stride)
+                     for index, (size, stride, _, dtype) in copy.slots)
 
     def _copy_in(self, key: int, pairs: list) -> None:
+        """Host buffers into device memory (pairs of device, host); on a GPU on the host-to-device stream, after
+        what the compute stream queued before (the memory's earlier use) and the node's own offload.
+
+        No record_stream on the device memory: the compute stream waits for this copy (the schedule's wait, or
+        `settle` at the end of the step) before anything frees or writes it again, and a record_stream would hold
+        each block until every later prefetch queued on this stream had finished."""
         if not self.cuda:
             for device_buffer, host_buffer in pairs:
                 device_buffer.copy_(host_buffer)

@@ -209,13 +209,8 @@ class _Prepared:
     def bind(self, program: Program, arena: Arena) -> None:
         """Before a step of `program`: its slots as views of the arena (made again only where the program or the
         arena's buffer changed)."""
-        if self.arena_bytes is None:
-            return
-        runtime = self.runtime
-        if runtime.slots is None or getattr(runtime, "bound_program", None) is not program:
-            runtime.slots = None
-            runtime.bound_program = program
-        runtime.bind_arena(arena, program.slots, self.arena_bytes)
+        if self.arena_bytes is not None:
+            self.runtime.bind_arena(arena, program.slots, self.arena_bytes)
 
     @property
     def checks_once(self) -> bool:
@@ -253,8 +248,8 @@ def arena_reserve_bytes(profile: GraphProfile, profiled: ProfiledStep, device: t
     generator.workspace_of = lambda group, name: largest[group]
     program = generator.program(operations, split, name="arena reserve")
     randoms = sum(1 for group in groups if group.random)
-    return program.outside_arena_bytes + (randoms + 1) * rng_state_bytes(device.type == "cuda") if randoms \
-        else program.outside_arena_bytes
+    states = (randoms + 1) * rng_state_bytes(device.type == "cuda") if randoms else 0
+    return program.outside_arena_bytes + states
 
 
 def _check_random_order(operations: list[Op], planning) -> None:
