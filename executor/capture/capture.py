@@ -94,6 +94,7 @@ class CapturedStep:
     export_seconds: float = 0.0
     joint_seconds: float = 0.0
     autocast: tuple = ()  # the autocast regions it was captured under (executor.capture.autocast.autocast_state())
+    attention_notes: list[str] = field(default_factory=list)  # each attention mask: taken out as eager, or kept and why
 
     @property
     def graph(self) -> fx.Graph:
@@ -597,6 +598,7 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
             f"the loss of {type(model).__name__} depends on none of its trainable parameters (detached, computed "
             "from the targets alone, or not a float): there is no backward to plan, and plain PyTorch's backward "
             "fails on it too")
+    step.attention_notes = exported.attention_notes
     step.export_seconds = exported_at - started
     step.joint_seconds = joint_at - exported_at
     return step

@@ -7,7 +7,9 @@ graph (`aot_export_joint_with_descriptors`). Nothing is decomposed: the graph
 calls the same ATen operators, in the same order, as an eager training step,
 which is why running it reproduces eager gradients bit for bit (dropout masks
 included: the random operators draw from the global generator in the same
-order).
+order). The one rewrite: an attention mask a library builds only while it is
+traced (all true, or the causal triangle) is taken out, so that attention runs
+as eager runs it (executor/capture/attention.py).
 
 Each placeholder and output of the joint graph carries a descriptor that says
 what it is (a parameter by name, a buffer, the i-th flattened user input, the
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.capture import autocast
+from executor.capture import attention, autocast
 from executor.errors import CaptureError
 
 VERIFIED_TORCH = "2.13"
@@ -107,6 +109,7 @@ class Exported:
     flat_inputs: list  # the flattened (args, kwargs, targets) the joint graph's user inputs index into
     descriptors: Any  # the descriptors module (ParamAOTInput, ...)
     constants: dict[str, torch.Tensor]  # descriptor target -> tensor, for constants captured from the model
+    attention_notes: list[str]  # what became of each attention mask (executor.capture.attention)
 
 
 _WRAPPER = "exported."
@@ -146,10 +149,11 @@ def joint_graph(program, args: tuple, kwargs: dict, targets) -> Exported:
     aot_export_joint_with_descriptors, descriptors = require_supported_torch()
     flat, _ = tree_flatten(((tuple(args), dict(kwargs), targets), {}))
     exported_module = program.module()
+    attention_notes = attention.as_eager_runs_it(exported_module)
     _constants_as_buffers(exported_module)
     module = _Interpreted(exported_module)
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, module, tuple(flat))
         graph_module = joint.graph_module
     constants = {_WRAPPER + name: tensor for name, tensor in exported_module.named_buffers()}
-    return Exported(program, graph_module, flat, descriptors, constants)
+    return Exported(program, graph_module, flat, descriptors, constants, attention_notes)
