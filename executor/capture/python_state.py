@@ -78,9 +78,13 @@ def _value(value: Any, depth: int = 0, configs: dict | None = None) -> Any:
 _OBJECT = ("object",)
 
 
+_SIMPLE_CLASSES = frozenset(_SIMPLE)
+
+
 def _attributes(module: nn.Module, configs: dict) -> tuple:
-    return tuple([(name, _value(value, 0, configs)) for name, value in module.__dict__.items()
-                  if name[:1] != "_" or name == "_attn_implementation"])
+    # a plain value (most attributes) without the call: this runs for every module at every call of the step
+    return tuple([(name, value if value.__class__ in _SIMPLE_CLASSES else _value(value, 0, configs))
+                  for name, value in module.__dict__.items() if name[:1] != "_" or name == "_attn_implementation"])
 
 
 def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
@@ -89,7 +93,7 @@ def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
 
 def _module_hooks(module: nn.Module) -> tuple:
     state = module.__dict__
-    return tuple([tuple((state.get(name) or {}).keys()) for name in HOOK_DICTS])
+    return tuple([tuple(state.get(name) or ()) for name in HOOK_DICTS])  # a dict's keys, () for none
 
 
 def _walk(module: nn.Module, path: str, out: list) -> None:

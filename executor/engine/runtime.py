@@ -42,15 +42,13 @@ def accumulate(parameter: torch.Tensor, gradient: torch.Tensor) -> int:
     parameter's layout, or added in place. Returns the bytes of a transient (a gradient added to an existing one)."""
     current = parameter.grad
     if current is None:
-        # obeys_layout, written out (this runs for every parameter at every step); a view becomes a tensor of its
-        # own on the same storage, as eager's `.grad` is: a view keeps its base, which model.double() after a step
-        # left float32 under a float64 `.grad`, and the next capture failed on it
-        storage = gradient.untyped_storage()
-        if (gradient.stride() == parameter.stride() and gradient.storage_offset() == 0
-                and storage.nbytes() == parameter.numel() * parameter.element_size()
-                and gradient.dtype == parameter.dtype):
-            parameter.grad = gradient.new_empty(0).set_(storage, 0, gradient.shape, gradient.stride()) \
-                if gradient._is_view() else gradient
+        # obeys_layout, written out and cheapest test first (this runs for every parameter at every step); a view
+        # becomes a tensor of its own on the same storage (detach: no base), as eager's `.grad` is: a view keeps its
+        # base, which model.double() after a step left float32 under a float64 `.grad`, and the next capture failed
+        if (gradient.dtype == parameter.dtype and gradient.storage_offset() == 0
+                and gradient.stride() == parameter.stride()
+                and gradient.untyped_storage().nbytes() == parameter.numel() * parameter.element_size()):
+            parameter.grad = gradient.detach() if gradient._is_view() else gradient
         else:
             parameter.grad = torch.empty_strided(parameter.shape, parameter.stride(), dtype=parameter.dtype,
                                                  device=parameter.device).copy_(gradient)
