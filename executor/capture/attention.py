@@ -35,14 +35,30 @@ def as_eager_runs_it(module: fx.GraphModule) -> list[str]:
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         changed = False
         for node in list(graph_module.graph.find_nodes(op="call_function", target=_ATTENTION)):
+            mask = _argument(node, _MASK, "attn_mask", None)
             note, rewritten = _rewrite(node)
             if note:
                 notes.append(f"attention at {_where(node)}: {note}")
-            changed |= rewritten
+            if rewritten:
+                _erase_unused(mask)
+                changed = True
         if changed:
-            graph_module.graph.eliminate_dead_code()
             graph_module.recompile()
     return notes
+
+
+def _erase_unused(mask: fx.Node) -> None:
+    """The mask and what computed it, where nothing else reads them any more (other layers may share the mask).
+    Only these: they are constants, never random, so no draw the step makes is removed with them (the graph's
+    eliminate_dead_code would also drop a random operation whose result is unused, and shift every draw after it)."""
+    stack, erased = [mask], set()
+    while stack:
+        node = stack.pop()
+        if node not in erased and node.op == "call_function" and not node.users:
+            inputs = node.all_input_nodes
+            node.graph.erase_node(node)
+            erased.add(node)
+            stack.extend(inputs)
 
 
 def _argument(node: fx.Node, position: int, name: str, default):
