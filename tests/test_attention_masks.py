@@ -180,6 +180,7 @@ def test_a_constant_mask_is_rewritten_only_where_eager_would_compute_the_same(ki
     reference = _TracedMaskAttention(kind)
     reference.load_state_dict(model.state_dict())
     planned = executor.optimize(model, (x, padding), _sum_of_squares)
+    assert planned.attention_notes == [note]
     loss = planned(x, padding)
     loss.backward()
     expected = _sum_of_squares(reference(x, padding))
@@ -196,3 +197,22 @@ def test_a_mask_drawn_at_random_is_never_evaluated():
     drawn = graph.call_function(torch.ops.aten.rand.default, ([4, 4],), {"device": torch.device("cpu")})
     mask = graph.call_function(torch.ops.aten.gt.Scalar, (drawn, 0.5))
     assert constant_value(mask) == (None, "it is drawn at random")
+
+
+def test_the_notes_come_back_with_a_plan_from_the_cache(tmp_path):
+    """A plan served from the cache in a later run (no capture) still says what became of each attention mask."""
+    x = torch.randn(3, 10, 8)
+    padding = torch.ones(3, 10)
+
+    def run():
+        torch.manual_seed(0)
+        messages: list[str] = []
+        planned = executor.optimize(_TracedMaskAttention("causal"), (x, padding), _sum_of_squares, budget=None,
+                                    strategy="keep-all", cache=tmp_path, timed_steps=0, progress=messages.append)
+        return planned, messages
+
+    made, _ = run()
+    loaded, messages = run()
+    assert any("no profile or solve" in m for m in messages)
+    assert loaded.attention_notes == made.attention_notes
+    assert len(made.attention_notes) == 1 and "is_causal=True" in made.attention_notes[0]

@@ -27,8 +27,9 @@ from executor.capture.capture import HAND_OFF, SHAPE_ONLY, CapturedStep, Source
 from executor.capture.feeds import Feeder
 
 # 2: the copies a forward operation hands to the backward (executor.capture.capture) carry their mark; 3: so do the
-# stand-ins of a convolution's input (compiled regions stop at them)
-FORMAT_VERSION = 3
+# stand-ins of a convolution's input (compiled regions stop at them); 4: attention masks a tracer built are taken out
+# (executor.capture.attention), and the notes saying so are kept
+FORMAT_VERSION = 4
 _KEPT_META = ("partitioner_tag", "convolution_half", "seq_nr", HAND_OFF, SHAPE_ONLY)
 _FILE_IN_TRACE = re.compile(r'File "([^"]+)", line \d+')
 
@@ -179,6 +180,7 @@ def dump_step(step: CapturedStep) -> tuple[dict, dict[str, torch.Tensor]]:
         "source_line": {node.name: line for node, line in step.source_line.items()},
         "backward": sorted(node.name for node in step.backward),
         "autocast": [list(region) for region in step.autocast],
+        "attention_notes": list(step.attention_notes),
         "export_seconds": step.export_seconds,
         "joint_seconds": step.joint_seconds,
         "structure_sha256": step.structure_sha256(),
@@ -250,6 +252,7 @@ def _rebuild(data, tensors, model, loss_fn, leaves) -> CapturedStep:
         backward={nodes[name] for name in data["backward"]},
         export_seconds=data["export_seconds"], joint_seconds=data["joint_seconds"],
         autocast=tuple(tuple(region) for region in data["autocast"]),
+        attention_notes=list(data["attention_notes"]),
     )
     _restore_values(step, leaves, data)
     actual = step.structure_sha256()

@@ -782,6 +782,13 @@ class PlannedModule(nn.Module):
             return None
         return dict(prepared.program.allowances)
 
+    @property
+    def attention_notes(self) -> list[str]:
+        """Per attention with a mask in the captured step: taken out as eager passes none, or kept and why
+        (executor.capture.attention)."""
+        prepared = self._prepared
+        return list(prepared.profiled.step.attention_notes) if prepared is not None else []
+
     def report(self) -> StepReport | None:
         """Measured against planned: the step time and peak of the first timed steps beside the simulator's, and
         the nodes whose measured time differs most from the profile's (None until the timed steps have run).
