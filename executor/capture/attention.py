@@ -28,17 +28,19 @@ _MASK, _IS_CAUSAL = 3, 5  # positions in aten.scaled_dot_product_attention(query
 #                          is_causal, *, scale, enable_gqa)
 
 
-def as_eager_runs_it(module: fx.GraphModule) -> list[str]:
+def as_eager_runs_it(module: fx.GraphModule) -> list[tuple[str, str]]:
     """Rewrites, in place, every attention of `module` (and of the graph modules inside it, such as autocast
-    regions) whose mask is a constant eager would not pass; returns one note per attention with a mask."""
-    notes: list[str] = []
+    regions) whose mask is a constant eager would not pass; returns, per attention with a mask, the module path
+    it was traced in (the exported wrapper's: 'model.encoder...') and what became of its mask."""
+    notes: list[tuple[str, str]] = []
     for graph_module in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
         changed = False
         for node in list(graph_module.graph.find_nodes(op="call_function", target=_ATTENTION)):
             mask = _argument(node, _MASK, "attn_mask", None)
-            note, rewritten = _rewrite(node)
-            if note:
-                notes.append(f"attention at {_where(node)}: {note}")
+            if not isinstance(mask, fx.Node):
+                continue
+            note, rewritten = _rewrite(node, mask)
+            notes.append((_module_path(node), note))
             if rewritten:
                 _erase_unused(mask)
                 changed = True
@@ -78,10 +80,7 @@ def _with_arguments(node: fx.Node, mask, is_causal: bool) -> None:
     node.args, node.kwargs = tuple(args), kwargs
 
 
-def _rewrite(node: fx.Node) -> tuple[str | None, bool]:
-    mask = _argument(node, _MASK, "attn_mask", None)
-    if not isinstance(mask, fx.Node):
-        return None, False
+def _rewrite(node: fx.Node, mask: fx.Node) -> tuple[str, bool]:
     if _argument(node, _IS_CAUSAL, "is_causal", False):
         return "kept: a mask together with is_causal", False
     value, why_not = constant_value(mask)
@@ -167,10 +166,6 @@ def _input_name(placeholder: str) -> str:
     return f"input {placeholder!r}"
 
 
-def _where(node: fx.Node) -> str:
+def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
-    if stack:
-        path = list(stack.values())[-1][0]
-        path = path.removeprefix("L['self'].")
-        return "the model's forward" if path == "model" else path.removeprefix("model.")
-    return node.name
+    return list(stack.values())[-1][0] if stack else ""

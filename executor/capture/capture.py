@@ -53,6 +53,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _EXECUTOR_DIR = os.path.dirname(os.path.abspath(__file__))
 
 LOSS_MODULE = "loss"  # the module path of operations the loss function runs outside the model
+ROOT_FORWARD = "the model's forward"  # where an operation of the model's own forward is, in messages
 
 
 @dataclass
@@ -598,7 +599,8 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
             f"the loss of {type(model).__name__} depends on none of its trainable parameters (detached, computed "
             "from the targets alone, or not a float): there is no backward to plan, and plain PyTorch's backward "
             "fails on it too")
-    step.attention_notes = exported.attention_notes
+    step.attention_notes = [f"attention at {_model_path(path) or ROOT_FORWARD}: {note}"
+                            for path, note in exported.attention_notes]
     step.export_seconds = exported_at - started
     step.joint_seconds = joint_at - exported_at
     return step

@@ -109,7 +109,7 @@ class Exported:
     flat_inputs: list  # the flattened (args, kwargs, targets) the joint graph's user inputs index into
     descriptors: Any  # the descriptors module (ParamAOTInput, ...)
     constants: dict[str, torch.Tensor]  # descriptor target -> tensor, for constants captured from the model
-    attention_notes: list[str]  # what became of each attention mask (executor.capture.attention)
+    attention_notes: list[tuple[str, str]]  # (module path, what became of its mask): executor.capture.attention
 
 
 _WRAPPER = "exported."
