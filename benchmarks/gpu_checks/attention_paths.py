@@ -69,4 +69,18 @@ for dropout in (True, False):
         before = torch.cuda.memory_allocated()
         step(model, work, False)
         print(f"  eager peak rise {(torch.cuda.max_memory_allocated() - before) / 2**20:.0f} MiB")
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(planned, work, True)
+        print(f"  mosos keep-all peak rise {(torch.cuda.max_memory_allocated() - before) / 2**20:.0f} MiB")
+    if device == "cuda":  # paired: eager and the planned keep-all step alternate, the fastest of each kept
+        times = {"eager": [], "mosos": []}
+        for _ in range(8):
+            for name, runs in (("eager", (model, False)), ("mosos", (planned, True))):
+                began = time.perf_counter()
+                step(runs[0], work, runs[1])
+                times[name].append((time.perf_counter() - began) * 1e3)
+        print(f"  step ms, fastest of 8: eager {min(times['eager'][1:]):.1f}, mosos keep-all "
+              f"{min(times['mosos'][1:]):.1f} ({min(times['mosos'][1:]) / min(times['eager'][1:]):.2f}x)")
+    print("  attention notes:", planned.attention_notes, flush=True)
     del planned, work, model

@@ -69,7 +69,7 @@ def held(device: str) -> dict:
             "outside_mib": max(0, total - free - torch.cuda.memory_reserved()) / MIB}
 
 
-def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool) -> dict:
+def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool, time_limit_s: float = 60) -> dict:
     """One configuration in this (fresh) process: returns its figures."""
     import torch
 
@@ -86,9 +86,15 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool) 
     if kind.startswith("mosos"):
         import executor
 
-        planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
-                                    budget=cap_bytes, time_limit_s=60, progress=False, cache=False,
-                                    arena=kind == "mosos-arena")
+        began = time.perf_counter()
+        try:
+            planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
+                                        budget=cap_bytes, time_limit_s=time_limit_s, progress=False, cache=False,
+                                        arena=kind == "mosos-arena")
+        except torch.OutOfMemoryError as error:
+            message = str(error).splitlines()[0][:200]
+            return {"kind": kind, "oom": True, "steps": 0, "error": f"in optimize(): {message}", **held(device)}
+        optimize_s = time.perf_counter() - began
     times_ms = []
     try:
         for _ in range(steps):
@@ -112,6 +118,9 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool) 
     if planned is not None and planned.held_memory is not None:
         found["mosos_held"] = planned.held_memory.describe()
         found["plan_budget_mib"] = planned.schedule.budget_bytes / MIB
+    if planned is not None:
+        found["optimize_s"] = optimize_s
+        found["arena_refused"] = planned.arena_refused
     return found
 
 
@@ -125,12 +134,17 @@ def run(kind: str, args, cap_bytes: int | None) -> dict:
     environment = dict(os.environ)
     if kind in ALLOCATOR_CONF:
         environment["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF[kind]
-    command = [sys.executable, __file__, "--one", kind, "--device", args.device, "--steps", str(args.steps)]
+    command = [sys.executable, __file__, "--one", kind, "--device", args.device, "--steps", str(args.steps),
+               "--time-limit", str(args.time_limit)]
     if cap_bytes is not None:
         command += ["--cap-bytes", str(cap_bytes)]
     if args.small:
         command.append("--small")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout, env=environment)
+    except subprocess.TimeoutExpired as expired:
+        return {"kind": kind, "oom": None, "error": f"no result within {args.run_timeout} s: "
+                f"{(expired.stderr or b'')[-300:]!r}"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
         return {"kind": kind, "oom": None, "error": (done.stderr or done.stdout)[-400:]}
@@ -144,11 +158,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--kinds", default="plain,checkpoint,mosos,mosos-expandable,mosos-arena",
+                        help="the capped configurations to run, in this order (comma-separated)")
+    parser.add_argument("--time-limit", type=float, default=60, help="optimize()'s time_limit_s")
+    parser.add_argument("--run-timeout", type=float, default=900, help="seconds one configuration may take")
     parser.add_argument("--one")
     parser.add_argument("--cap-bytes", type=int)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.device, args.cap_bytes, args.steps, args.small)), flush=True)
+        found = one(args.one, args.device, args.cap_bytes, args.steps, args.small, args.time_limit)
+        print(json.dumps(found), flush=True)
         return
     plain = run("plain", args, None)
     print("uncapped plain:", plain, flush=True)
@@ -157,13 +176,18 @@ def main() -> None:
     else:
         held_peak = 64 * MIB  # no cap on the CPU: the script's own check
     cap = int(args.ratio * held_peak)
-    rows = [run(kind, args, cap) for kind in ("plain", "checkpoint", "mosos", "mosos-expandable", "mosos-arena")]
+    rows = []
+    for kind in args.kinds.split(","):
+        rows.append(run(kind, args, cap))
+        print("capped:", rows[-1], flush=True)  # each row as it comes: a run cut short keeps the ones before
     table = ["| configuration | out of memory | steps | step ms | allocated MiB | reserved MiB | outside MiB | mosos |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
         table.append(f"| {row['kind']} | {row.get('oom')} | {row.get('steps', '')} | {row.get('step_ms', 0):.1f} | "
                      f"{row.get('allocated_peak_mib', 0):.0f} | {row.get('reserved_peak_mib', 0):.0f} | "
-                     f"{row.get('outside_mib', 0):.0f} | {row.get('mosos_held', row.get('error', ''))} |")
+                     f"{row.get('outside_mib', 0):.0f} | {row.get('mosos_held', row.get('error', ''))}"
+                     f"{'; arena refused: ' + row['arena_refused'] if row.get('arena_refused') else ''}"
+                     f"{'; optimize() %.0f s' % row['optimize_s'] if 'optimize_s' in row else ''} |")
     text = (f"cap {cap / MIB:.0f} MiB = {args.ratio} of plain's uncapped held peak "
             f"({held_peak / MIB:.0f} MiB), {args.device}\n\n" + "\n".join(table))
     print(text)
