@@ -38,6 +38,33 @@ def test_out_overloads_are_found_and_generated_copies_named():
     assert arena.out_overload(aten._to_copy.default) == arena.NO_OUT_OVERLOAD
 
 
+def test_out_overloads_read_from_the_schema_where_torch_has_no_out_tag(monkeypatch):
+    """torch 2.11 (the GPU image) has no Tag.out: the schema's keyword-only written arguments name the same
+    overloads, on every aten operator, and the same out= overloads are found."""
+    overloads = [getattr(getattr(aten, name), overload) for name in dir(aten)
+                 if isinstance(getattr(aten, name, None), torch._ops.OpOverloadPacket)
+                 for overload in getattr(aten, name).overloads()]
+    tagged = {str(op) for op in overloads if torch.Tag.out in op.tags}
+    ops = (aten.mm.default, aten.add.Tensor, aten.native_batch_norm.default, aten.convolution.default,
+           aten.threshold_backward.default, aten.view.default, aten.native_layer_norm.default)
+    found = [arena.out_overload(op) for op in ops]
+
+    class TagsOf211:
+        def __getattr__(self, name):
+            if name == "out":
+                raise AttributeError(name)
+            return getattr(torch._C.Tag, name)
+
+    monkeypatch.setattr(torch, "Tag", TagsOf211())
+    arena.out_overload.cache_clear()
+    try:
+        assert len(tagged) > 500
+        assert {str(op) for op in overloads if arena._is_out_overload(op)} == tagged
+        assert [arena.out_overload(op) for op in ops] == found
+    finally:
+        arena.out_overload.cache_clear()
+
+
 def test_several_results_share_one_slot_widest_elements_first():
     results = [((3,), (1,), torch.float32, "cpu"), ((2, 2), (2, 1), torch.float64, "cpu"),
                ((5,), (1,), torch.int8, "cpu")]

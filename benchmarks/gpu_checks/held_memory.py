@@ -162,6 +162,7 @@ def main() -> None:
                         help="the capped configurations to run, in this order (comma-separated)")
     parser.add_argument("--time-limit", type=float, default=60, help="optimize()'s time_limit_s")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds one configuration may take")
+    parser.add_argument("--cap-mib", type=float, help="the cap, as measured by an earlier run (skips plain's)")
     parser.add_argument("--one")
     parser.add_argument("--cap-bytes", type=int)
     args = parser.parse_args()
@@ -169,9 +170,11 @@ def main() -> None:
         found = one(args.one, args.device, args.cap_bytes, args.steps, args.small, args.time_limit)
         print(json.dumps(found), flush=True)
         return
-    plain = run("plain", args, None)
+    plain = run("plain", args, None) if args.cap_mib is None else {}
     print("uncapped plain:", plain, flush=True)
-    if args.device == "cuda":
+    if args.cap_mib is not None:  # a cap measured before: plain's uncapped run is skipped
+        held_peak = args.cap_mib / args.ratio * MIB
+    elif args.device == "cuda":
         held_peak = (plain["reserved_peak_mib"] + plain["outside_mib"]) * MIB
     else:
         held_peak = 64 * MIB  # no cap on the CPU: the script's own check
