@@ -680,6 +680,9 @@ class CodeGenerator:
         later_computes.reverse()
         self._last_read = self._last_reads(operations)
         cut = len(operations) if split is None else split
+        # on a GPU, where an arena slot freed under its offload is written next, the writer waits for the copy
+        reclaim_at = (arena.reclaims(operations, lambda index: self.planning.size_bytes(groups[index]))
+                      if self.modes.arena and self.cuda else {})
         regions = self._region_kernels(operations, self._regions(operations, cut))
         parts_ops = [operations[:cut], operations[cut:]] if split is not None else [operations]
         source_lines: list[str] = []
@@ -716,6 +719,10 @@ class CodeGenerator:
                 op = part[k]
                 group = groups[op.group]
                 outputs = [local(n) for n in group.outputs]
+                for stream in ("compute", "h2d"):
+                    waiting = [g for g, on in reclaim_at.get(offset + k, ()) if on == stream]
+                    if waiting:
+                        w(f"S.reclaim({_tuple([str(g) for g in waiting])}, {stream!r})")
                 if op.kind == "compute":
                     first = op.group not in seen
                     seen.add(op.group)

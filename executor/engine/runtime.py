@@ -146,6 +146,9 @@ class StepRuntime:
         if self.ledger is not None:
             self.ledger.wait(self.node_ids[group], transfer)
 
+    def reclaim(self, groups: tuple, stream: str) -> None:
+        self.transfers.reclaim(groups, stream)
+
     def release(self, group: int, tensors: tuple) -> None:
         self.transfers.release(group, tensors)
         if self.ledger is not None:

@@ -56,6 +56,8 @@ class Transfers:
         # (its free lands in whichever later allocation finds the copy done); True, the host waits for the copy
         self.wait_before_free = False
         self.arena: torch.Tensor | None = None  # the arena's bytes while a step writes into it (executor.engine.arena)
+        # node -> the unfinished offload reading its freed slot of the arena, until what writes there next waits for it
+        self.unreclaimed: dict[int, object] = {}
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -134,9 +136,9 @@ class Transfers:
                 return
             for tensor in tensors:
                 if self._in_arena(tensor):
-                    # the arena is never freed: what must wait for the copy is the next computation writing this
-                    # slot, on the compute stream
-                    torch.cuda.current_stream(self.device).wait_event(done)
+                    # the arena is never freed: what must wait for the copy is whatever writes this slot next, and
+                    # only that (executor.engine.arena.reclaims places the waits; the step's end waits for the rest)
+                    self.unreclaimed[key] = done
                 elif tensor.device.type == self.device.type:
                     tensor.record_stream(self.d2h_stream)
 
@@ -193,6 +195,22 @@ class Transfers:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def reclaim(self, keys: tuple, stream: str) -> None:
+        """Before writing into arena slots freed under these nodes' offloads: the writing stream ("compute" or
+        "h2d") waits for the copies. The compute stream's wait ends the entry (a prefetch there later follows the
+        compute stream); the host-to-device stream's leaves it for the compute stream's writer."""
+        if not self.cuda:
+            return
+        for key in keys:
+            if stream == "compute":
+                event = self.unreclaimed.pop(key, None)
+                if event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(event)
+            else:
+                event = self.unreclaimed.get(key)
+                if event is not None:
+                    self.h2d_stream.wait_event(event)
+
     def settle(self) -> None:
         """End of a step: the compute stream waits for prefetches nobody waited for, so their buffers can go."""
         self.copies.clear()
@@ -202,3 +220,6 @@ class Transfers:
         for event in self.prefetch_done.values():
             stream.wait_event(event)
         self.prefetch_done.clear()
+        for event in self.unreclaimed.values():  # slots nothing wrote again this step: the next step may write
+            stream.wait_event(event)
+        self.unreclaimed.clear()
