@@ -57,8 +57,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--compile", action="store_true",
                         help="run the planning nodes as Inductor kernels (equal to plain PyTorch to rounding)")
-    parser.add_argument("--arena", action="store_true",
-                        help="write every node's outputs into the plan's arena (planned addresses), allocated once")
+    parser.add_argument("--arena", action=argparse.BooleanOptionalAction, default=None,
+                        help="write every node's outputs into the plan's arena (planned addresses), allocated once "
+                             "(default: on a GPU, not on the CPU)")
     parser.add_argument("--compare-plain", action="store_true",
                         help="with --budget: run plain PyTorch beside the plan even where it does not fit the budget")
     args = parser.parse_args()
@@ -137,7 +138,7 @@ def main() -> int:
           f"{summary.predicted_step_time_ms:.2f} ms, predicted peak {format_bytes(summary.peak_memory_bytes)}")
     if planned.compiled_nodes is not None:
         print(f"compiled: {planned.compiled_nodes.describe()}")
-    if args.arena:
+    if planned.arena_enabled:
         if planned.arena_refused is not None:
             print(f"arena: not used: {planned.arena_refused}")
         else:

@@ -257,6 +257,25 @@ def test_optimize_plans_room_beside_the_arena_and_trains_in_it():
             assert "planned addresses" in planned.arena_refused or "pass the budget" in planned.arena_refused
 
 
+def test_the_arena_is_on_by_default_on_a_gpu_only_and_a_wrong_value_is_refused():
+    """optimize()'s arena=None means: on a GPU (where fragmentation ran a planned step out of memory, issue 44),
+    off on the CPU; anything but True, False or None is named before anything runs."""
+    import executor
+    from executor.errors import MososError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    inputs, targets = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    with pytest.raises(MososError, match="arena is True, False or None"):
+        executor.optimize(model, inputs, torch.nn.functional.cross_entropy, targets=targets, arena="yes",
+                          cache=False, progress=False)
+    planned = executor.optimize(model, inputs, torch.nn.functional.cross_entropy, targets=targets, cache=False,
+                                progress=False, timed_steps=0)
+    assert planned.arena_enabled is False
+    import inspect
+
+    assert inspect.signature(executor.optimize).parameters["arena"].default is None
+
+
 def test_a_copied_or_pickled_planned_module_makes_its_own_arena():
     """A deep copy or a pickled planned module (torch.save of the whole module) shares no arena with the original:
     it makes its own at its first step, and trains as the original does."""

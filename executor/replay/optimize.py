@@ -190,7 +190,7 @@ def optimize(
     compile: bool = False,
     compile_regions: bool = True,
     device_memory: DeviceMemory | None | str = "auto",
-    arena: bool = False,
+    arena: bool | None = None,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or, not both, `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
@@ -236,7 +236,9 @@ def optimize(
 
     `arena=True` (eager replay, a plan with planned addresses): the step writes every node's outputs into their
     planned slot of one arena allocated once, through the operators' out= overloads, so the allocator is asked only
-    for what `planned.arena_allowances` names; the arena stays allocated between steps.
+    for what `planned.arena_allowances` names; the arena stays allocated between steps. The default, None, is on
+    for a model on a GPU (where the allocator's fragmentation is what runs a planned step out of memory) and off
+    on the CPU; `compile=True` turns it off (Inductor's kernels allocate their own outputs).
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
@@ -254,6 +256,10 @@ def optimize(
         raise MososError(f"kwargs are the model's keyword inputs as a dict, not {type(kwargs).__name__}")
     if isinstance(timed_steps, bool) or not isinstance(timed_steps, int) or timed_steps < 0:
         raise MososError(f"timed_steps is a whole number of steps, at least 0, not {timed_steps!r}")
+    if arena is not None and not isinstance(arena, bool):
+        raise MososError(f"arena is True, False or None (on a GPU, off on the CPU), not {arena!r}")
+    if arena is None:
+        arena = next((p.device for p in model.parameters()), torch.device("cpu")).type == "cuda"
     if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
         raise MososError(f"cache is True, False, None or a folder (a str or a path), not {type(cache).__name__} "
                          f"{cache!r}")
@@ -263,7 +269,7 @@ def optimize(
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s,
         algorithms=_algorithms(algorithms if algorithms is not None
                                else COMPILED_ALGORITHMS if compile else ("native",)),
-        repeats=repeats, warmup=warmup, measuring=measuring, compile=compile, arena=bool(arena) and not compile,
+        repeats=repeats, warmup=warmup, measuring=measuring, compile=compile, arena=arena and not compile,
     )
     planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress), device_memory)
     profile, schedule, profiled, key = planner.plan_signature(as_tuple(example_inputs), kwargs, targets)
