@@ -81,18 +81,34 @@ _OBJECT = ("object",)
 _SIMPLE_CLASSES = frozenset(_SIMPLE)
 
 
+# nn.Module's own entries in every module's __dict__ (its bookkeeping, and `training`, compared on its own): one set
+# difference leaves what the module's class added, instead of a test per name, for every module at every call
+_MODULE_OWN = frozenset(nn.Module().__dict__)
+
+
 def _attributes(module: nn.Module, configs: dict) -> tuple:
-    # a plain value (most attributes) without the call: this runs for every module at every call of the step
+    state = module.__dict__
+    if state.keys() == _MODULE_OWN:  # compared in C without building a set: a module that added nothing
+        return ()
+    added = state.keys() - _MODULE_OWN
+    # a plain value (most attributes) without the call; sorted by name: a set's order is not the dict's
     return tuple([(name, value if value.__class__ in _SIMPLE_CLASSES else _value(value, 0, configs))
-                  for name, value in module.__dict__.items() if name[:1] != "_" or name == "_attn_implementation"])
+                  for name in sorted(added) if name[:1] != "_" or name == "_attn_implementation"
+                  for value in (state[name],)])
 
 
 def _hooks(owner: Any, names: tuple[str, ...]) -> tuple:
     return tuple(tuple((getattr(owner, name, None) or {}).keys()) for name in names)
 
 
+_NO_HOOKS = ((),) * len(HOOK_DICTS)
+
+
 def _module_hooks(module: nn.Module) -> tuple:
     state = module.__dict__
+    forward, forward_pre, backward, backward_pre = HOOK_DICTS
+    if not (state.get(forward) or state.get(forward_pre) or state.get(backward) or state.get(backward_pre)):
+        return _NO_HOOKS  # most modules: four empty dicts
     return tuple([tuple(state.get(name) or ()) for name in HOOK_DICTS])  # a dict's keys, () for none
 
 
