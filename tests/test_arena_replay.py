@@ -375,3 +375,29 @@ def test_every_write_over_a_slot_under_an_offload_waits_for_it_in_a_real_plan():
     # on the CPU, copies are synchronous: no wait is generated
     assert "S.reclaim(" not in CodeGenerator(captured.planning, Modes(arena=True), cuda=False).program(
         operations, None).source
+
+
+@pytest.mark.parametrize("name", ["resnet", "mobilenet", "inplace-cnn"])
+def test_batch_norm_under_bf16_autocast_trains_in_the_arena_as_through_the_allocator(name):
+    """torch's fake batch norm gives its statistics the input's dtype (bf16 under autocast) where the CPU kernel
+    keeps float32: slots laid out from the trace cast them (a clone is a copy into the slot), and the backward
+    refused the mixed dtypes. Such statistics keep the allocator's, named among the allowances."""
+    import executor
+
+    model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
+    results = {}
+    for use_arena in (False, True):
+        trained = copy.deepcopy(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            planned = executor.optimize(trained, args, loss_fn, targets=targets, kwargs=kwargs, arena=use_arena,
+                                        cache=False, progress=False, timed_steps=0, time_limit_s=5)
+            torch.manual_seed(1)
+            loss = planned(*args, targets=targets, **kwargs)
+        loss.backward()
+        results[use_arena] = (loss.detach(), [p.grad for p in trained.parameters()])
+        if use_arena:
+            assert planned.arena_refused is None
+            assert arena.TRACED_DTYPE in planned.arena_allowances.values()
+    assert torch.equal(results[False][0], results[True][0])
+    for a, b in zip(results[False][1], results[True][1]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
