@@ -297,8 +297,12 @@ class CodeGenerator:
                 # only as long as the copy (the allowance the program names), the slot as long as the plan says
                 for value in self._results(op):
                     if value in slot_of:  # an output (a value made and dropped inside gains nothing by a copy)
-                        lines.append(f"S.slots[{slot_of[value]}].copy_({local(value)})")
-                        lines.append(f"{local(value)} = S.slots[{slot_of[value]}]")
+                        # only in the traced dtype: a copy would cast silently where a fake kernel gave the trace
+                        # another dtype than the run's (kept as computed, and the step says so: S.kept_out)
+                        k = slot_of[value]
+                        name = local(value)
+                        lines.append(f"{name} = S.slots[{k}].copy_({name}) if {name}.dtype is S.slot_dtypes[{k}] "
+                                     f"else S.kept_out({group.index}, {name})")
                         copied = True
                         copied_bytes += graph.facts.root_bytes[value]
             made.add(op)
@@ -504,7 +508,13 @@ class CodeGenerator:
             return None
         writer = self._writer(op, group, implementation)
         if writer == "copy":
-            return f"{local(op)} = S.slots[{slot_of[op]}].copy_({self.argument(op.args[0])})"
+            k, source = slot_of[op], self.argument(op.args[0])
+            if op.kwargs.get("dtype") is not None:  # a cast the operation asks for: the slot has its dtype
+                return f"{local(op)} = S.slots[{k}].copy_({source})"
+            # the source's own dtype: as the operation itself where the run's is not the trace's (S.kept_out)
+            self.constants.setdefault("kept_out_copy", runtime_kept_out_copy)
+            return f"{local(op)} = S.slots[{k}].copy_({source}) if {source}.dtype is S.slot_dtypes[{k}] " \
+                   f"else kept_out_copy(S, {group.index}, {self.op_for(op)}, {self._arguments(op)})"
         if writer == "clamp_min":
             return f"{local(op)} = {self.op(torch.ops.aten.clamp_min.out)}({self.argument(op.args[0])}, 0, " \
                    f"out=S.slots[{slot_of[op]}])"
@@ -991,6 +1001,12 @@ def rng_state_bytes(cuda: bool) -> int:
     if cuda:
         size += torch.cuda.get_rng_state().numel()
     return aligned(size)
+
+
+def runtime_kept_out_copy(runtime, group: int, function, *args, **kwargs):
+    """A clone or copy computed as the operation itself, outside the arena, where its source's dtype is not the
+    trace's (the slot would have cast it)."""
+    return runtime.kept_out(group, function(*args, **kwargs))
 
 
 def _tuple(names: list[str]) -> str:

@@ -78,13 +78,18 @@ class StepRuntime:
         # with planned addresses: the arena's views the program writes (executor.engine.arena), None until bound
         self.slots: list[torch.Tensor] | None = None
         self.arena_ptr = 0
+        self.slot_dtypes: list = []
         self.bound_layouts: list | None = None  # the layouts `slots` were made from
+        # nodes whose results the step kept outside the arena because the run's dtype was not the trace's (a copy
+        # into the slot would have cast them): the arena's bound beside it does not count them
+        self.kept_outside: set[int] = set()
 
     def bind_arena(self, arena, layouts: list, size_bytes: int) -> None:
         """`layouts` (a program's slots) as views of `arena`, grown to `size_bytes` where smaller: made again only
         where the layouts or the arena's buffer changed (the arena drops `slots` when its buffer goes)."""
         if self.slots is None or self.bound_layouts is not layouts or self.arena_ptr != arena.buffer.data_ptr():
             self.slots = arena.views(self, layouts, size_bytes)
+            self.slot_dtypes = [layout.dtype for layout in layouts]
             self.bound_layouts = layouts
             self.transfers.arena = arena.buffer
             self.arena_ptr = arena.buffer.data_ptr()
@@ -145,6 +150,11 @@ class StepRuntime:
         self.transfers.wait(group, transfer)
         if self.ledger is not None:
             self.ledger.wait(self.node_ids[group], transfer)
+
+    def kept_out(self, group: int, value: torch.Tensor) -> torch.Tensor:
+        """`value`, kept where it was computed: its dtype is not its slot's (the trace's), which a copy would cast."""
+        self.kept_outside.add(group)
+        return value
 
     def reclaim(self, groups: tuple, stream: str) -> None:
         self.transfers.reclaim(groups, stream)

@@ -783,6 +783,16 @@ class PlannedModule(nn.Module):
         return dict(prepared.program.allowances)
 
     @property
+    def arena_kept_out(self) -> list[str]:
+        """Nodes whose results a step kept where they were computed instead of copying them into their slot: their
+        dtype in the run was not the trace's (a fake kernel's), and the copy would have cast them. Their bytes are
+        beside the arena and not in its bound; empty where every copy matched."""
+        prepared = self._prepared
+        if prepared is None:
+            return []
+        return [prepared.runtime.node_ids[group] for group in sorted(prepared.runtime.kept_outside)]
+
+    @property
     def attention_notes(self) -> list[str]:
         """Per attention with a mask in the captured step: taken out as eager passes none, or kept and why
         (executor.capture.attention)."""
