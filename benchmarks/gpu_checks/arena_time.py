@@ -5,8 +5,11 @@ The model and budget are held_memory.py's (a LLaMA-style decoder from transforme
 plan is optimize(arena=True)'s within `--cap-mib` (no cap is set on the process: both replays live in it). Per
 replay: the fastest and median step, the allocator's peaks, and the plan's summary (what it offloads and
 recomputes, the simulated step); for the arena, the nodes the program names as allocating outside it, by reason.
+First, one step of each from the same parameters: the loss and every gradient compared bitwise (the arena must
+compute exactly what the allocator's replay does), and the nodes a step kept outside the arena at run time.
+`--bf16` runs the capture and every forward under bf16 autocast.
 
-    python benchmarks/gpu_checks/arena_time.py [--device cuda] [--cap-mib 15408] [--steps 6]
+    python benchmarks/gpu_checks/arena_time.py [--device cuda] [--cap-mib 15408] [--steps 6] [--bf16]
     python benchmarks/gpu_checks/arena_time.py --device cpu --small --cap-mib 32   # the script's own check
 """
 
@@ -23,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from held_memory import MIB, build  # noqa: E402
+from held_memory import MIB, build, mixed  # noqa: E402
 
 
 def main() -> None:
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--time-limit", type=float, default=20)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast around the forward and the capture")
     args = parser.parse_args()
 
     import torch
@@ -43,9 +47,10 @@ def main() -> None:
     cuda = args.device == "cuda"
     model, ids, loss_fn = build(args.device, args.small)
     began = time.perf_counter()
-    arena_step = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
-                                   budget=int(args.cap_mib * MIB), time_limit_s=args.time_limit, progress=False,
-                                   cache=False, arena=True, timed_steps=0)  # no timed steps, no re-plan
+    with mixed(args.device, args.bf16):
+        arena_step = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
+                                       budget=int(args.cap_mib * MIB), time_limit_s=args.time_limit, progress=False,
+                                       cache=False, arena=True, timed_steps=0)  # no timed steps, no re-plan
     print(f"optimize(arena=True): {time.perf_counter() - began:.0f} s; arena refused: {arena_step.arena_refused}",
           flush=True)
     twin = copy.deepcopy(model)
@@ -57,14 +62,27 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        planned(input_ids=ids, targets=ids).backward()
+        with mixed(args.device, args.bf16):
+            loss = planned(input_ids=ids, targets=ids)
+        loss.backward()
         if cuda:
             torch.cuda.synchronize()
         owner.zero_grad(set_to_none=True)
         return (time.perf_counter() - started) * 1e3
 
-    for planned, owner in replays.values():
-        one_step(planned, owner)
+    # the same computation both ways: one step from the same parameters, loss and gradients compared bitwise
+    found = {}
+    for name, (planned, owner) in replays.items():
+        with mixed(args.device, args.bf16):
+            loss = planned(input_ids=ids, targets=ids)
+        loss.backward()
+        found[name] = (loss.detach().clone(), [p.grad.clone() for p in owner.parameters() if p.grad is not None])
+        owner.zero_grad(set_to_none=True)
+    (loss_a, grads_a), (loss_b, grads_b) = found["allocator"], found["arena"]
+    differing = sum(not torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    print(f"arena against allocator: loss {'equal' if torch.equal(loss_a, loss_b) else 'DIFFERENT'}, "
+          f"{differing} of {len(grads_a)} gradients differ; kept out of the arena at run time: "
+          f"{arena_step.arena_kept_out}", flush=True)
     times = {name: [] for name in replays}
     for _ in range(args.steps):
         for name, (planned, owner) in replays.items():

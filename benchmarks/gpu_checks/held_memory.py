@@ -12,7 +12,7 @@ out of memory or not, the step time, the allocator's peaks (allocated, reserved)
 the allocator, and mosos' own held-memory record (`planned.held_memory`: steps over the budget, re-plans within
 less).
 
-    python benchmarks/gpu_checks/held_memory.py [--device cuda] [--ratio 0.5] [--steps 6] [--write]
+    python benchmarks/gpu_checks/held_memory.py [--device cuda] [--ratio 0.5] [--steps 6] [--bf16] [--write]
     python benchmarks/gpu_checks/held_memory.py --device cpu --small   # the script's own check, no cap
 
 The budget is `ratio` of plain PyTorch's held peak (reserved plus outside the allocator), measured first, uncapped.
@@ -69,7 +69,17 @@ def held(device: str) -> dict:
             "outside_mib": max(0, total - free - torch.cuda.memory_reserved()) / MIB}
 
 
-def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool, time_limit_s: float = 60) -> dict:
+def mixed(device: str, bf16: bool):
+    """bf16 autocast around the forward (and the capture), as a user training in mixed precision has it."""
+    import contextlib
+
+    import torch
+
+    return torch.autocast(device, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool, time_limit_s: float = 60,
+        bf16: bool = False) -> dict:
     """One configuration in this (fresh) process: returns its figures."""
     import torch
 
@@ -88,9 +98,10 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool, 
 
         began = time.perf_counter()
         try:
-            planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
-                                        budget=cap_bytes, time_limit_s=time_limit_s, progress=False, cache=False,
-                                        arena=kind == "mosos-arena")
+            with mixed(device, bf16):
+                planned = executor.optimize(model, (), loss_fn, kwargs={"input_ids": ids}, targets=ids,
+                                            budget=cap_bytes, time_limit_s=time_limit_s, progress=False,
+                                            cache=False, arena=kind == "mosos-arena")
         except torch.OutOfMemoryError as error:
             message = str(error).splitlines()[0][:200]
             return {"kind": kind, "oom": True, "steps": 0, "error": f"in optimize(): {message}", **held(device)}
@@ -102,7 +113,9 @@ def one(kind: str, device: str, cap_bytes: int | None, steps: int, small: bool, 
                 torch.cuda.synchronize()
             began = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss = planned(input_ids=ids, targets=ids) if planned is not None else loss_fn(model(input_ids=ids), ids)
+            with mixed(device, bf16):
+                loss = (planned(input_ids=ids, targets=ids) if planned is not None
+                        else loss_fn(model(input_ids=ids), ids))
             loss.backward()
             optimizer.step()
             if device == "cuda":
@@ -135,7 +148,7 @@ def run(kind: str, args, cap_bytes: int | None) -> dict:
     if kind in ALLOCATOR_CONF:
         environment["PYTORCH_CUDA_ALLOC_CONF"] = ALLOCATOR_CONF[kind]
     command = [sys.executable, __file__, "--one", kind, "--device", args.device, "--steps", str(args.steps),
-               "--time-limit", str(args.time_limit)]
+               "--time-limit", str(args.time_limit)] + (["--bf16"] if args.bf16 else [])
     if cap_bytes is not None:
         command += ["--cap-bytes", str(cap_bytes)]
     if args.small:
@@ -162,12 +175,13 @@ def main() -> None:
                         help="the capped configurations to run, in this order (comma-separated)")
     parser.add_argument("--time-limit", type=float, default=60, help="optimize()'s time_limit_s")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds one configuration may take")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast around every configuration's forward")
     parser.add_argument("--cap-mib", type=float, help="the cap, as measured by an earlier run (skips plain's)")
     parser.add_argument("--one")
     parser.add_argument("--cap-bytes", type=int)
     args = parser.parse_args()
     if args.one:
-        found = one(args.one, args.device, args.cap_bytes, args.steps, args.small, args.time_limit)
+        found = one(args.one, args.device, args.cap_bytes, args.steps, args.small, args.time_limit, args.bf16)
         print(json.dumps(found), flush=True)
         return
     plain = run("plain", args, None) if args.cap_mib is None else {}
@@ -195,8 +209,11 @@ def main() -> None:
             f"({held_peak / MIB:.0f} MiB), {args.device}\n\n" + "\n".join(table))
     print(text)
     if args.write:
-        RESULTS.write_text("# A planned step under a cap equal to its budget (issue 44)\n\n"
-                           f"`python benchmarks/gpu_checks/held_memory.py --ratio {args.ratio}` "
+        # a section added at the end: the file keeps the runs before it and what was read from them
+        title = "# A planned step under a cap equal to its budget (issue 44)\n"
+        earlier = RESULTS.read_text() if RESULTS.exists() else title
+        command = " ".join(["python", "benchmarks/gpu_checks/held_memory.py", *sys.argv[1:]])
+        RESULTS.write_text(earlier.rstrip("\n") + f"\n\n## `{command}` "
                            f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n{text}\n")
 
 
