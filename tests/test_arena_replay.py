@@ -382,6 +382,18 @@ def test_batch_norm_under_bf16_autocast_trains_in_the_arena_as_through_the_alloc
     """torch's fake batch norm gives its statistics the input's dtype (bf16 under autocast) where the CPU kernel
     keeps float32: slots laid out from the trace cast them (a clone is a copy into the slot), and the backward
     refused the mixed dtypes. Such statistics keep the allocator's, named among the allowances."""
+    results = _bf16_steps_without_and_with_the_arena(name)
+    planned = results[True][2]
+    assert planned.arena_refused is None
+    assert arena.TRACED_DTYPE in planned.arena_allowances.values()
+    assert torch.equal(results[False][0], results[True][0])
+    for a, b in zip(results[False][1], results[True][1]):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def _bf16_steps_without_and_with_the_arena(name):
+    """One planned step of a zoo model under bf16 autocast, through the allocator (False) and in the arena (True):
+    per arena setting, the loss, the parameters' gradients and the planned module."""
     import executor
 
     model, args, kwargs, targets, loss_fn = ZOO[name](torch.float32)
@@ -394,36 +406,19 @@ def test_batch_norm_under_bf16_autocast_trains_in_the_arena_as_through_the_alloc
             torch.manual_seed(1)
             loss = planned(*args, targets=targets, **kwargs)
         loss.backward()
-        results[use_arena] = (loss.detach(), [p.grad for p in trained.parameters()])
-        if use_arena:
-            assert planned.arena_refused is None
-            assert arena.TRACED_DTYPE in planned.arena_allowances.values()
-    assert torch.equal(results[False][0], results[True][0])
-    for a, b in zip(results[False][1], results[True][1]):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        results[use_arena] = (loss.detach(), [p.grad for p in trained.parameters()], planned)
+    return results
 
 
 def test_a_copy_into_a_slot_whose_dtype_is_not_the_runs_keeps_the_value_as_computed(monkeypatch):
     """A guard beside the static rule above: with the batch-norm rule switched off, the statistics' copies find
     their dtype is not the slot's at run time, are kept where they were computed (no cast), and the module names
     them; the step is still the allocator's, bitwise."""
-    import executor
-
     monkeypatch.setattr(arena, "traced_dtype_unreliable", lambda value: False)
-    model, args, kwargs, targets, loss_fn = ZOO["resnet"](torch.float32)
-    results = {}
-    for use_arena in (False, True):
-        trained = copy.deepcopy(model)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            planned = executor.optimize(trained, args, loss_fn, targets=targets, kwargs=kwargs, arena=use_arena,
-                                        cache=False, progress=False, timed_steps=0, time_limit_s=5)
-            loss = planned(*args, targets=targets, **kwargs)
-        loss.backward()
-        results[use_arena] = (loss.detach(), [p.grad for p in trained.parameters()])
-        if use_arena:
-            assert planned.arena_refused is None
-            assert planned.arena_kept_out and all("batch_norm" in node for node in planned.arena_kept_out)
-        else:
-            assert planned.arena_kept_out == []
+    results = _bf16_steps_without_and_with_the_arena("resnet")
+    planned = results[True][2]
+    assert planned.arena_refused is None
+    assert planned.arena_kept_out and all("batch_norm" in node for node in planned.arena_kept_out)
+    assert results[False][2].arena_kept_out == []
     assert torch.equal(results[False][0], results[True][0])
     assert all(torch.equal(a, b) for a, b in zip(results[False][1], results[True][1]))

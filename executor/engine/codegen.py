@@ -512,9 +512,8 @@ class CodeGenerator:
             if op.kwargs.get("dtype") is not None:  # a cast the operation asks for: the slot has its dtype
                 return f"{local(op)} = S.slots[{k}].copy_({source})"
             # the source's own dtype: as the operation itself where the run's is not the trace's (S.kept_out)
-            self.constants.setdefault("kept_out_copy", runtime_kept_out_copy)
             return f"{local(op)} = S.slots[{k}].copy_({source}) if {source}.dtype is S.slot_dtypes[{k}] " \
-                   f"else kept_out_copy(S, {group.index}, {self.op_for(op)}, {self._arguments(op)})"
+                   f"else S.kept_out({group.index}, {self.op_for(op)}({self._arguments(op)}))"
         if writer == "clamp_min":
             return f"{local(op)} = {self.op(torch.ops.aten.clamp_min.out)}({self.argument(op.args[0])}, 0, " \
                    f"out=S.slots[{slot_of[op]}])"
@@ -1001,12 +1000,6 @@ def rng_state_bytes(cuda: bool) -> int:
     if cuda:
         size += torch.cuda.get_rng_state().numel()
     return aligned(size)
-
-
-def runtime_kept_out_copy(runtime, group: int, function, *args, **kwargs):
-    """A clone or copy computed as the operation itself, outside the arena, where its source's dtype is not the
-    trace's (the slot would have cast it)."""
-    return runtime.kept_out(group, function(*args, **kwargs))
 
 
 def _tuple(names: list[str]) -> str:
