@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,19 @@ def _own_plan_cache(tmp_path_factory, monkeypatch):
     """Each test (and every process it starts) keeps plans in a cache of its own: a plan kept by one test never
     stands in for the capture, profile and solve another test is about."""
     monkeypatch.setenv("MOSOS_CACHE_DIR", str(tmp_path_factory.mktemp("mosos-cache")))
+
+
+@pytest.fixture
+def still_heap():
+    """For a test that times a deadline in wall-clock seconds: an hour into the suite the process holds millions
+    of objects, and one full collection of them can stall a step of the code under test for about a second. What
+    exists when the test starts is frozen out of the collector's reach until it ends."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def requires_shared(path: Path) -> Path:

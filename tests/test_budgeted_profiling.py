@@ -308,10 +308,11 @@ def test_mosos_profile_stops_at_its_time_limit_says_where_and_writes_nothing(tmp
     assert took_s < 10 + 8, took_s
 
 
-def test_the_search_for_a_measuring_pass_keeps_to_a_deadline():
+def test_the_search_for_a_measuring_pass_keeps_to_a_deadline(still_heap):
     """At a budget no measuring pass fits, the searches take their whole time limits (the solver 20 s); with a
     deadline (mosos profile --time-limit) a second away, TimeLimitReached comes within it and says what was tried,
-    never a BudgetError that a search cut short cannot back."""
+    never a BudgetError that a search cut short cannot back. It comes 0.01 s late here; CI once saw 1.02 s late an
+    hour into the suite, so the bound allows a loaded machine 1.5 s and is still far below the searches' 20 s."""
     from executor.measure import measuring
     from planner.budget import minimum_budget_bytes
     from planner.errors import TimeLimitReached
@@ -321,7 +322,7 @@ def test_the_search_for_a_measuring_pass_keeps_to_a_deadline():
     started = time.monotonic()
     with pytest.raises(TimeLimitReached, match="in the time left [(]tried keep-all, "):
         measuring.measuring_schedule(provisional, floor, deadline=started + 1)
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < 1 + 1.5
 
 
 @pytest.mark.slow

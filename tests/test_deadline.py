@@ -110,7 +110,7 @@ def test_the_age_of_a_process_counts_what_ran_before_the_command():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert 0.6 <= float(result.stdout) < 10, result.stdout + result.stderr
 
-def test_a_stop_request_ends_the_joint_models_solve_too():
+def test_a_stop_request_ends_the_joint_models_solve_too(still_heap):
     """The service's cancel: once the joint model's phase has begun, a stop request ends the call within a second,
     as it does in the earlier phases (its whole-model solve used to run on to its share of the limit)."""
     profile = json.loads((ROOT / "models/profiles/vgg19-b144-227-p40.json").read_text())

@@ -267,7 +267,7 @@ class _SolverThatDropsAnEarlyStop:
         return self.ended.wait(5.0)
 
 
-def test_a_stop_asked_before_the_solve_began_still_stops_it():
+def test_a_stop_asked_before_the_solve_began_still_stops_it(still_heap):
     from planner.cpsat.callback import StopWatcher
 
     solver = _SolverThatDropsAnEarlyStop()
