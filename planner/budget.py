@@ -112,7 +112,7 @@ def resolve_budget(profile: GraphProfile, budget_bytes: int | None, memory_ratio
 
 def smallest_budget(
     fits: Callable[[int], int | None], infeasible_bytes: int, feasible_bytes: int,
-    out_of_time: Callable[[], bool] = lambda: False, doublings: int = 8,
+    out_of_time: Callable[[], bool] = lambda: False, doublings: int = 8, resolution_bytes: int = 1,
 ) -> int | None:
     """The smallest budget at which `fits` was seen to succeed, by bisection between `infeasible_bytes` (nothing
     fits) and `feasible_bytes` (doubled up to `doublings` times until something does; with none, known to fit and
@@ -122,6 +122,8 @@ def smallest_budget(
     is found. What fits need not be monotone in the budget (a heuristic's plan, the greedy pass): the answer is
     always a budget where `fits` succeeded, with one byte less seen to fail, or, once `out_of_time()`, the smallest
     success so far. None where even the last doubling fails, or time ran out before any success.
+    `resolution_bytes`: the bisection stops once the two are that close (a `fits` that takes a tenth of a second
+    need not find the byte).
     """
     high = feasible_bytes
     for attempt in range(doublings):
@@ -133,7 +135,7 @@ def smallest_budget(
             return None
         high *= 2
     low = infeasible_bytes
-    while high - low > 1 and not out_of_time():
+    while high - low > max(resolution_bytes, 1) and not out_of_time():
         middle = (low + high) // 2
         needed = fits(middle)
         if needed is None:

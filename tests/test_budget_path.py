@@ -71,6 +71,31 @@ def test_the_search_doubles_a_feasible_guess_that_fails_and_gives_up_after_the_d
     assert smallest_budget(lambda b: b if b >= 10_000 else None, 0, 3000, doublings=1) is None
 
 
+def test_the_search_stops_at_its_resolution_and_a_known_fit_needs_no_doubling():
+    tried = []
+
+    def fits(budget):
+        tried.append(budget)
+        return budget if budget >= 1234 else None
+
+    found = smallest_budget(fits, 0, 5000, doublings=0, resolution_bytes=100)
+    assert 1234 <= found <= 1234 + 100 and 5000 not in tried and len(tried) <= 6
+
+
+def test_the_measuring_pass_search_bisects_with_the_one_search(monkeypatch):
+    """executor.measure.measuring finds the smallest budget a measuring pass fits with planner.budget's bisection
+    (its own scan upwards aside), not a loop of its own."""
+    from executor.measure import measuring
+
+    calls = []
+    real = measuring.smallest_budget
+    monkeypatch.setattr(measuring, "smallest_budget", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setattr(measuring, "_greedy", lambda provisional, budget, deadline: object() if budget >= 3 << 20
+                        else None)
+    found = measuring._smallest_greedy_budget(None, 1 << 20, 8 << 20, [], 5.0)
+    assert calls and 3 << 20 <= found <= (3 << 20) + max((8 << 20) // 200, 1 << 10)
+
+
 def test_a_plan_that_needs_less_than_its_budget_lowers_the_answer():
     # the greedy plan's peak: a plan found within 1000 bytes that needs 777 fits in 777
     assert smallest_budget(lambda b: 777 if b >= 1000 else None, 0, 5000) == 777

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from executor.engine.schedules import offload_everything_schedule
-from planner.budget import describe_minimum, minimum_budget_bytes
+from planner.budget import describe_minimum, minimum_budget_bytes, smallest_budget
 from planner.builder import certify, summarize
 from planner.cpsat.greedy import greedy_recompute_schedule, smallest_workspaces_differ
 from planner.cpsat.reorder import reordered_schedule
@@ -346,14 +346,11 @@ def _smallest_greedy_budget(provisional: GraphProfile, failed_bytes: int, known_
     def greedy_fits(budget_bytes: int) -> bool:
         return _greedy(provisional, budget_bytes, deadline) is not None
 
-    def bisected(failed: int, known: int) -> int:
-        while known - failed > max(known // 200, 1 << 10) and time.monotonic() < deadline:
-            middle = (failed + known) // 2
-            if greedy_fits(middle):
-                known = middle
-            else:
-                failed = middle
-        return known
+    def bisected(failed: int, known: int) -> int:  # known fits: no doubling; to 0.5% (1 KiB at least)
+        found = smallest_budget(lambda budget: budget if greedy_fits(budget) else None, failed, known,
+                                lambda: time.monotonic() >= deadline, doublings=0,
+                                resolution_bytes=max(known // 200, 1 << 10))
+        return known if found is None else found
 
     failed, known = failed_bytes, known_bytes
     for budget_bytes in sorted(b for b in named if failed < b < known):
