@@ -381,11 +381,13 @@ def test_every_write_over_a_slot_under_an_offload_waits_for_it_in_a_real_plan():
 def test_batch_norm_under_bf16_autocast_trains_in_the_arena_as_through_the_allocator(name):
     """torch's fake batch norm gives its statistics the input's dtype (bf16 under autocast) where the CPU kernel
     keeps float32: slots laid out from the trace cast them (a clone is a copy into the slot), and the backward
-    refused the mixed dtypes. Such statistics keep the allocator's, named among the allowances."""
+    refused the mixed dtypes. The capture takes the kernel's dtypes (executor.capture.kernel_dtypes), so the
+    statistics have float32 slots in the arena and nothing is kept out of it at run time."""
     results = _bf16_steps_without_and_with_the_arena(name)
     planned = results[True][2]
     assert planned.arena_refused is None
-    assert arena.TRACED_DTYPE in planned.arena_allowances.values()
+    assert planned.arena_kept_out == []
+    assert not any("statistic" in reason or "dtype" in reason for reason in planned.arena_allowances.values())
     assert torch.equal(results[False][0], results[True][0])
     for a, b in zip(results[False][1], results[True][1]):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
@@ -411,10 +413,12 @@ def _bf16_steps_without_and_with_the_arena(name):
 
 
 def test_a_copy_into_a_slot_whose_dtype_is_not_the_runs_keeps_the_value_as_computed(monkeypatch):
-    """A guard beside the static rule above: with the batch-norm rule switched off, the statistics' copies find
-    their dtype is not the slot's at run time, are kept where they were computed (no cast), and the module names
-    them; the step is still the allocator's, bitwise."""
-    monkeypatch.setattr(arena, "traced_dtype_unreliable", lambda value: False)
+    """A guard beside the capture's dtypes: with the trace's own (wrong) dtypes for batch norm's statistics, their
+    copies find at run time that their dtype is not the slot's, are kept where they were computed (no cast), and
+    the module names them; the step is still the allocator's, bitwise."""
+    from executor.capture import planning_graph
+
+    monkeypatch.setattr(planning_graph, "with_kernel_dtypes", lambda target, args, kwargs, value, mode: value)
     results = _bf16_steps_without_and_with_the_arena("resnet")
     planned = results[True][2]
     assert planned.arena_refused is None
@@ -422,3 +426,30 @@ def test_a_copy_into_a_slot_whose_dtype_is_not_the_runs_keeps_the_value_as_compu
     assert results[False][2].arena_kept_out == []
     assert torch.equal(results[False][0], results[True][0])
     assert all(torch.equal(a, b) for a, b in zip(results[False][1], results[True][1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_capture_sizes_batch_norm_statistics_in_the_kernels_dtype(dtype):
+    """Under autocast the statistics a batch norm saves for its backward are float32 (the weight's dtype), where
+    torch's fake kernel says the input's: the reference run's sizes and layouts follow the kernel, as a real step
+    makes them, and the trace's dtype alone would have counted half their bytes."""
+    from executor.capture.kernel_dtypes import BATCH_NORMS
+    from executor.measure.profiler import plan_step
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 24, 3), torch.nn.BatchNorm2d(24), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(24 * 36, 5))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    with torch.autocast("cpu", dtype=dtype):
+        profiled = plan_step(model, (x,), None, y, torch.nn.functional.cross_entropy)
+        with torch.no_grad():
+            real = torch.ops.aten._native_batch_norm_legit_functional.default(
+                model[0](x), model[1].weight, model[1].bias, model[1].running_mean.clone(),
+                model[1].running_var.clone(), True, 0.1, 1e-5)
+    facts = profiled.planning.facts
+    norms = [n for n in profiled.step.graph.nodes if n.target in BATCH_NORMS]
+    statistics = [user for n in norms for user in n.users if user.args[1] in (1, 2)]
+    assert norms and statistics and real[1].dtype == real[2].dtype == torch.float32
+    for item in statistics:
+        assert facts.layout_of[item][2] == torch.float32
+        assert facts.root_bytes[item] == 24 * 4
+        assert item.meta["val"].dtype == dtype  # the trace's own, which the reference run corrects

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from executor.capture.capture import HAND_OFF, CapturedStep
+from executor.capture.kernel_dtypes import with_kernel_dtypes
 
 ATEN = torch.ops.aten
 CONVOLUTION = ATEN.convolution.default
@@ -127,6 +128,7 @@ def reference_run(step: CapturedStep, feed: dict[fx.Node, torch.Tensor]) -> Fact
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
                 with mode:
                     value = node.target(*args, **kwargs)
+                value = with_kernel_dtypes(node.target, args, kwargs, value, mode)
                 env[node] = value
                 if node.target is operator.getitem:
                     _record_item(node, value, facts, argument_storages, output_storages)

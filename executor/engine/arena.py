@@ -31,7 +31,6 @@ and the like).
 from __future__ import annotations
 
 import functools
-import operator
 import os
 import weakref
 from dataclasses import dataclass
@@ -54,8 +53,6 @@ INTERMEDIATES = "values made and dropped inside the node that its workspace slot
 GRADIENTS = "parameter gradients (.grad, fixed memory, allocated as eager allocates them)"
 
 SEES_STORAGE = "read by an operation that sees its whole storage (as_strided, a scatter)"
-TRACED_DTYPE = ("batch norm's statistics in reduced precision, to which torch's trace gives another dtype than its "
-                "kernel does")
 
 # Operators whose result depends on their argument's storage, not only on its elements: offsets counted from the
 # storage's start (as_strided), or a copy of the whole storage under the argument (ATen's clone_preserve_strides,
@@ -269,33 +266,3 @@ def reclaims(operations: list, size_bytes_of) -> dict[int, list[tuple[int, str]]
                 pending.append((offset, offset + size_bytes_of(op.group), op.group, {"compute", "h2d"}))
             offloaded.discard(op.group)
     return found
-
-
-_BATCH_NORMS = frozenset(
-    getattr(getattr(torch.ops.aten, name), overload)
-    for name, overloads in (("_native_batch_norm_legit_functional", ("default",)),
-                            ("_native_batch_norm_legit", ("default", "no_stats")),
-                            ("_native_batch_norm_legit_no_training", ("default",)),
-                            ("native_batch_norm", ("default",)))
-    for overload in overloads if hasattr(getattr(torch.ops.aten, name, None), overload))
-_PASSED_ON = (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.alias.default,
-              torch.ops.aten.detach.default)
-_REDUCED = (torch.float16, torch.bfloat16)
-
-
-def traced_dtype_unreliable(value) -> bool:
-    """A value whose traced dtype may not be the one the step makes: a batch norm's saved or running statistics
-    (or a copy of them) over a half-precision input. torch's fake batch norm gives them the input's dtype (even
-    float32 running statistics come out bf16 there), while the CPU kernel keeps the weight's (float32 under
-    autocast): a slot laid out from the trace would cast them, silently where a copy writes it, and the backward
-    then refuses the mixed dtypes. Such values keep the allocator's."""
-    node = value
-    while getattr(node, "target", None) in _PASSED_ON and node.args:
-        node = node.args[0]
-    if getattr(node, "target", None) is not operator.getitem or node.args[1] == 0:
-        return False
-    producer = node.args[0]
-    if getattr(producer, "target", None) not in _BATCH_NORMS:
-        return False
-    inputs = producer.args[0].meta.get("val") if hasattr(producer.args[0], "meta") else None
-    return isinstance(inputs, torch.Tensor) and inputs.dtype in _REDUCED

@@ -396,9 +396,6 @@ class CodeGenerator:
         if any(self._storage_seen(value) for value in outputs):
             self._allow(group, arena.SEES_STORAGE)
             return {}
-        if any(arena.traced_dtype_unreliable(value) for value in outputs):
-            self._allow(group, arena.TRACED_DTYPE)
-            return {}
         layouts = arena.pack(offset_bytes, self.planning.size_bytes(group), [facts.layout_of[v] for v in outputs])
         if layouts is None:
             self._allow(group, arena.DOES_NOT_FILL_SLOT)
@@ -461,8 +458,7 @@ class CodeGenerator:
             layout = facts.layout_of.get(value)
             op = ops[k]
             if (layout is None or layout[3] != device or value in facts.storage_of or value in handed
-                    or not self._writable(op, group, implementation, first) or self._storage_seen(value)
-                    or arena.traced_dtype_unreliable(value)):
+                    or not self._writable(op, group, implementation, first) or self._storage_seen(value)):
                 continue
             readers = [step_position[r] for r in self.planning.readers.get(value, []) if r in step_position]
             last = max(readers, default=len(ops))
