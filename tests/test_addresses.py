@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.addresses import ALIGNMENT_BYTES, most_live_bytes, place, plan_addresses, with_addresses
+from planner.addresses import (ALIGNMENT_BYTES, AddressPlan, aligned, most_live_bytes, place, plan_addresses,
+                               with_addresses)
 from planner.errors import BudgetError, ScheduleRejected
 from planner.planning import plan
 from planner.profile import load_profile
@@ -109,7 +110,13 @@ def test_a_planted_overlap_is_refuted_with_where_it_is():
 
 def test_an_arena_over_the_budget_is_refuted_even_where_live_memory_fits():
     profile, placed = _offloading_plan()
+    # valid addresses in an arena larger than live memory ever is: no buffer shares its place with another
+    buffers = allocations(profile, placed)
+    tops = [sum(aligned(b.size_bytes) for b in buffers[:k]) for k in range(len(buffers))]
+    spread = AddressPlan(sum(aligned(b.size_bytes) for b in buffers), most_live_bytes(buffers), tops, "test")
+    placed = with_addresses(profile, placed, spread, buffers)
     budget = profile.fixed_bytes + placed.arena_bytes - 1
+    assert simulate(profile, _unbounded(placed)).peak_memory_bytes <= budget  # live memory fits
     with pytest.raises(ScheduleRejected, match="arena of planned addresses") as caught:
         simulate(profile, placed, budget_bytes=budget)
     assert caught.value.path == "arena_bytes"
@@ -194,3 +201,39 @@ def test_a_plan_under_its_budget_whose_arena_does_not_fit_is_planned_again_below
     assert first_budget <= summary.peak_memory_bytes - excess_bytes
     assert all(deadline_s <= deadline for _, deadline_s in asked)
     assert first_deadline < deadline - 5, "the first attempt took the whole time left"
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 20), st.integers(1, 10)), min_size=1, max_size=30))
+def test_pressed_down_buffers_never_overlap_and_each_rests_on_another_or_the_floor(items):
+    import numpy as np
+
+    from planner.addresses import _place_pressed_down
+
+    sizes = np.array([units * ALIGNMENT_BYTES for units, _, _ in items], dtype=np.int64)
+    starts = np.array([start for _, start, _ in items], dtype=np.int64)
+    ends = starts + np.array([length for _, _, length in items], dtype=np.int64)
+    offsets = _place_pressed_down(sizes * (ends - starts), sizes, starts, ends)
+    together = [(i, j) for i in range(len(items)) for j in range(len(items))
+                if i != j and starts[i] < ends[j] and starts[j] < ends[i] and sizes[i] and sizes[j]]
+    for i, j in together:
+        assert offsets[i] + sizes[i] <= offsets[j] or offsets[j] + sizes[j] <= offsets[i], (i, j)
+    for i in range(len(items)):
+        if sizes[i]:
+            assert offsets[i] == 0 or any(offsets[j] + sizes[j] == offsets[i] for a, j in together if a == i)
+
+
+def test_the_arena_pressed_down_is_taken_where_best_fit_leaves_a_gap(monkeypatch):
+    """Six buffers (units of the alignment, first event, events live) that best fit, in every order it tries,
+    places above the most live at once, and the pressed-down passes place exactly at it."""
+    import planner.addresses as addresses
+    from planner.simulator import Allocation
+
+    items = [(3, 5, 5), (1, 7, 3), (2, 5, 3), (2, 2, 4), (3, 4, 2), (4, 3, 2)]
+    buffers = [Allocation(i, 0, f"t{i}", False, units * ALIGNMENT_BYTES, start, start + length)
+               for i, (units, start, length) in enumerate(items)]
+    placed = place(buffers)
+    assert placed.arena_bytes == placed.lower_bound_bytes == 10 * ALIGNMENT_BYTES
+    assert placed.order.startswith("pressed down")
+    monkeypatch.setattr(addresses, "_PRESSED_DOWN", {})
+    assert place(buffers).arena_bytes > placed.lower_bound_bytes
