@@ -281,7 +281,8 @@ def _place_pressed_down(priority: np.ndarray, sizes: np.ndarray, starts: np.ndar
     yet placed that can sit lowest (on the highest buffer placed under them in time, or on the floor) compete, and
     the one of highest priority takes that place. Every buffer rests on another, as in an arena pressed down;
     best fit fills the tightest gap instead, and on fragmented plans the two find different arenas (the large
-    U-Net at 0.7 of its peak: 1.07 of the lower bound pressed down, 1.10 by best fit)."""
+    U-Net at 0.7 of its peak: 1.07 of the lower bound pressed down; 1.24 by best fit's orders, 1.10 after its
+    searches)."""
     count = len(sizes)
     lowest = np.zeros(count, dtype=np.int64)  # the lowest offset each waiting buffer can take
     waiting = sizes > 0
