@@ -103,26 +103,20 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
     offsets = _place_sweeping(sizes.tolist(), starts.tolist(), ends.tolist())
     best = AddressPlan(max(o + z for o, z in zip(offsets, sizes.tolist())), bound, offsets, "step order")
     pass_s = 3 * (time.monotonic() - began)  # a best-fit pass takes a few sweeps' time (numpy over all placed)
-    for name, key in _ORDERS.items():
-        if best.arena_bytes <= bound:
-            return best
-        if deadline is not None and time.monotonic() + pass_s > deadline:
-            return best
-        began = time.monotonic()
-        order = sorted(range(len(buffers)), key=lambda i: key(int(sizes[i]), int(starts[i]), int(ends[i])))
-        found = _place_in_order(order, sizes, starts, ends)
-        arena = int((found + sizes).max())
-        if arena < best.arena_bytes:
-            best = AddressPlan(arena, bound, [int(o) for o in found], name)
-        pass_s = time.monotonic() - began
     lifetimes = ends - starts
-    for name, priority in _PRESSED_DOWN.items():
+    # best fit in each order, then the pressed-down passes by each priority
+    passes = [(name, lambda key=key: _place_in_order(
+        sorted(range(len(buffers)), key=lambda i: key(int(sizes[i]), int(starts[i]), int(ends[i]))),
+        sizes, starts, ends)) for name, key in _ORDERS.items()]
+    passes += [(name, lambda priority=priority: _place_pressed_down(priority(sizes, lifetimes), sizes, starts, ends))
+               for name, priority in _PRESSED_DOWN.items()]
+    for name, placed in passes:
         if best.arena_bytes <= bound:
             return best
         if deadline is not None and time.monotonic() + pass_s > deadline:
             return best
         began = time.monotonic()
-        found = _place_pressed_down(priority(sizes, lifetimes), sizes, starts, ends)
+        found = placed()
         arena = int((found + sizes).max())
         if arena < best.arena_bytes:
             best = AddressPlan(arena, bound, [int(o) for o in found], name)
