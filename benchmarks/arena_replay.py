@@ -66,9 +66,8 @@ def measure(name: str, steps: int) -> list[dict]:
     import torch
 
     from executor.measure.profiler import profile_step
-    from executor.replay.replay import PlannedModule, arena_reserve_bytes
+    from executor.replay.replay import PlannedModule, arena_outside_bytes, arena_reserve_bytes, plan_beside_the_arena
     from planner.planning import addressed, plan
-    from planner.errors import BudgetError
     from planner.strategies.keep_all import keep_all_peak_bytes
     from tests.zoo import ZOO, plannable_ratio
 
@@ -78,14 +77,16 @@ def measure(name: str, steps: int) -> list[dict]:
                                      algorithms=("native",))
     # mosos as optimize(arena=True) plans it: within the budget less what the step holds beside the arena
     budget = int(plannable_ratio(profile) * keep_all_peak_bytes(profile))
-    reserve = arena_reserve_bytes(profile, captured, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    reserve = arena_reserve_bytes(profile, captured, cpu)
     plans = {"keep-all": addressed(profile, plan(profile, strategy="keep-all"))}
     mosos = f"mosos at {plannable_ratio(profile):g}"
-    try:
-        within = plan(profile, budget - reserve, strategy="mosos", time_limit_s=5, workers=1, seed=0)
-        plans[mosos] = within.model_copy(update={"budget_bytes": budget})
-    except BudgetError:
-        plans[mosos] = f"no plan within the budget less the {reserve / MIB:.2f} MiB beside the arena"
+    said: list[str] = []
+    within, _ = plan_beside_the_arena(
+        profile, budget, reserve, lambda b: plan(profile, b, strategy="mosos", time_limit_s=5, workers=1, seed=0),
+        said.append, in_order=(lambda: arena_reserve_bytes(profile, captured, cpu, any_order=False),
+                               lambda schedule: arena_outside_bytes(profile, captured, schedule, cpu)))
+    plans[mosos] = within if within is not None else "no plan leaves room beside the arena: " + "; ".join(said[1:])
     rows = []
     for kind, schedule in plans.items():
         if isinstance(schedule, str):

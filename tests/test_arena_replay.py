@@ -194,6 +194,127 @@ def test_a_step_in_the_arena_allocates_only_what_its_allowances_name(kind):
     assert saved > 0
 
 
+@pytest.mark.parametrize("kind", ["keep-all", "recompute-heavy"])
+def test_what_the_allocator_holds_beside_the_arena_is_counted_in_the_programs_order(kind):
+    """Nodes kept out of the arena (the in-place CNN's values that a scatter reads through their whole storage) are
+    beside it only while they live: the program's bound is the most at one moment of its own order, not every such
+    node at once (three times less here, which a budget no longer gives up), and what a step really holds beside
+    the arena stays within it. A plan not yet made still gets room for any order (`arena_reserve_bytes`)."""
+    from executor.measure.allocations import AllocationTrace
+    from executor.replay.replay import arena_reserve_bytes
+
+    model, args, kwargs, targets, loss_fn = ZOO["inplace-cnn"](torch.float32)
+    profile, captured = _profile(model, args, kwargs, targets, loss_fn)
+    schedule = {"keep-all": lambda: plan(profile, strategy="keep-all"),
+                "recompute-heavy": lambda: recompute_everything_schedule(profile)}[kind]()
+    schedule = addressed(profile, schedule.model_copy(update={"budget_bytes": None}))
+    planned_model = copy.deepcopy(model)
+    planned = PlannedModule(planned_model, profile, schedule, loss_fn, profiled=captured, arena=True, ledger=False)
+    for _ in range(2):
+        planned(*args, targets=targets, **kwargs).backward()
+        planned_model.zero_grad(set_to_none=True)
+    program = planned._prepared.program
+    kept_out = [node for node, reason in program.allowances.items() if reason == arena.SEES_STORAGE]
+    assert len(kept_out) >= 6, program.allowances
+    assert 0 < program.outside_arena_bytes <= program.outside_arena_any_order_bytes / 2
+    with AllocationTrace() as trace:
+        planned(*args, targets=targets, **kwargs).backward()
+    gradients = sum(p.grad.untyped_storage().nbytes() for p in planned_model.parameters() if p.grad is not None)
+    assert trace.peak_bytes <= program.outside_arena_bytes + gradients, (trace.peak_bytes, program.outside_arena_bytes)
+    assert arena_reserve_bytes(profile, captured, torch.device("cpu")) >= program.outside_arena_any_order_bytes
+
+
+class _ScaledConvolutions(torch.nn.Module):
+    """Convolutions scaled and rectified in place: one planning node each, whose convolution (no out= overload that
+    writes in place) computes where the allocator puts it while the scaled result goes into the workspace slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(16, 64, 3, padding=1)
+        self.fc = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        y = torch.nn.functional.relu(self.c1(x) * 1.5, inplace=True)
+        z = torch.nn.functional.relu(self.c2(y) * 1.5, inplace=True)
+        return self.fc(z.mean((2, 3)))
+
+
+def test_a_result_computed_beside_the_arena_inside_a_node_counts_with_the_kernels_own_scratch():
+    """Through the allocator alone, a node's output room takes one of its convolution's result and the kernel's
+    own scratch; writing into the arena, the output's room is in the arena and both are beside it. The program's
+    bound counted the measured workspace only, and the step held 2 MB more beside the arena than it said."""
+    from executor.measure.allocations import AllocationTrace
+
+    torch.manual_seed(0)
+    model = _ScaledConvolutions()
+    inputs, targets = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
+    loss_fn = torch.nn.functional.cross_entropy
+    profile, captured = _profile(model, (inputs,), {}, targets, loss_fn)
+    schedule = addressed(profile, plan(profile, strategy="keep-all"))
+    planned = PlannedModule(model, profile, schedule, loss_fn, profiled=captured, arena=True, ledger=False)
+    for _ in range(2):
+        planned(inputs, targets=targets).backward()
+        model.zero_grad(set_to_none=True)
+    assert planned.arena_allowances["c2/convolution+2"] == arena.INTERMEDIATES
+    with AllocationTrace() as trace:
+        planned(inputs, targets=targets).backward()
+    gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    assert trace.peak_bytes <= planned._prepared.program.outside_arena_bytes + gradients
+
+
+def _small_plan():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 10))
+    inputs, targets = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    profile, _ = _profile(model, (inputs,), {}, targets, torch.nn.functional.cross_entropy)
+    return profile, addressed(profile, plan(profile, strategy="keep-all"))
+
+
+def test_a_plan_beside_the_arena_leaves_room_for_any_order_first_then_for_its_own():
+    """plan_beside_the_arena: within the budget less the room for any order where a plan fits it; where none does,
+    within the budget less what the keep-all step holds in its own order, kept only where the plan's own step fits
+    the budget with its arena; a room no smaller than a hundredth of the budget is not tried again."""
+    from executor.replay.replay import plan_beside_the_arena
+    from planner.errors import BudgetError
+
+    profile, schedule = _small_plan()
+    held_bytes = profile.fixed_bytes + schedule.arena_bytes
+    asked: list[int] = []
+
+    def solve_above(least_bytes):
+        def solve(budget_bytes):
+            asked.append(budget_bytes)
+            if budget_bytes < least_bytes:
+                raise BudgetError(f"no plan within {budget_bytes}", minimum_budget_bytes=least_bytes)
+            return schedule
+        return solve
+
+    budget = held_bytes + 10_000
+    found, room = plan_beside_the_arena(profile, budget, 10_000, solve_above(held_bytes), lambda message: None,
+                                        in_order=(lambda: 1_000, lambda plan: 1_000))
+    assert found is not None and found.budget_bytes == budget and room == 10_000 and asked == [held_bytes]
+    # no plan leaves room for any order: one within the budget less the keep-all step's own, its own step fits
+    asked.clear()
+    said: list[str] = []
+    found, room = plan_beside_the_arena(profile, budget, 20_000, solve_above(held_bytes), said.append,
+                                        in_order=(lambda: 4_000, lambda plan: 6_000))
+    assert found is not None and room == 6_000 and asked == [budget - 20_000, budget - 4_000]
+    assert any("in its own order" in message for message in said)
+    # its own step would pass the budget: no plan
+    asked.clear()
+    found, room = plan_beside_the_arena(profile, budget, 20_000, solve_above(held_bytes), said.append,
+                                        in_order=(lambda: 4_000, lambda plan: 12_000))
+    assert found is None and room == 20_000 and len(asked) == 2
+    assert "over the budget" in said[-1]
+    # a room hardly smaller is not tried; without in_order, nothing but the first
+    for in_order in ((lambda: 20_000 - budget // 200, lambda plan: 0), None):
+        asked.clear()
+        found, _ = plan_beside_the_arena(profile, budget, 20_000, solve_above(held_bytes), said.append,
+                                         in_order=in_order)
+        assert found is None and asked == [budget - 20_000]
+
+
 def test_an_arena_with_no_room_beside_it_for_what_the_allocator_still_holds_is_refused_with_the_reason():
     """A budget the arena fills exactly leaves nothing for the allocations the program names (a layer norm computed
     elsewhere and copied in): the step goes through the allocator, as planned, and says why."""

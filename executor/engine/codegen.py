@@ -104,9 +104,13 @@ class Program:
     # per computation writing into the arena, in order: (node id, bytes it no longer asks the allocator for: its
     # outputs where out= overloads write them all, and the values made and dropped inside placed in its workspace)
     placed: list = field(default_factory=list)
-    # what the allocator may hold beside the arena at once: every node kept out of it, and the most one computation
-    # holds for itself (results copied in, the workspace of operations that allocate their own)
+    # what the allocator may hold beside the arena at once in this program: the most, over its operations, of the
+    # nodes kept out of it that are live then and what that computation holds for itself (results copied in, the
+    # workspace of operations that allocate their own)
     outside_arena_bytes: int = 0
+    # the same for any order of these nodes' computations (every node kept out live at once, with the largest
+    # computation's own): what a plan not yet made must leave room for
+    outside_arena_any_order_bytes: int = 0
 
 
 def _literal(value, constants: dict[str, Any]) -> str:
@@ -190,6 +194,13 @@ class CodeGenerator:
         self.placed: list[tuple[str, int]] = []  # per computation in the arena: (node id, bytes the allocator is spared)
         self.transient: list[tuple[str, int]] = []  # per computation: (node id, bytes it holds beside the arena)
         self.kept_outside: dict[str, int] = {}  # nodes whose outputs stay with the allocator -> their bytes
+        # with Modes.arena, while a program is generated: the nodes kept out of the arena live on the device (group
+        # index -> bytes), and the most they and one computation's own hold beside the arena at once (None: a
+        # compiled region ran, whose operations are not followed one by one)
+        self._outside_live: dict = {}
+        self._outside_peak: int | None = 0
+        self._views_of: dict[int, set[int]] = {}  # group index -> the groups whose storage its outputs view
+        self._viewed: dict[int, int] = {}
         self._sees_storage: dict[fx.Node, bool] = {}
         self.rng_states_kept = 0  # random nodes recomputed later: their generator states live until the step ends
         # with Modes.arena and no planned workspace: a node's workspace by implementation (the profile's)
@@ -312,18 +323,27 @@ class CodeGenerator:
             self.written.add(group.id)
         if slot_of:
             self.placed.append((group.id, spared))
+        kept = set(group.outputs) | self.planning.fixed_roots
+        # values made and dropped inside the node that its workspace slot does not take: the allocator's
+        unplaced_bytes = sum(graph.facts.root_bytes[value] for op in group.ops for value in self._results(op)
+                             if value not in scratch_of and value not in kept) if slot_of else 0
+        if unplaced_bytes:
+            self._allow(group, arena.INTERMEDIATES)
         if self.modes.arena and compiled is None:
             # what the allocator holds beside the arena while this computation runs: results computed elsewhere and
-            # copied in, and (where an operation allocates for itself) up to the node's measured workspace; a node
-            # kept out of the arena holds its outputs there for as long as the schedule keeps them
+            # copied in, the values made inside that its workspace slot does not take, and where an operation
+            # allocates for itself up to the node's measured workspace besides (an in-place CNN's convolution,
+            # computed where the allocator puts it, then multiplied into the workspace slot: the convolution's
+            # result and the kernel's own scratch, both beside the arena, where the allocator alone had the
+            # output's room for one of them). Never more than the node takes through the allocator alone (its
+            # outputs and measured workspace): what the arena does not take is a part of that. A node kept out of
+            # the arena holds its outputs there for as long as the schedule keeps them.
             workspace_bytes = workspace[1] if workspace is not None else self._workspace_bytes(group, implementation)
-            self.transient.append((group.id, copied_bytes + (workspace_bytes if functional or in_place_seen else 0)))
+            own_bytes = unplaced_bytes + (workspace_bytes if functional or in_place_seen else 0)
+            self.transient.append((group.id, min(copied_bytes + own_bytes,
+                                                 self.planning.size_bytes(group) + workspace_bytes)))
             if not slot_of:
                 self.kept_outside[group.id] = self.planning.size_bytes(group)
-        kept = set(group.outputs) | self.planning.fixed_roots
-        if slot_of and any(value not in scratch_of and value not in kept
-                           for op in group.ops for value in self._results(op)):
-            self._allow(group, arena.INTERMEDIATES)
         # frees of transients right after their last use inside the node
         keep = set(group.outputs)
         transient = [n for n in made if n not in keep]
@@ -402,14 +422,48 @@ class CodeGenerator:
             return {}
         return {value: self._slot(layout) for value, layout in zip(outputs, layouts)}
 
-    def _outside_arena_bytes(self) -> int:
-        """With Modes.arena: the most the allocator holds beside the arena at once (Program.outside_arena_bytes),
-        the generator states random nodes keep for their recomputation (and one more while one recomputes)
-        included."""
+    def _outside_arena_bytes(self) -> tuple[int, int]:
+        """With Modes.arena: the most the allocator holds beside the arena at once in this program's order
+        (Program.outside_arena_bytes) and in any order of the same computations (every node kept out live at
+        once), the generator states random nodes keep for their recomputation (and one more while one recomputes)
+        included in both."""
         if not self.modes.arena:
-            return 0
+            return 0, 0
         states = (self.rng_states_kept + 1) * rng_state_bytes(self.cuda) if self.rng_states_kept else 0
-        return sum(self.kept_outside.values()) + max((b for _, b in self.transient), default=0) + states
+        any_order = sum(self.kept_outside.values()) + max((b for _, b in self.transient), default=0)
+        in_order = any_order if self._outside_peak is None else min(self._outside_peak, any_order)
+        return in_order + states, any_order + states
+
+    def _outside_on_device(self, index: int, on_device: set[int], outside_bytes: int | None) -> None:
+        """Group `index` made (or brought back) on the device, beside the arena with `outside_bytes` (None: in it).
+        Its earlier storage, freed but still held by views, stays counted apart until they go."""
+        if index in self._outside_live and index not in on_device:
+            self._outside_live[("viewed", index)] = (self._outside_live.get(("viewed", index), 0)
+                                                     + self._outside_live.pop(index))
+        if outside_bytes is not None:
+            self._outside_live[index] = outside_bytes
+        if index not in on_device:
+            for owner in self._views_of.get(index, ()):
+                self._viewed[owner] = self._viewed.get(owner, 0) + 1
+
+    def _outside_freed(self, index: int, on_device: set[int]) -> None:
+        """Group `index` freed (still in `on_device`): its storage goes when no node on the device views it, and
+        the last view of another node's storage takes that with it."""
+        for owner in self._views_of.get(index, ()):
+            self._viewed[owner] -= 1
+            if not self._viewed[owner]:
+                self._outside_live.pop(("viewed", owner), None)
+                if owner not in on_device:
+                    self._outside_live.pop(owner, None)
+        if not self._viewed.get(index):
+            self._outside_live.pop(index, None)
+
+    def _outside_now(self, computed: bool) -> None:
+        """With Modes.arena, after the code of one operation: what is beside the arena now (the nodes kept out of
+        it that are live, and a computation's own transient), into the program's most."""
+        if self._outside_peak is not None:
+            transient = self.transient[-1][1] if computed and self.transient else 0
+            self._outside_peak = max(self._outside_peak, sum(self._outside_live.values()) + transient)
 
     def _storage_seen(self, root: fx.Node) -> bool:
         """Whether an operation that sees a tensor's whole storage reads `root` or a view of it (anywhere in the
@@ -698,6 +752,13 @@ class CodeGenerator:
         live_after: list[list[str]] = []
         seen: set[int] = set()
         on_device: set[int] = set()
+        self._outside_live, self._outside_peak = {}, 0
+        # a node whose outputs are views of another node's outputs keeps that node's storage while it is on the
+        # device, freed or not: its bytes stay beside the arena until the last view goes
+        group_of, root_of = self.planning.group_of, self.planning.root_of
+        self._views_of = {g.index: {group_of[root_of[v]] for v in g.outputs if root_of.get(v) in group_of
+                                    and group_of[root_of[v]] != g.index} for g in groups}
+        self._viewed: dict[int, int] = {}  # group index -> how many nodes on the device view its outputs
         offset = 0
         for part_index, part in enumerate(parts_ops):
             w = _Writer()
@@ -723,6 +784,7 @@ class CodeGenerator:
                 if region is not None:
                     spec, kernel = region
                     self.region(w, operations, spec, kernel, seen, on_device)
+                    self._outside_peak = None
                     k = spec.end - offset
                     continue
                 op = part[k]
@@ -737,9 +799,13 @@ class CodeGenerator:
                     seen.add(op.group)
                     rng_later = later_computes[offset + k] > 0
                     self._position = offset + k
+                    transients = len(self.transient)
                     self.compute(w, group, op.implementation, first, rng_later, op.offset_bytes,
                                  (op.workspace_offset_bytes, op.workspace_bytes)
                                  if op.workspace_offset_bytes is not None else None)
+                    if self.modes.arena:
+                        self._outside_on_device(op.group, on_device, self.kept_outside.get(group.id))
+                        self._outside_now(computed=len(self.transient) > transients)
                     on_device.add(op.group)
                     if self.modes.ledger or self.modes.strict or self.modes.timing:
                         w(f"S.computed({op.group}, {op.implementation!r}, {_tuple(outputs)})")
@@ -755,11 +821,18 @@ class CodeGenerator:
                         w(f"{_tuple(outputs)} = S.prefetch({op.group})")
                     else:
                         w(f"S.prefetch({op.group})")
+                    if self.modes.arena:
+                        # prefetched through the allocator: beside the arena until freed
+                        self._outside_on_device(op.group, on_device,
+                                                None if outputs and into else self.planning.size_bytes(group))
+                        self._outside_now(computed=False)
                     on_device.add(op.group)
                 elif op.kind == "wait":
                     w(f"S.wait({op.group}, {op.transfer!r})")
                 elif op.kind == "free":
                     self._free(w, group)
+                    if self.modes.arena and op.group in on_device:
+                        self._outside_freed(op.group, on_device)
                     on_device.discard(op.group)
                 else:
                     raise ValueError(f"unknown operation {op.kind!r}")
@@ -786,7 +859,7 @@ class CodeGenerator:
         return Program(source, parts, live_after, sum(1 for op in operations if op.kind == "compute"), self.constants,
                        frozenset(self.direct), list(self.slots), dict(self.allowances), frozenset(self.written),
                        frozenset(self.prefetched_into), list(self.placed),
-                       self._outside_arena_bytes())
+                       *self._outside_arena_bytes())
 
     def _free(self, w: _Writer, group: Group, tensors: bool = True) -> None:
         """The code of a free; `tensors=False`: a node computed and freed inside a region never had its outputs

@@ -32,7 +32,9 @@ from executor.measure.profiler import (
     provisional_profile,
 )
 from executor.plan.cache import PlanKey, open_cache, plan_key
-from executor.replay.replay import STOPPING, PlannedModule, arena_reserve_bytes
+from executor.replay.replay import (
+    STOPPING, PlannedModule, arena_outside_bytes, arena_reserve_bytes, plan_beside_the_arena,
+)
 from planner.budget import budget_from_ratio, check_memory_ratio, requested_budget
 from planner.errors import BudgetError, MososError
 from planner.planning import addressed, check_plan_options, plan
@@ -372,20 +374,22 @@ class SignaturePlanner:
                 minimum_budget_bytes=None)
         return left
 
-    def make_plan(self, profile: GraphProfile, budget_bytes: int | None, reserve_bytes: int = 0) -> Schedule:
+    def make_plan(self, profile: GraphProfile, budget_bytes: int | None, reserve_bytes: int = 0,
+                  profiled: ProfiledStep | None = None) -> Schedule:
         """A plan within `budget_bytes`, made within that less `reserve_bytes` (what a step writing into its arena
-        holds beside it): the schedule says the budget it was asked for, which it fits."""
+        holds beside it; with `profiled`, less what it holds in the plan's own order where no plan leaves room for
+        any order: `plan_beside_the_arena`): the schedule says the budget it was asked for, which it fits. Where no
+        plan leaves the room, one within the whole budget, whose step goes through the allocator."""
         if reserve_bytes and budget_bytes is not None:
-            self.say(f"planning within {format_bytes(budget_bytes - reserve_bytes)}: the budget less the "
-                     f"{format_bytes(reserve_bytes)} the allocator may hold beside the arena")
-            self.arena_reserves[profile.digest()] = reserve_bytes
-            try:
-                schedule = self._make_plan(profile, budget_bytes - reserve_bytes)
-            except BudgetError as error:
-                self.say(f"no plan leaves that room ({error}): planning within the whole budget, and the step goes "
-                         "through the allocator")
-            else:
-                return schedule.model_copy(update={"budget_bytes": budget_bytes})
+            schedule, used_bytes = plan_beside_the_arena(
+                profile, budget_bytes, reserve_bytes, lambda budget: self._make_plan(profile, budget), self.say,
+                in_order=(lambda: arena_reserve_bytes(profile, profiled, self.device, any_order=False),
+                          lambda plan: arena_outside_bytes(profile, profiled, plan, self.device))
+                if profiled is not None else None)
+            self.arena_reserves[profile.digest()] = used_bytes
+            if schedule is not None:
+                return schedule
+            self.say("planning within the whole budget, and the step goes through the allocator")
         return self._make_plan(profile, budget_bytes)
 
     def _make_plan(self, profile: GraphProfile, budget_bytes: int | None) -> Schedule:
@@ -496,7 +500,7 @@ class SignaturePlanner:
         say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
         reserve = arena_reserve_bytes(profile, profiled, self.device) if options.arena else 0
         try:
-            schedule = self.make_plan(profile, signature_budget, reserve)
+            schedule = self.make_plan(profile, signature_budget, reserve, profiled)
         except BudgetError as error:
             # the step was just measured within this budget: the measuring pass's schedule is a plan that fits
             schedule = profiled.measuring.as_plan(profile, signature_budget) if profiled.measuring else None

@@ -56,6 +56,7 @@ from planner.errors import BudgetError, MososError
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies.keep_all import keep_all_schedule
+from planner.planning import addressed
 from planner.simulator import simulate
 from planner.units import format_bytes
 
@@ -228,28 +229,103 @@ class _Prepared:
         return self.unchecked_program, False
 
 
-def arena_reserve_bytes(profile: GraphProfile, profiled: ProfiledStep, device: torch.device) -> int:
+def arena_reserve_bytes(profile: GraphProfile, profiled: ProfiledStep, device: torch.device,
+                        any_order: bool = True) -> int:
     """What a step writing into its arena holds beside it, at most, under any plan of `profile` (a plan for the
     arena is made within the budget less this): every node's computation appears in the keep-all plan, whose
-    program bounds it (Program.outside_arena_bytes), here with each node's largest workspace over its
-    implementations and a generator state for every random node (recomputed ones keep theirs)."""
+    program bounds it for any order (Program.outside_arena_any_order_bytes), here with each node's largest
+    workspace over its implementations and a generator state for every random node (recomputed ones keep theirs).
+    `any_order=False`: what the keep-all step holds beside it in its own order, a smaller figure that another plan
+    may pass (a guess to plan within, whose plan `arena_outside_bytes` then checks)."""
+    program = _arena_program(profile, profiled, keep_all_schedule(profile), device, largest_workspace=True)
+    randoms = sum(1 for group in profiled.planning.groups if group.random)
+    states = (randoms + 1) * rng_state_bytes(device.type == "cuda") if randoms else 0
+    return (program.outside_arena_any_order_bytes if any_order else program.outside_arena_bytes) + states
+
+
+def arena_outside_bytes(profile: GraphProfile, profiled: ProfiledStep, schedule: Schedule,
+                        device: torch.device) -> int:
+    """What the step of `schedule` would hold beside its arena at once (Program.outside_arena_bytes), as the
+    replay counts it before writing into the arena."""
+    return _arena_program(profile, profiled, schedule, device).outside_arena_bytes
+
+
+def plan_beside_the_arena(profile: GraphProfile, budget_bytes: int, reserve_bytes: int,
+                          solve: Callable[[int], Schedule], say: Callable[[str], None],
+                          in_order: tuple[Callable[[], int], Callable[[Schedule], int]] | None = None,
+                          ) -> tuple[Schedule | None, int]:
+    """A plan for a step writing into its arena within `budget_bytes`, and the room it was made to leave beside
+    the arena; (None, `reserve_bytes`) where no plan leaves it. `solve` plans within a budget (BudgetError where
+    nothing fits; without addresses where its buffers do not place within it); the schedule says `budget_bytes`.
+
+    First within the budget less `reserve_bytes`, the room for any order of the nodes (`arena_reserve_bytes`),
+    which every plan's step fits. `in_order` gives what the keep-all step holds beside the arena in its own order
+    (nodes kept out of the arena are beside it only while they live: a third of that room, or less, for a CNN
+    with in-place operations) and what a given plan's step holds in its own. With it, a plan whose buffers did not
+    place within the budget less the room is placed again within the budget less what its own step holds; and
+    where no plan leaves the room, one is made within the budget less the keep-all step's figure, kept where its
+    own step fits with its arena."""
+    say(f"planning within {format_bytes(budget_bytes - reserve_bytes)}: the budget less the "
+        f"{format_bytes(reserve_bytes)} the allocator may hold beside the arena")
+    rooms = [reserve_bytes]
+    while rooms:
+        room_bytes = rooms.pop(0)
+        try:
+            schedule = solve(budget_bytes - room_bytes)
+        except BudgetError as error:
+            say(f"no plan leaves that room ({error})")
+            schedule = None
+        if schedule is not None and schedule.arena_bytes is not None and room_bytes == reserve_bytes:
+            return schedule.model_copy(update={"budget_bytes": budget_bytes}), room_bytes
+        if in_order is None:
+            return (None if schedule is None else schedule.model_copy(update={"budget_bytes": budget_bytes}),
+                    reserve_bytes)
+        keep_all_bytes, outside_of = in_order
+        arena_bytes = None if schedule is None else schedule.arena_bytes if schedule.arena_bytes is not None else (
+            schedule.summary.arena_bytes if schedule.summary is not None else None)
+        if arena_bytes is not None:
+            outside_bytes = outside_of(schedule)
+            held_bytes = profile.fixed_bytes + arena_bytes + outside_bytes
+            if held_bytes <= budget_bytes:
+                if schedule.arena_bytes is None:
+                    # placed again with the room its own step needs beside the arena
+                    schedule = addressed(profile, schedule.model_copy(
+                        update={"budget_bytes": budget_bytes - outside_bytes}))
+                if schedule.arena_bytes is not None:
+                    return schedule.model_copy(update={"budget_bytes": budget_bytes}), outside_bytes
+            say(f"its step would hold {format_bytes(outside_bytes)} beside its arena of {format_bytes(arena_bytes)}: "
+                f"{format_bytes(held_bytes)} with fixed memory, over the budget")
+        if room_bytes == reserve_bytes:
+            in_order_bytes = keep_all_bytes()
+            # a room a hundredth of the budget smaller or less would not turn a plan that does not fit into one
+            if reserve_bytes - in_order_bytes > budget_bytes // 100:
+                say(f"planning within {format_bytes(budget_bytes - in_order_bytes)}: the budget less the "
+                    f"{format_bytes(in_order_bytes)} the keep-all step holds beside the arena in its own order")
+                rooms.append(in_order_bytes)
+    return None, reserve_bytes
+
+
+def _arena_program(profile: GraphProfile, profiled: ProfiledStep, schedule: Schedule, device: torch.device,
+                   largest_workspace: bool = False) -> Program:
+    """The program of `schedule` writing into an arena, generated to be read, not run: any address will do (what
+    it would hold beside the arena does not depend on where the slots are); `largest_workspace`: each node with its
+    largest workspace over its implementations."""
     planning = profiled.planning
     groups = planning.groups
-    operations = schedule_operations(profile, keep_all_schedule(profile), {group.id: group.index for group in groups})
+    operations = schedule_operations(profile, schedule, {group.id: group.index for group in groups})
     split = next((k for k, op in enumerate(operations)
                   if op.kind == "compute" and groups[op.group].kind == "backward"), len(operations))
     nodes = profile.node_by_id
+    workspaces = {(g.index, i.name): i.workspace_bytes for g in groups for i in nodes[g.id].implementations}
     largest = {g.index: max((i.workspace_bytes for i in nodes[g.id].implementations), default=0) for g in groups}
-    # any address will do: the program is generated to be read, not run (what it would hold beside the arena does not
-    # depend on where the slots are)
-    operations = [dataclasses.replace(op, offset_bytes=0, workspace_offset_bytes=0, workspace_bytes=largest[op.group])
+    workspace_of = ((lambda group, name: largest[group]) if largest_workspace else  # noqa: E731
+                    (lambda group, name: workspaces[(group, name)]))
+    operations = [dataclasses.replace(op, offset_bytes=0, workspace_offset_bytes=0,
+                                      workspace_bytes=workspace_of(op.group, op.implementation))
                   if op.kind == "compute" else op for op in operations]
     generator = CodeGenerator(planning, Modes(arena=True), cuda=device.type == "cuda")
-    generator.workspace_of = lambda group, name: largest[group]
-    program = generator.program(operations, split, name="arena reserve")
-    randoms = sum(1 for group in groups if group.random)
-    states = (randoms + 1) * rng_state_bytes(device.type == "cuda") if randoms else 0
-    return program.outside_arena_bytes + states
+    generator.workspace_of = workspace_of
+    return generator.program(operations, split, name="arena reserve")
 
 
 def _check_random_order(operations: list[Op], planning) -> None:
