@@ -201,6 +201,7 @@ class CodeGenerator:
         self._outside_peak: int | None = 0
         self._views_of: dict[int, set[int]] = {}  # group index -> the groups whose storage its outputs view
         self._viewed: dict[int, int] = {}
+        self._offloading: set[int] = set()  # groups whose offload was issued and not yet waited for
         self._sees_storage: dict[fx.Node, bool] = {}
         self.rng_states_kept = 0  # random nodes recomputed later: their generator states live until the step ends
         # with Modes.arena and no planned workspace: a node's workspace by implementation (the profile's)
@@ -447,15 +448,16 @@ class CodeGenerator:
                 self._viewed[owner] = self._viewed.get(owner, 0) + 1
 
     def _outside_freed(self, index: int, on_device: set[int]) -> None:
-        """Group `index` freed (still in `on_device`): its storage goes when no node on the device views it, and
-        the last view of another node's storage takes that with it."""
+        """Group `index` freed (still in `on_device`): its storage goes when no node on the device views it and
+        no offload still reads it (on a GPU the allocator keeps a block its copy stream uses until the copy is
+        waited for), and the last view of another node's storage takes that with it."""
         for owner in self._views_of.get(index, ()):
             self._viewed[owner] -= 1
             if not self._viewed[owner]:
                 self._outside_live.pop(("viewed", owner), None)
-                if owner not in on_device:
+                if owner not in on_device and owner not in self._offloading:
                     self._outside_live.pop(owner, None)
-        if not self._viewed.get(index):
+        if not self._viewed.get(index) and index not in self._offloading:
             self._outside_live.pop(index, None)
 
     def _outside_now(self, computed: bool) -> None:
@@ -759,6 +761,7 @@ class CodeGenerator:
         self._views_of = {g.index: {group_of[root_of[v]] for v in g.outputs if root_of.get(v) in group_of
                                     and group_of[root_of[v]] != g.index} for g in groups}
         self._viewed: dict[int, int] = {}  # group index -> how many nodes on the device view its outputs
+        self._offloading = set()
         offset = 0
         for part_index, part in enumerate(parts_ops):
             w = _Writer()
@@ -811,6 +814,7 @@ class CodeGenerator:
                         w(f"S.computed({op.group}, {op.implementation!r}, {_tuple(outputs)})")
                 elif op.kind == "offload":
                     w(f"S.offload({op.group}, {_tuple(outputs)})")
+                    self._offloading.add(op.group)
                 elif op.kind == "prefetch":
                     into = self._slots(group, op.offset_bytes) if self.modes.arena else {}
                     if outputs and into:
@@ -829,6 +833,10 @@ class CodeGenerator:
                     on_device.add(op.group)
                 elif op.kind == "wait":
                     w(f"S.wait({op.group}, {op.transfer!r})")
+                    if op.transfer == "offload" and op.group in self._offloading:
+                        self._offloading.discard(op.group)
+                        if op.group not in on_device and not self._viewed.get(op.group):
+                            self._outside_live.pop(op.group, None)
                 elif op.kind == "free":
                     self._free(w, group)
                     if self.modes.arena and op.group in on_device:
