@@ -273,8 +273,9 @@ def _small_plan():
 
 def test_a_plan_beside_the_arena_leaves_room_for_any_order_first_then_for_its_own():
     """plan_beside_the_arena: within the budget less the room for any order where a plan fits it; where none does,
-    within the budget less what the keep-all step holds in its own order, kept only where the plan's own step fits
-    the budget with its arena; a room no smaller than a hundredth of the budget is not tried again."""
+    within the budget less what the keep-all step holds in its own order, its addresses kept only where the plan's
+    own step fits the budget with its arena; a room no smaller than a hundredth of the budget is not tried again;
+    a plan whose buffers did not place is placed again within the budget less what its own step holds."""
     from executor.replay.replay import plan_beside_the_arena
     from planner.errors import BudgetError
 
@@ -301,12 +302,23 @@ def test_a_plan_beside_the_arena_leaves_room_for_any_order_first_then_for_its_ow
                                         in_order=(lambda: 4_000, lambda plan: 6_000))
     assert found is not None and room == 6_000 and asked == [budget - 20_000, budget - 4_000]
     assert any("in its own order" in message for message in said)
-    # its own step would pass the budget: no plan
+    # its own step would pass the budget: the plan as it is (the replay goes through the allocator), and why
     asked.clear()
     found, room = plan_beside_the_arena(profile, budget, 20_000, solve_above(held_bytes), said.append,
                                         in_order=(lambda: 4_000, lambda plan: 12_000))
-    assert found is None and room == 20_000 and len(asked) == 2
+    assert found is not None and found.budget_bytes == budget and room == 4_000 and len(asked) == 2
     assert "over the budget" in said[-1]
+    # buffers that did not place within the budget less the room are placed again with the room their step needs
+    from planner.addresses import without_addresses
+
+    unplaced = without_addresses(schedule)
+    assert unplaced.arena_bytes is None and unplaced.summary.arena_bytes == schedule.arena_bytes
+    found, room = plan_beside_the_arena(profile, budget, 10_000, lambda b: unplaced, said.append,
+                                        in_order=(lambda: 1_000, lambda plan: 3_000))
+    assert found.arena_bytes == schedule.arena_bytes and found.budget_bytes == budget and room == 3_000
+    found, room = plan_beside_the_arena(profile, budget, 10_000, lambda b: unplaced, said.append,
+                                        in_order=(lambda: 1_000, lambda plan: 10_001))
+    assert found.arena_bytes is None and room == 10_000 and "over the budget" in said[-1]
     # a room hardly smaller is not tried; without in_order, nothing but the first
     for in_order in ((lambda: 20_000 - budget // 200, lambda plan: 0), None):
         asked.clear()

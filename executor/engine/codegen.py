@@ -326,9 +326,10 @@ class CodeGenerator:
             self.placed.append((group.id, spared))
         kept = set(group.outputs) | self.planning.fixed_roots
         # values made and dropped inside the node that its workspace slot does not take: the allocator's
-        unplaced_bytes = sum(graph.facts.root_bytes[value] for op in group.ops for value in self._results(op)
-                             if value not in scratch_of and value not in kept) if slot_of else 0
-        if unplaced_bytes:
+        unplaced = [value for op in group.ops for value in self._results(op)
+                    if value not in scratch_of and value not in kept] if slot_of else []
+        unplaced_bytes = sum(graph.facts.root_bytes[value] for value in unplaced)
+        if unplaced:
             self._allow(group, arena.INTERMEDIATES)
         if self.modes.arena and compiled is None:
             # what the allocator holds beside the arena while this computation runs: results computed elsewhere and

@@ -257,52 +257,50 @@ def plan_beside_the_arena(profile: GraphProfile, budget_bytes: int, reserve_byte
     """A plan for a step writing into its arena within `budget_bytes`, and the room it was made to leave beside
     the arena; (None, `reserve_bytes`) where no plan leaves it. `solve` plans within a budget (BudgetError where
     nothing fits; without addresses where its buffers do not place within it); the schedule says `budget_bytes`.
+    At most one solve finds a plan: the others fail at once.
 
     First within the budget less `reserve_bytes`, the room for any order of the nodes (`arena_reserve_bytes`),
     which every plan's step fits. `in_order` gives what the keep-all step holds beside the arena in its own order
-    (nodes kept out of the arena are beside it only while they live: a third of that room, or less, for a CNN
-    with in-place operations) and what a given plan's step holds in its own. With it, a plan whose buffers did not
-    place within the budget less the room is placed again within the budget less what its own step holds; and
-    where no plan leaves the room, one is made within the budget less the keep-all step's figure, kept where its
-    own step fits with its arena."""
+    (nodes kept out of the arena are beside it only while they live: a third of that room for the zoo's in-place
+    CNN) and what a given plan's step holds in its own. With it, where no plan leaves the room, one is made within
+    the budget less the keep-all step's figure; and a plan whose buffers did not place within what it was made
+    within is placed again within the budget less what its own step holds. A plan whose own step does not fit with
+    its arena comes back as it is: the replay then goes through the allocator and says why."""
     say(f"planning within {format_bytes(budget_bytes - reserve_bytes)}: the budget less the "
         f"{format_bytes(reserve_bytes)} the allocator may hold beside the arena")
-    rooms = [reserve_bytes]
-    while rooms:
-        room_bytes = rooms.pop(0)
+    room_bytes = reserve_bytes
+    try:
+        schedule = solve(budget_bytes - reserve_bytes)
+    except BudgetError as error:
+        say(f"no plan leaves that room ({error})")
+        in_order_bytes = in_order[0]() if in_order is not None else reserve_bytes
+        # a room a hundredth of the budget smaller or less would not turn a plan that does not fit into one
+        if reserve_bytes - in_order_bytes <= budget_bytes // 100:
+            return None, reserve_bytes
+        say(f"planning within {format_bytes(budget_bytes - in_order_bytes)}: the budget less the "
+            f"{format_bytes(in_order_bytes)} the keep-all step holds beside the arena in its own order")
         try:
-            schedule = solve(budget_bytes - room_bytes)
+            schedule = solve(budget_bytes - in_order_bytes)
         except BudgetError as error:
-            say(f"no plan leaves that room ({error})")
-            schedule = None
-        if schedule is not None and schedule.arena_bytes is not None and room_bytes == reserve_bytes:
-            return schedule.model_copy(update={"budget_bytes": budget_bytes}), room_bytes
-        if in_order is None:
-            return (None if schedule is None else schedule.model_copy(update={"budget_bytes": budget_bytes}),
-                    reserve_bytes)
-        keep_all_bytes, outside_of = in_order
-        arena_bytes = None if schedule is None else schedule.arena_bytes if schedule.arena_bytes is not None else (
+            say(f"no plan leaves that room either ({error})")
+            return None, reserve_bytes
+        room_bytes = in_order_bytes
+    if in_order is not None and (schedule.arena_bytes is None or room_bytes < reserve_bytes):
+        arena_bytes = schedule.arena_bytes if schedule.arena_bytes is not None else (
             schedule.summary.arena_bytes if schedule.summary is not None else None)
         if arena_bytes is not None:
-            outside_bytes = outside_of(schedule)
+            outside_bytes = in_order[1](schedule)
             held_bytes = profile.fixed_bytes + arena_bytes + outside_bytes
-            if held_bytes <= budget_bytes:
-                if schedule.arena_bytes is None:
-                    # placed again with the room its own step needs beside the arena
-                    schedule = addressed(profile, schedule.model_copy(
-                        update={"budget_bytes": budget_bytes - outside_bytes}))
-                if schedule.arena_bytes is not None:
-                    return schedule.model_copy(update={"budget_bytes": budget_bytes}), outside_bytes
-            say(f"its step would hold {format_bytes(outside_bytes)} beside its arena of {format_bytes(arena_bytes)}: "
-                f"{format_bytes(held_bytes)} with fixed memory, over the budget")
-        if room_bytes == reserve_bytes:
-            in_order_bytes = keep_all_bytes()
-            # a room a hundredth of the budget smaller or less would not turn a plan that does not fit into one
-            if reserve_bytes - in_order_bytes > budget_bytes // 100:
-                say(f"planning within {format_bytes(budget_bytes - in_order_bytes)}: the budget less the "
-                    f"{format_bytes(in_order_bytes)} the keep-all step holds beside the arena in its own order")
-                rooms.append(in_order_bytes)
-    return None, reserve_bytes
+            if held_bytes <= budget_bytes and schedule.arena_bytes is None:
+                # placed again with the room its own step needs beside the arena
+                schedule = addressed(profile, schedule.model_copy(
+                    update={"budget_bytes": budget_bytes - outside_bytes}))
+            if held_bytes <= budget_bytes and schedule.arena_bytes is not None:
+                room_bytes = outside_bytes
+            else:
+                say(f"its step would hold {format_bytes(outside_bytes)} beside its arena of "
+                    f"{format_bytes(arena_bytes)}: {format_bytes(held_bytes)} with fixed memory, over the budget")
+    return schedule.model_copy(update={"budget_bytes": budget_bytes}), room_bytes
 
 
 def _arena_program(profile: GraphProfile, profiled: ProfiledStep, schedule: Schedule, device: torch.device,
