@@ -33,6 +33,10 @@ class SolveOptions:
     # False when the caller only wants a plan (mosos running its baselines): a strategy that finds none
     # raises InfeasibleBudget at once instead of searching for the smallest budget it could meet.
     explain_infeasible: bool = True
+    # Where a caller gives a list: a strategy that makes other plans on its way (mosos' baselines and heuristics)
+    # appends them, (name, schedule), each within the same budget: plan() takes the fastest whose buffers place
+    # within the budget where the strategy's own plan's do not.
+    candidates: list | None = field(default=None, repr=False)
 
     def started(self) -> "SolveOptions":
         """These options with a deadline: the one given, else `time_limit_s` from now."""

@@ -408,9 +408,12 @@ class SignaturePlanner:
                 gap = f", gap {100 * event['gap']:.1f}%" if event.get("gap") is not None else ""
                 say(f"{event.get('strategy', options.strategy)}{phase}: best {objective:.4g}{gap}")
 
-        # a re-plan runs beside training: it stops when the process exits (STOPPING)
+        # a re-plan runs beside training: it stops when the process exits (STOPPING). Planned addresses only for
+        # a step that writes into its arena: placing them plans again within less, or takes a slower plan whose
+        # buffers place, where the plan's own do not (on the CPU through the allocator, a loss for nothing)
         return plan(profile, budget_bytes, strategy=options.strategy, time_limit_s=options.time_limit_s,
-                    workers=options.workers, progress=on_progress, should_stop=STOPPING.is_set)
+                    workers=options.workers, progress=on_progress, should_stop=STOPPING.is_set,
+                    addresses=options.arena)
 
     def plan_signature(self, inputs: tuple, kwargs: dict | None,
                        targets) -> tuple[GraphProfile, Schedule, ProfiledStep, PlanKey | None]:

@@ -200,6 +200,8 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
         others.append(("greedy on the smallest workspaces", frugal))
     if reordered is not None:
         others.append(("memory-aware order", reordered))
+    if options.candidates is not None:
+        options.candidates.extend(others)
     remaining = reserve
     if options.workers != 1:
         # wall-clock budgeting; with one worker the shares stay fixed so that a seeded run repeats exactly
