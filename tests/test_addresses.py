@@ -90,8 +90,8 @@ def test_a_plan_whose_buffers_do_not_place_gives_way_to_the_fastest_that_does():
     """The issue's own case: ResNet-50 at batch 256, half its keep-all peak, 10 s. mosos' plan fills the budget,
     and its interleaved lifetimes leave gaps: its buffers need 3-11% more than its live peak, and a short re-plan
     within less fragments as much. It came back without addresses, which a GPU then fragments through its
-    allocator past the budget. Now the fastest of the plans mosos made on its way whose buffers place within the
-    budget is taken where planning again finds none faster: a plan that fits carries addresses that fit."""
+    allocator past the budget. Now, where planning again places none, the fastest of the plans mosos made on its
+    way whose buffers place within the budget is taken: a plan that fits carries addresses that fit."""
     profile = load_profile(PROFILES[0].parent / "resnet50-b256-v100.json")
     schedule = plan(profile, memory_ratio=0.5, strategy="mosos", time_limit_s=10, workers=1)
     assert schedule.arena_bytes is not None, schedule.summary
