@@ -212,7 +212,7 @@ def _fastest_placed(profile: GraphProfile, candidates: list, unplaced: Schedule,
     do not place), the fastest whose buffers the sweep in step order places within that budget with fixed memory,
     addressed and checked by the simulator, under the strategy's name with the choice in its solver note (as a
     baseline that beats the model is); None where none does by the deadline. Only the sweep: it places a
-    checkpointing baseline's buffers at their live peak in milliseconds, and leaves the time to planning again."""
+    checkpointing baseline's buffers at their live peak in milliseconds (their time is kept from the start)."""
     budget = unplaced.budget_bytes
     tried: set[int] = set()
     ordered = sorted(((name, schedule) for name, schedule in candidates
