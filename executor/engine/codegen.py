@@ -200,7 +200,7 @@ class CodeGenerator:
         self._outside_live: dict = {}
         self._outside_peak: int | None = 0
         self._views_of: dict[int, set[int]] = {}  # group index -> the groups whose storage its outputs view
-        self._viewed: dict[int, int] = {}
+        self._viewed: dict[int, int] = {}  # group index -> how many nodes on the device view its outputs
         self._offloading: set[int] = set()  # groups whose offload was issued and not yet waited for
         self._sees_storage: dict[fx.Node, bool] = {}
         self.rng_states_kept = 0  # random nodes recomputed later: their generator states live until the step ends
@@ -761,8 +761,7 @@ class CodeGenerator:
         group_of, root_of = self.planning.group_of, self.planning.root_of
         self._views_of = {g.index: {group_of[root_of[v]] for v in g.outputs if root_of.get(v) in group_of
                                     and group_of[root_of[v]] != g.index} for g in groups}
-        self._viewed: dict[int, int] = {}  # group index -> how many nodes on the device view its outputs
-        self._offloading = set()
+        self._viewed, self._offloading = {}, set()
         offset = 0
         for part_index, part in enumerate(parts_ops):
             w = _Writer()

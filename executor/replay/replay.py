@@ -314,10 +314,12 @@ def _arena_program(profile: GraphProfile, profiled: ProfiledStep, schedule: Sche
     split = next((k for k, op in enumerate(operations)
                   if op.kind == "compute" and groups[op.group].kind == "backward"), len(operations))
     nodes = profile.node_by_id
-    workspaces = {(g.index, i.name): i.workspace_bytes for g in groups for i in nodes[g.id].implementations}
-    largest = {g.index: max((i.workspace_bytes for i in nodes[g.id].implementations), default=0) for g in groups}
-    workspace_of = ((lambda group, name: largest[group]) if largest_workspace else  # noqa: E731
-                    (lambda group, name: workspaces[(group, name)]))
+    if largest_workspace:
+        largest = {g.index: max((i.workspace_bytes for i in nodes[g.id].implementations), default=0) for g in groups}
+        workspace_of = lambda group, name: largest[group]  # noqa: E731
+    else:
+        workspaces = {(g.index, i.name): i.workspace_bytes for g in groups for i in nodes[g.id].implementations}
+        workspace_of = lambda group, name: workspaces[(group, name)]  # noqa: E731
     operations = [dataclasses.replace(op, offset_bytes=0, workspace_offset_bytes=0,
                                       workspace_bytes=workspace_of(op.group, op.implementation))
                   if op.kind == "compute" else op for op in operations]
