@@ -97,10 +97,11 @@ def plan(
             # a plan under the keep-all peak fills memory to its budget, where its buffers may not place within it:
             # a share of the limit stays for planning again within less (without it, a solver that used its whole
             # share left none, and at 20 s the U-Net and ResNet-50 plans at 0.5 came back unplaced)
-            # (and the sweeps over the other plans the strategy made, for a plan that fits where none places)
-            reserve_s = min(ADDRESS_SHARE * time_limit_s,
-                            reserve_s + ARENA_FIT_SHARE * time_limit_s + _sweeps_s(profile))
-        candidates: list | None = [] if fits_later else None
+            # (and, for a strategy that hands them on, the sweeps over the other plans it made, for a plan that fits
+            # where none places)
+            reserve_s = min(ADDRESS_SHARE * time_limit_s, reserve_s + ARENA_FIT_SHARE * time_limit_s
+                            + (_sweeps_s(profile) if info.offers_candidates else 0.0))
+        candidates: list | None = [] if fits_later and info.offers_candidates else None
         options = SolveOptions(
             time_limit_s=time_limit_s, workers=workers, seed=seed, progress=progress, should_stop=stop,
             deadline=started + time_limit_s - reserve_s, candidates=candidates,

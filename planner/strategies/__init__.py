@@ -28,14 +28,18 @@ class StrategyInfo:
     uses_budget: bool = True
     # Moves tensors to host memory: useless on a profile without transfer bandwidth, refused before any work.
     needs_transfers: bool = False
+    # Hands the other plans it made on its way to SolveOptions.candidates: plan() keeps time to place them where its
+    # own plan's buffers do not place within the budget.
+    offers_candidates: bool = False
 
 
 STRATEGIES: dict[str, StrategyInfo] = {}
 
 
-def strategy(name: str, description: str, uses_budget: bool = True, needs_transfers: bool = False):
+def strategy(name: str, description: str, uses_budget: bool = True, needs_transfers: bool = False,
+             offers_candidates: bool = False):
     def register(function: StrategyFunction) -> StrategyFunction:
-        STRATEGIES[name] = StrategyInfo(name, function, description, uses_budget, needs_transfers)
+        STRATEGIES[name] = StrategyInfo(name, function, description, uses_budget, needs_transfers, offers_candidates)
         return function
 
     return register

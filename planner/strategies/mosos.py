@@ -217,7 +217,8 @@ def mosos_plan(profile: GraphProfile, budget_bytes: int, options: SolveOptions, 
 
 
 @strategy(
-    "mosos", "the joint MO-SOS model on CP-SAT: keep, offload+prefetch or recompute, and the algorithm of every node"
+    "mosos", "the joint MO-SOS model on CP-SAT: keep, offload+prefetch or recompute, and the algorithm of every node",
+    offers_candidates=True,
 )
 def plan_mosos(profile: GraphProfile, budget_bytes: int | None, options: SolveOptions) -> Schedule:
     return mosos_plan(profile, budget_bytes, options)
