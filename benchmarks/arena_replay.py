@@ -83,7 +83,7 @@ def measure(name: str, steps: int) -> list[dict]:
     mosos = f"mosos at {plannable_ratio(profile):g}"
     said: list[str] = []
     within, _ = plan_beside_the_arena(
-        profile, budget, reserve, lambda b: plan(profile, b, strategy="mosos", time_limit_s=5, workers=1, seed=0),
+        profile, budget, reserve, lambda view, b: plan(view, b, strategy="mosos", time_limit_s=5, workers=1, seed=0),
         said.append, in_order=(lambda: arena_reserve_bytes(profile, captured, cpu, any_order=False),
                                lambda schedule: arena_outside_bytes(profile, captured, schedule, cpu)))
     plans[mosos] = within if within is not None else "no plan leaves room beside the arena: " + "; ".join(said[1:])

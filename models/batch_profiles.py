@@ -218,6 +218,10 @@ def scale_profile(low: GraphProfile, high: GraphProfile, a: int, b: int, batch: 
             twin = other.implementation(implementation["name"])
             implementation["time_ms"] = _time(a, implementation["time_ms"], b, twin.time_ms, batch)
             implementation["workspace_bytes"] = _size(a, implementation["workspace_bytes"], b, twin.workspace_bytes, batch)
+            part = implementation.pop("arena_workspace_bytes", None)
+            if part is not None and twin.arena_workspace_bytes is not None:  # the arena's part of it, on its own line
+                implementation["arena_workspace_bytes"] = min(
+                    _size(a, part, b, twin.arena_workspace_bytes, batch), implementation["workspace_bytes"])
     for key, value in list(data["fixed_memory"].items()):
         data["fixed_memory"][key] = _size(a, value, b, getattr(high.fixed_memory, key), batch)
     provenance = data["provenance"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import networkx as nx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 from planner.errors import Issue, ProfileError
 from planner.validation import NumbersAreNumbers, issues_from_validation_error
@@ -108,6 +108,34 @@ class Implementation(_Strict):
     name: str = Field(min_length=1)
     time_ms: float = Field(ge=0, le=MAX_TIME_MS)
     workspace_bytes: int = Field(default=0, ge=0, le=MAX_BYTES)
+    arena_workspace_bytes: int | None = Field(
+        default=None, ge=0, le=MAX_BYTES,
+        description="Of workspace_bytes, the part a step writing into its planned arena places there (values the "
+        "node makes and drops inside it); the rest the kernel allocates for itself beside the arena (a cuDNN "
+        "workspace, a convolution's result before its copy into the arena), so an arena slot for it would stay "
+        "empty. Omitted: all of it. Planned addresses give the workspace this much; the peak counts all of it.",
+    )
+
+    @model_validator(mode="after")
+    def _arena_part_within_workspace(self) -> "Implementation":
+        if self.arena_workspace_bytes is not None and self.arena_workspace_bytes > self.workspace_bytes:
+            raise ValueError(f"arena_workspace_bytes ({self.arena_workspace_bytes}) is more than workspace_bytes "
+                             f"({self.workspace_bytes}): it is the part of the workspace placed in the arena")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_an_unset_arena_part(self, handler):
+        """Left out when not given, as in every profile written before the field: their digests, and the schedules
+        made for them, stay valid, and an older mosos still reads what this one writes for them."""
+        dumped = handler(self)
+        if isinstance(dumped, dict) and dumped.get("arena_workspace_bytes", 0) is None:
+            dumped.pop("arena_workspace_bytes")
+        return dumped
+
+    @property
+    def placed_workspace_bytes(self) -> int:
+        """What planned addresses place of the workspace: its arena part where the profile says, else all of it."""
+        return self.workspace_bytes if self.arena_workspace_bytes is None else self.arena_workspace_bytes
 
 
 class Node(_Strict):

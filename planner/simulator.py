@@ -98,6 +98,14 @@ class _MemoryEvent:
     operation_object: object  # described only if a rejection names it (formatting every one is costly)
     tensor: str
     workspace: bool = False
+    placed_bytes: int | None = None  # a workspace's part in the arena (its profile's arena_workspace_bytes)
+
+    @property
+    def arena_delta_bytes(self) -> int:
+        """The change in what the arena holds: a workspace's placed part, else the whole buffer."""
+        if self.placed_bytes is None:
+            return self.delta_bytes
+        return self.placed_bytes if self.delta_bytes > 0 else -self.placed_bytes
 
     @property
     def operation(self) -> str:
@@ -134,8 +142,9 @@ class _Replay:
     computed_order: list[str] = field(default_factory=list)
     keep_spans: bool = True  # spans only when the caller keeps the timeline (a pydantic object per operation)
 
-    def memory(self, time_ms, delta, stage, index, operation, tensor, workspace=False):
-        self.events.append(_MemoryEvent(time_ms, delta, len(self.events), stage, index, operation, tensor, workspace))
+    def memory(self, time_ms, delta, stage, index, operation, tensor, workspace=False, placed_bytes=None):
+        self.events.append(_MemoryEvent(time_ms, delta, len(self.events), stage, index, operation, tensor, workspace,
+                                        placed_bytes))
 
     def span(self, stream: str, label, start_ms: float, end_ms: float, stage: int, kind: str, node: str,
              implementation: str | None = None) -> None:
@@ -229,14 +238,14 @@ def _allocations(replay: _Replay) -> list[Allocation]:
     found: list[tuple[_MemoryEvent, int, int | None]] = []
     for position, event in enumerate(events):
         key = (event.tensor, event.workspace)
-        if event.delta_bytes > 0:
+        if event.arena_delta_bytes > 0:
             opened[key].append(len(found))
             found.append((event, position, None))
-        elif event.delta_bytes < 0:
+        elif event.arena_delta_bytes < 0:
             slot = opened[key].popleft()
             found[slot] = (found[slot][0], found[slot][1], position)
         # a zero-byte buffer needs no place
-    return [Allocation(e.operation_index, e.stage, e.tensor, e.workspace, e.delta_bytes, start, end)
+    return [Allocation(e.operation_index, e.stage, e.tensor, e.workspace, e.arena_delta_bytes, start, end)
             for e, start, end in found]
 
 
@@ -256,12 +265,13 @@ def _check_addresses(replay: _Replay, schedule: Schedule) -> None:
     where: dict[tuple[str, bool], deque[int]] = defaultdict(deque)  # the offsets of each tensor's copies, oldest first
     for event in replay.events:  # _finish sorted them (time, then program order)
         key = (event.tensor, event.workspace)
-        if event.delta_bytes < 0:
+        size_bytes = event.arena_delta_bytes  # a workspace takes its placed part of the arena
+        if size_bytes < 0:
             offset = where[key].popleft()
             live.pop(offset)
             live_starts.pop(bisect_left(live_starts, offset))
             continue
-        if event.delta_bytes == 0:
+        if size_bytes == 0:
             continue
         operation = event.operation_object
         offset = operation.workspace_offset_bytes if event.workspace else operation.offset_bytes
@@ -273,9 +283,9 @@ def _check_addresses(replay: _Replay, schedule: Schedule) -> None:
 
         what = f"{'the workspace of ' if event.workspace else ''}{event.tensor!r}"
         if offset is None:
-            raise reject(f"the schedule has planned addresses (arena_bytes) but {what} ({event.delta_bytes} bytes) "
+            raise reject(f"the schedule has planned addresses (arena_bytes) but {what} ({size_bytes} bytes) "
                          "has no offset")
-        end = offset + event.delta_bytes
+        end = offset + size_bytes
         if end > arena:
             raise reject(f"{what} at offset {offset} ends at {end} bytes, past the arena of {arena} bytes")
         k = bisect_left(live_starts, offset)
@@ -365,8 +375,11 @@ def _compute(replay: _Replay, stage: int, index: int, operation: Compute) -> Non
     end = start + implementation.time_ms
     replay.memory(start, node.size_bytes, stage, index, operation, node.id)
     if implementation.workspace_bytes:
-        replay.memory(start, implementation.workspace_bytes, stage, index, operation, node.id, workspace=True)
-        replay.memory(end, -implementation.workspace_bytes, stage, index, operation, node.id, workspace=True)
+        placed = implementation.arena_workspace_bytes
+        replay.memory(start, implementation.workspace_bytes, stage, index, operation, node.id, workspace=True,
+                      placed_bytes=placed)
+        replay.memory(end, -implementation.workspace_bytes, stage, index, operation, node.id, workspace=True,
+                      placed_bytes=placed)
     recomputed = state.computed
     if recomputed:
         replay.recompute_ms += implementation.time_ms

@@ -5,7 +5,8 @@ enums, minItems, the server's limits and strategies). A few rules relate values
 to one another and cannot be expressed: node ids unique in a profile, `inputs`
 and `forward_node` naming other nodes, no cycles, a backward node that
 differentiates a forward one reading a forward tensor, implementation names
-unique in a node, and a schedule's stages numbered in order. They are in the
+unique in a node, a workspace's arena part within the workspace, and a
+schedule's stages numbered in order. They are in the
 fields' descriptions, and the server refuses a request that breaks them with a
 422 that names the path.
 
@@ -57,7 +58,16 @@ def keep_profile_rules(profile: Any) -> None:
             for implementation in node["implementations"]:
                 if isinstance(implementation, dict) and isinstance(implementation.get("name"), str):
                     implementation["name"] = _unique(implementation["name"], names)
+                _keep_arena_part_within_workspace(implementation)
         kinds[node["id"]] = node.get("kind")
+
+
+def _keep_arena_part_within_workspace(implementation: Any) -> None:
+    if not isinstance(implementation, dict):
+        return
+    part, workspace = implementation.get("arena_workspace_bytes"), implementation.get("workspace_bytes", 0)
+    if isinstance(part, (int, float)) and isinstance(workspace, (int, float)) and part > workspace:
+        implementation["arena_workspace_bytes"] = workspace
 
 
 def keep_schedule_rules(schedule: Any) -> None:

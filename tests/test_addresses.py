@@ -139,6 +139,46 @@ def test_an_arena_over_the_budget_is_refuted_even_where_live_memory_fits():
     assert caught.value.over_budget_bytes == 1
 
 
+def test_a_workspace_takes_only_its_arena_part_of_the_arena():
+    """A workspace the kernel allocates beside the arena (a convolution computed where the allocator puts it, cuDNN's
+    own scratch) gets no slot there, and one with a part in the arena a slot of that part: the arena shrinks while
+    the peak still counts every byte; a workspace slot planted to reach past its part into a live buffer is
+    refuted."""
+    from tests.conftest import make_profile, node
+
+    placed = {}
+    for part in (None, 0, 6400):
+        convolution = {"name": "default", "time_ms": 1.0, "workspace_bytes": 64_000}
+        if part is not None:
+            convolution["arena_workspace_bytes"] = part
+        profile = make_profile([
+            node("x", output_bytes=6400),
+            node("y", inputs=["x"], output_bytes=12_800, implementations=[convolution]),
+            node("loss", kind="loss", inputs=["y"], output_bytes=64),
+            node("y:bwd", kind="backward", inputs=["loss", "x"], output_bytes=6400, forward_node="y"),
+        ])
+        schedule = plan(profile, strategy="keep-all")
+        placed[part] = (profile, _placed(profile, _unbounded(schedule)))
+        simulate(*placed[part])
+    whole, none, part = (placed[k][1] for k in (None, 0, 6400))
+    assert whole.summary.peak_memory_bytes == none.summary.peak_memory_bytes == part.summary.peak_memory_bytes
+    # without its workspace, the most live is x, y and the loss at once (the loss's 64 bytes come after y's compute)
+    assert (none.arena_bytes, part.arena_bytes, whole.arena_bytes) == (6400 + 12_800 + 64, 6400 + 12_800 + 6400,
+                                                                       6400 + 12_800 + 64_000)
+    assert not [item for item in _buffers_with_offsets(none) if item[1] == "workspace_offset_bytes"]
+    profile = placed[6400][0]
+    [workspace] = [b for b in allocations(profile, part) if b.workspace]
+    assert workspace.size_bytes == 6400
+    # its slot moved to overlap x's output (live while y computes) by one byte
+    offsets = {(position, field): offset for position, field, offset in _buffers_with_offsets(part)}
+    x_offset = offsets[next(b.operation_index for b in allocations(profile, part) if b.tensor == "x"), "offset_bytes"]
+    planted = [moved for moved in (x_offset + 6400 - 1, x_offset - 6400 + 1) if 0 <= moved <= part.arena_bytes - 6400]
+    assert planted
+    for moved in planted:
+        with pytest.raises(ScheduleRejected, match="overlaps"):
+            simulate(profile, _set(part, workspace.operation_index, {"workspace_offset_bytes": moved}))
+
+
 def test_an_offset_past_the_arena_and_a_missing_offset_are_refuted():
     profile, placed = _offloading_plan()
     position, field, offset = max(_buffers_with_offsets(placed), key=lambda item: item[2])

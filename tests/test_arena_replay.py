@@ -263,6 +263,101 @@ def test_a_result_computed_beside_the_arena_inside_a_node_counts_with_the_kernel
     assert trace.peak_bytes <= planned._prepared.program.outside_arena_bytes + gradients
 
 
+def test_a_convolutions_own_scratch_gets_no_empty_slot_in_the_arena():
+    """A convolution computes where the allocator puts it, scratch included, and is copied into its slot: its
+    measured workspace is beside the arena, and a workspace slot for it stayed empty (every workspace byte of the
+    zoo's CNNs, 2-5% of their keep-all arenas). The profile says which part of each workspace the step places in
+    the arena (values made and dropped inside a node that an out= overload writes); planned addresses give the
+    workspace only that part. The step is plain PyTorch's, bitwise, and what it holds beside the arena stays
+    within the program's bound."""
+    from executor.measure.allocations import AllocationTrace
+    from planner.profile import GraphProfile
+
+    torch.manual_seed(0)
+    model = _ScaledConvolutions()
+    inputs, targets = torch.randn(16, 3, 32, 32), torch.randint(0, 4, (16,))
+    loss_fn = torch.nn.functional.cross_entropy
+    profile, captured = _profile(model, (inputs,), {}, targets, loss_fn)
+    parts = {node.id: (node.fastest.workspace_bytes, node.fastest.arena_workspace_bytes) for node in profile.nodes}
+    # the filter and input gradients: all scratch of the kernel's own; the scaled convolution: its product only
+    assert parts["c2/convolution_backward.weight:bwd"][0] > 0 and parts["c2/convolution_backward.weight:bwd"][1] == 0
+    assert parts["c2/convolution+2"][1] == profile.node_by_id["c2/convolution+2"].output_bytes
+    assert all(part is not None and part <= workspace for workspace, part in parts.values() if workspace)
+    data = profile.model_dump(mode="json")
+    for node in data["nodes"]:
+        for implementation in node["implementations"]:
+            implementation.pop("arena_workspace_bytes", None)
+    whole = GraphProfile.model_validate(data)
+    recomputing = recompute_everything_schedule(profile).model_copy(update={"budget_bytes": None})
+    assert addressed(profile, recomputing).arena_bytes < addressed(
+        whole, recomputing.model_copy(update={"profile_digest": whole.digest()})).arena_bytes
+    expected_loss = loss_fn(copy.deepcopy(model)(inputs), targets)
+    for schedule in (plan(profile, strategy="keep-all"), recomputing):
+        planned_model = copy.deepcopy(model)
+        planned = PlannedModule(planned_model, profile, addressed(profile, schedule), loss_fn, profiled=captured,
+                                arena=True, ledger=False)
+        for _ in range(2):
+            loss = planned(inputs, targets=targets)
+            loss.backward()
+            assert torch.equal(loss.detach(), expected_loss.detach())
+            planned_model.zero_grad(set_to_none=True)
+        assert planned.arena_refused is None
+        with AllocationTrace() as trace:
+            planned(inputs, targets=targets).backward()
+        gradients = sum(p.grad.untyped_storage().nbytes() for p in planned_model.parameters())
+        assert trace.peak_bytes <= planned._prepared.program.outside_arena_bytes + gradients
+
+
+def test_a_plan_for_the_arena_counts_a_kernels_own_scratch_once():
+    """The room beside the arena holds a kernel's own scratch (`arena_reserve_bytes` counts it there): the solver
+    plans on the profile with each workspace cut to its arena part, or the scratch would count twice. The plan
+    that comes back is the profile's, its peak counting every workspace whole; one that fits only with the
+    scratch counted once, for a step that would not write into its arena after all, is not handed on."""
+    from executor.replay.replay import plan_beside_the_arena, workspaces_in_the_arena
+    from planner.errors import BudgetError
+    from planner.simulator import simulate
+    from tests.conftest import make_profile, node
+
+    scratch = {"name": "default", "time_ms": 1.0, "workspace_bytes": 64_000, "arena_workspace_bytes": 0}
+    profile = make_profile([
+        node("x", output_bytes=6400),
+        node("y", inputs=["x"], output_bytes=12_800, implementations=[scratch]),
+        node("loss", kind="loss", inputs=["y"], output_bytes=64),
+        node("y:bwd", kind="backward", inputs=["loss", "x"], output_bytes=6400, forward_node="y"),
+    ])
+    view = workspaces_in_the_arena(profile)
+    assert view.node_by_id["y"].fastest.workspace_bytes == 0 and profile.node_by_id["y"].fastest.workspace_bytes
+    assert workspaces_in_the_arena(view) is view
+    real_peak = plan(profile, strategy="keep-all").summary.peak_memory_bytes
+    view_peak = plan(view, strategy="keep-all").summary.peak_memory_bytes
+    assert real_peak == view_peak + 64_000 - 64  # the loss's 64 bytes live after y's scratch is gone
+    seen = []
+
+    def solve(planned_on, budget_bytes):
+        seen.append(planned_on)
+        schedule = plan(planned_on, strategy="keep-all")
+        if schedule.summary.peak_memory_bytes > budget_bytes:
+            raise BudgetError(f"no plan within {budget_bytes}", minimum_budget_bytes=schedule.summary.peak_memory_bytes)
+        return addressed(planned_on, schedule.model_copy(update={"budget_bytes": budget_bytes}))
+
+    # room beside the arena for the scratch, and the arena for the rest: counted twice, nothing would fit
+    budget = view_peak + 64_000
+    with pytest.raises(BudgetError):
+        solve(profile, budget - 64_000)
+    seen.clear()
+    found, room = plan_beside_the_arena(profile, budget, 64_000, solve, lambda message: None)
+    assert [p.digest() for p in seen] == [view.digest()] and room == 64_000
+    assert found.profile_digest == profile.digest() and found.budget_bytes == budget
+    assert found.summary.peak_memory_bytes == simulate(profile, found).peak_memory_bytes == real_peak
+    assert found.arena_bytes == view_peak
+    # within the keep-all step's room, its own step over the budget with its arena: through the allocator the
+    # scratch counts whole, over the budget too
+    said: list[str] = []
+    found, room = plan_beside_the_arena(profile, view_peak + 1000, 64_000, solve, said.append,
+                                        in_order=(lambda: 500, lambda schedule: 10**6))
+    assert found is None and room == 64_000 and "counted whole" in said[-1]
+
+
 def _small_plan():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 10))
@@ -276,7 +371,7 @@ def test_a_plan_beside_the_arena_leaves_room_for_any_order_first_then_for_its_ow
     within the budget less what the keep-all step holds in its own order, its addresses kept only where the plan's
     own step fits the budget with its arena; a room no smaller than a hundredth of the budget is not tried again;
     a plan whose buffers did not place is placed again within the budget less what its own step holds."""
-    from executor.replay.replay import plan_beside_the_arena
+    from executor.replay.replay import plan_beside_the_arena, workspaces_in_the_arena
     from planner.errors import BudgetError
 
     profile, schedule = _small_plan()
@@ -284,11 +379,13 @@ def test_a_plan_beside_the_arena_leaves_room_for_any_order_first_then_for_its_ow
     asked: list[int] = []
 
     def solve_above(least_bytes):
-        def solve(budget_bytes):
+        def solve(view, budget_bytes):
+            assert view is workspaces_in_the_arena(profile) or view.digest() == workspaces_in_the_arena(
+                profile).digest()  # the solver counts only the workspaces' arena parts
             asked.append(budget_bytes)
             if budget_bytes < least_bytes:
                 raise BudgetError(f"no plan within {budget_bytes}", minimum_budget_bytes=least_bytes)
-            return schedule
+            return schedule.model_copy(update={"profile_digest": view.digest()})
         return solve
 
     budget = held_bytes + 10_000
@@ -312,11 +409,14 @@ def test_a_plan_beside_the_arena_leaves_room_for_any_order_first_then_for_its_ow
     from planner.addresses import without_addresses
 
     unplaced = without_addresses(schedule)
+
+    def unplaced_for(view, budget_bytes):
+        return unplaced.model_copy(update={"profile_digest": view.digest()})
     assert unplaced.arena_bytes is None and unplaced.summary.arena_bytes == schedule.arena_bytes
-    found, room = plan_beside_the_arena(profile, budget, 10_000, lambda b: unplaced, said.append,
+    found, room = plan_beside_the_arena(profile, budget, 10_000, unplaced_for, said.append,
                                         in_order=(lambda: 1_000, lambda plan: 3_000))
     assert found.arena_bytes == schedule.arena_bytes and found.budget_bytes == budget and room == 3_000
-    found, room = plan_beside_the_arena(profile, budget, 10_000, lambda b: unplaced, said.append,
+    found, room = plan_beside_the_arena(profile, budget, 10_000, unplaced_for, said.append,
                                         in_order=(lambda: 1_000, lambda plan: 10_001))
     assert found.arena_bytes is None and room == 10_000 and "over the budget" in said[-1]
     # a room hardly smaller is not tried; without in_order, nothing but the first
@@ -336,8 +436,9 @@ def test_an_arena_with_no_room_beside_it_for_what_the_allocator_still_holds_is_r
     loss_fn = torch.nn.functional.cross_entropy
     profile, captured = _profile(model, (inputs,), {}, targets, loss_fn)
     unbounded = addressed(profile, plan(profile, strategy="keep-all"))
-    tight = addressed(profile, unbounded.model_copy(update={"budget_bytes": profile.fixed_bytes
-                                                            + unbounded.arena_bytes}))
+    # the arena exactly, or the plan's peak where that is more (a workspace beside the arena is not in it)
+    budget = max(profile.fixed_bytes + unbounded.arena_bytes, unbounded.summary.peak_memory_bytes)
+    tight = addressed(profile, unbounded.model_copy(update={"budget_bytes": budget}))
     assert tight.arena_bytes is not None
     messages = []
     copied = copy.deepcopy(model)
@@ -437,7 +538,8 @@ def _op(kind, group, offset=None, workspace=None):
     from executor.engine.codegen import Op
 
     start, size = workspace if workspace is not None else (None, 0)
-    return Op(kind, group, offset_bytes=offset, workspace_offset_bytes=start, workspace_bytes=size)
+    return Op(kind, group, offset_bytes=offset, workspace_offset_bytes=start, workspace_bytes=size,
+              workspace_slot_bytes=size)
 
 
 def test_a_slot_freed_under_its_offload_is_waited_for_where_it_is_written_next():
@@ -492,15 +594,18 @@ def test_every_write_over_a_slot_under_an_offload_waits_for_it_in_a_real_plan():
         for q in range(p + 1, len(operations)):
             op = operations[q]
             ranges = [(op.offset_bytes, op.offset_bytes + size_of(op.group))] if op.offset_bytes is not None else []
-            if op.kind == "compute" and op.workspace_offset_bytes is not None and op.workspace_bytes:
-                ranges.append((op.workspace_offset_bytes, op.workspace_offset_bytes + op.workspace_bytes))
+            if op.kind == "compute" and op.workspace_offset_bytes is not None and op.workspace_slot_bytes:
+                ranges.append((op.workspace_offset_bytes, op.workspace_offset_bytes + op.workspace_slot_bytes))
             if op.kind not in ("compute", "prefetch") or not any(a < end and start < b for a, b in ranges):
                 continue
             compute_waited = any((r, freed.group, "compute") in waited for r in range(p + 1, q + (op.kind == "compute")))
             if op.kind == "compute":
                 assert compute_waited, (p, q)
             else:
-                assert compute_waited or (q, freed.group, "h2d") in waited, (p, q)
+                # its own stream waited here or at an earlier prefetch over the slot (a stream's wait orders all its
+                # later copies)
+                h2d_waited = any((r, freed.group, "h2d") in waited for r in range(p + 1, q + 1))
+                assert compute_waited or h2d_waited, (p, q)
             checked += 1
     assert checked > 10 and found
     program = CodeGenerator(captured.planning, Modes(arena=True), cuda=True).program(operations, None)

@@ -119,6 +119,21 @@ def test_negative_huge_or_non_finite_numbers(field, value, path, fragment):
     assert got_path == path and fragment in message
 
 
+def test_a_workspaces_arena_part_larger_than_the_workspace_is_named():
+    nodes = chain()
+    nodes[1]["implementations"][0]["arena_workspace_bytes"] = 60  # of a 50-byte workspace
+    [(path, message)] = issues_of(profile_data(nodes))
+    assert path == "nodes[1].implementations[0]" and "arena_workspace_bytes (60) is more than workspace_bytes (50)" \
+        in message
+    nodes[1]["implementations"][0]["arena_workspace_bytes"] = 20
+    profile = parse_profile(profile_data(nodes))
+    assert profile.node_by_id["y"].fastest.placed_workspace_bytes == 20
+    del nodes[1]["implementations"][0]["arena_workspace_bytes"]
+    unset = parse_profile(profile_data(nodes))  # written as before the field: the same digest as an older mosos'
+    assert "arena_workspace_bytes" not in json.dumps(unset.model_dump(mode="json"))
+    assert unset.node_by_id["y"].fastest.placed_workspace_bytes == 50
+
+
 def test_node_without_implementations():
     nodes = chain()
     nodes[2]["implementations"] = []

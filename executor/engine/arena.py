@@ -230,7 +230,7 @@ def reclaims(operations: list, size_bytes_of) -> dict[int, list[tuple[int, str]]
     A prefetch's stream waiting does not order the compute stream, so the first computation writing there waits
     as well (a wait on a finished copy costs nothing). Where nothing later in the step writes there, the step's
     end waits (Transfers.settle). `operations`: codegen's Op (kind, group, offset_bytes, workspace_offset_bytes,
-    workspace_bytes); `size_bytes_of(group)`: the bytes its slot holds."""
+    workspace_slot_bytes); `size_bytes_of(group)`: the bytes its slot holds."""
     copy_offset: dict[int, int | None] = {}  # group -> the offset of its copy on the device
     offloaded: set[int] = set()  # groups offloaded since their copy on the device was made
     pending: list[tuple[int, int, int, set[str]]] = []  # (start, end, group, streams not yet waiting) of freed slots
@@ -241,8 +241,8 @@ def reclaims(operations: list, size_bytes_of) -> dict[int, list[tuple[int, str]]
         if op.kind == "compute":
             if op.offset_bytes is not None:
                 writes.append((op.offset_bytes, op.offset_bytes + size_bytes_of(op.group)))
-            if op.workspace_offset_bytes is not None and op.workspace_bytes:
-                writes.append((op.workspace_offset_bytes, op.workspace_offset_bytes + op.workspace_bytes))
+            if op.workspace_offset_bytes is not None and op.workspace_slot_bytes:
+                writes.append((op.workspace_offset_bytes, op.workspace_offset_bytes + op.workspace_slot_bytes))
         elif op.kind == "prefetch" and op.offset_bytes is not None:
             writes.append((op.offset_bytes, op.offset_bytes + size_bytes_of(op.group)))
             stream = "h2d"

@@ -67,8 +67,9 @@ class Op:
     implementation: str = "default"
     transfer: str = ""  # wait: offload | prefetch
     offset_bytes: int | None = None  # compute, prefetch: the planned address of its outputs (with Modes.arena)
-    workspace_offset_bytes: int | None = None  # compute: the planned address of its workspace
-    workspace_bytes: int = 0  # compute: the implementation's workspace in the profile
+    workspace_offset_bytes: int | None = None  # compute: the planned address of its workspace slot
+    workspace_bytes: int = 0  # compute: the implementation's workspace in the profile (all it holds, wherever)
+    workspace_slot_bytes: int = 0  # compute: its workspace slot in the arena (the profile's arena part of it)
 
 
 @dataclass
@@ -249,10 +250,12 @@ class CodeGenerator:
     # -- one planning node ---------------------------------------------------------------------------
 
     def compute(self, w: _Writer, group: Group, implementation: str, first: bool, rng_later: bool,
-                offset_bytes: int | None = None, workspace: tuple[int, int] | None = None) -> None:
+                offset_bytes: int | None = None, workspace: tuple[int, int] | None = None,
+                workspace_bytes: int | None = None) -> None:
         """The code of one computation of `group`: its operations, graph outputs, and transient frees; with
         Modes.arena, its outputs written into the slot at `offset_bytes`, and what it makes and drops inside into its
-        workspace ((offset, bytes))."""
+        workspace slot ((offset, bytes)); `workspace_bytes`: all the workspace the implementation holds, in its slot
+        or beside the arena (None: the slot's, or `workspace_of`'s without one)."""
         graph = self.planning
         w(f"# compute {group.id} [{implementation}]" + ("" if first else " (recompute)"))
         if self.modes.timing:
@@ -340,8 +343,14 @@ class CodeGenerator:
             # output's room for one of them). Never more than the node takes through the allocator alone (its
             # outputs and measured workspace): what the arena does not take is a part of that. A node kept out of
             # the arena holds its outputs there for as long as the schedule keeps them.
-            workspace_bytes = workspace[1] if workspace is not None else self._workspace_bytes(group, implementation)
-            own_bytes = unplaced_bytes + (workspace_bytes if functional or in_place_seen else 0)
+            slot_bytes = workspace[1] if workspace is not None else 0
+            if workspace_bytes is None:
+                workspace_bytes = workspace[1] if workspace is not None else \
+                    self._workspace_bytes(group, implementation)
+            # an operation written in place takes its scratch from the slot, but what the slot leaves out of the
+            # workspace (the profile's arena part is less) the kernel still allocates beside the arena
+            own_bytes = unplaced_bytes + (workspace_bytes if functional or in_place_seen
+                                          else max(0, workspace_bytes - slot_bytes))
             self.transient.append((group.id, min(copied_bytes + own_bytes,
                                                  self.planning.size_bytes(group) + workspace_bytes)))
             if not slot_of:
@@ -531,6 +540,19 @@ class CodeGenerator:
             placed.append((offset, offset + need, last))
             scratch_of[value] = self._slot(Layout(start_bytes + offset, *layout[:3]))
         return scratch_of
+
+    def workspace_slot_bytes(self, group: Group, implementation: str, workspace_bytes: int) -> int:
+        """Of a node's measured workspace, what a step writing into its arena places in the node's workspace slot:
+        the values it makes and drops inside that an out= overload writes, as `_scratch` fits them (first
+        computation or recomputation, the larger). The rest the kernel allocates for itself beside the arena (a
+        convolution computed where the allocator puts it, then copied): a slot for it would stay empty."""
+        used_bytes = 0
+        for first in (True, False):
+            slots = self._scratch(group, implementation, first, (0, workspace_bytes))
+            used_bytes = max([used_bytes] + [self.slots[k].offset_bytes + aligned(self.slots[k].size_bytes)
+                                              for k in slots.values()])
+        self.slots, self._slot_index = [], {}  # read, not generated: no program keeps these
+        return min(used_bytes, workspace_bytes)
 
     def _writable(self, op: fx.Node, group: Group, implementation: str, first: bool) -> bool:
         return not (first and self._batch_norm_in_place(op)) and not isinstance(
@@ -804,8 +826,8 @@ class CodeGenerator:
                     self._position = offset + k
                     transients = len(self.transient)
                     self.compute(w, group, op.implementation, first, rng_later, op.offset_bytes,
-                                 (op.workspace_offset_bytes, op.workspace_bytes)
-                                 if op.workspace_offset_bytes is not None else None)
+                                 (op.workspace_offset_bytes, op.workspace_slot_bytes)
+                                 if op.workspace_offset_bytes is not None else None, op.workspace_bytes or None)
                     if self.modes.arena:
                         self._outside_on_device(op.group, on_device, self.kept_outside.get(group.id))
                         self._outside_now(computed=len(self.transient) > transients)
@@ -1056,10 +1078,14 @@ def schedule_operations(profile, schedule: Schedule, index_of: dict[str, int]) -
     nodes = profile.node_by_id if profile is not None else {}
     for _, _, op in schedule.operations():
         if isinstance(op, Compute):
-            workspace = next((i.workspace_bytes for i in nodes[op.node].implementations
-                              if i.name == op.implementation), 0) if op.workspace_offset_bytes is not None else 0
+            implementation = next((i for i in nodes[op.node].implementations if i.name == op.implementation), None) \
+                if nodes else None
+            workspace = implementation.workspace_bytes if implementation is not None else 0
+            slot = implementation.placed_workspace_bytes \
+                if implementation is not None and op.workspace_offset_bytes is not None else 0
             operations.append(Op("compute", index_of[op.node], op.implementation, offset_bytes=op.offset_bytes,
-                                 workspace_offset_bytes=op.workspace_offset_bytes, workspace_bytes=workspace))
+                                 workspace_offset_bytes=op.workspace_offset_bytes, workspace_bytes=workspace,
+                                 workspace_slot_bytes=slot))
         elif isinstance(op, Offload):
             operations.append(Op("offload", index_of[op.tensor]))
         elif isinstance(op, Prefetch):

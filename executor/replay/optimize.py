@@ -382,7 +382,7 @@ class SignaturePlanner:
         plan leaves the room, one within the whole budget, whose step goes through the allocator."""
         if reserve_bytes and budget_bytes is not None:
             schedule, used_bytes = plan_beside_the_arena(
-                profile, budget_bytes, reserve_bytes, lambda budget: self._make_plan(profile, budget), self.say,
+                profile, budget_bytes, reserve_bytes, self._make_plan, self.say,
                 in_order=(lambda: arena_reserve_bytes(profile, profiled, self.device, any_order=False),
                           lambda plan: arena_outside_bytes(profile, profiled, plan, self.device))
                 if profiled is not None else None)

@@ -52,7 +52,7 @@ from executor.capture.feeds import Feeder
 from executor.measure.measured import StepReport, measured_profile, node_differences
 from executor.measure.profiler import ProfiledStep, as_tuple, cpu_clock, plan_step
 from executor.engine.runtime import StepRuntime, TimedStepRuntime
-from planner.errors import BudgetError, MososError
+from planner.errors import BudgetError, MososError, ScheduleRejected
 from planner.profile import GraphProfile
 from planner.schedule import Schedule
 from planner.strategies.keep_all import keep_all_schedule
@@ -250,27 +250,62 @@ def arena_outside_bytes(profile: GraphProfile, profiled: ProfiledStep, schedule:
     return _arena_program(profile, profiled, schedule, device).outside_arena_bytes
 
 
+def workspaces_in_the_arena(profile: GraphProfile) -> GraphProfile:
+    """`profile` with each workspace cut to its arena part (`arena_workspace_bytes`): what a plan for a step writing
+    into its arena counts, where the room left beside the arena holds the rest (a kernel's own scratch, which
+    `arena_reserve_bytes` counts there). `profile` itself where no part is less than its workspace."""
+    if not any(i.arena_workspace_bytes is not None and i.arena_workspace_bytes < i.workspace_bytes
+               for node in profile.nodes for i in node.implementations):
+        return profile
+    data = profile.model_dump(mode="json")
+    for node in data["nodes"]:
+        for implementation in node["implementations"]:
+            part = implementation.get("arena_workspace_bytes")
+            if part is not None:
+                implementation["workspace_bytes"] = part
+    return GraphProfile.model_validate(data)
+
+
+def _for_the_profile(profile: GraphProfile, view: GraphProfile, schedule: Schedule, budget_bytes: int) -> Schedule:
+    """A plan made on `view` (workspaces cut to their arena parts) as a plan of `profile` within `budget_bytes`:
+    the same operations and addresses (a workspace's place is its arena part in both), and the peak counting every
+    workspace whole, which the simulator checks against the budget."""
+    if view is profile:
+        return schedule.model_copy(update={"budget_bytes": budget_bytes})
+    moved = schedule.model_copy(update={"profile_digest": profile.digest(), "profile_name": profile.name,
+                                        "budget_bytes": budget_bytes})
+    result = simulate(profile, moved, keep_timeline=False)  # ScheduleRejected where it passes the budget
+    if moved.summary is not None:
+        moved = moved.model_copy(update={"summary": moved.summary.model_copy(
+            update={"peak_memory_bytes": result.peak_memory_bytes})})
+    return moved
+
+
 def plan_beside_the_arena(profile: GraphProfile, budget_bytes: int, reserve_bytes: int,
-                          solve: Callable[[int], Schedule], say: Callable[[str], None],
+                          solve: Callable[[GraphProfile, int], Schedule], say: Callable[[str], None],
                           in_order: tuple[Callable[[], int], Callable[[Schedule], int]] | None = None,
                           ) -> tuple[Schedule | None, int]:
     """A plan for a step writing into its arena within `budget_bytes`, and the room it was made to leave beside
-    the arena; (None, `reserve_bytes`) where no plan leaves it. `solve` plans within a budget (BudgetError where
-    nothing fits; without addresses where its buffers do not place within it); the schedule says `budget_bytes`.
-    At most one solve finds a plan: the others fail at once.
+    the arena; (None, `reserve_bytes`) where no plan leaves it. `solve` plans a profile within a budget (BudgetError
+    where nothing fits; without addresses where its buffers do not place within it); the schedule says
+    `budget_bytes`. At most one solve finds a plan: the others fail at once.
 
-    First within the budget less `reserve_bytes`, the room for any order of the nodes (`arena_reserve_bytes`),
-    which every plan's step fits. `in_order` gives what the keep-all step holds beside the arena in its own order
-    (nodes kept out of the arena are beside it only while they live: a third of that room for the zoo's in-place
-    CNN) and what a given plan's step holds in its own. With it, where no plan leaves the room, one is made within
-    the budget less the keep-all step's figure; and a plan whose buffers did not place within what it was made
-    within is placed again within the budget less what its own step holds. A plan whose own step does not fit with
-    its arena comes back as it is: the replay then goes through the allocator and says why."""
+    The solver plans on the profile with each workspace cut to its arena part (`workspaces_in_the_arena`): the
+    room beside the arena holds the rest, which would otherwise count twice. First within the budget less
+    `reserve_bytes`, the room for any order of the nodes (`arena_reserve_bytes`), which every plan's step fits.
+    `in_order` gives what the keep-all step holds beside the arena in its own order (nodes kept out of the arena
+    are beside it only while they live: a third of that room for the zoo's in-place CNN) and what a given plan's
+    step holds in its own. With it, where no plan leaves the room, one is made within the budget less the
+    keep-all step's figure; and a plan whose buffers did not place within what it was made within is placed again
+    within the budget less what its own step holds. A plan whose own step does not fit with its arena comes back
+    as it is, where it fits the budget with every workspace counted whole: the replay then goes through the
+    allocator and says why."""
+    view = workspaces_in_the_arena(profile)
     say(f"planning within {format_bytes(budget_bytes - reserve_bytes)}: the budget less the "
         f"{format_bytes(reserve_bytes)} the allocator may hold beside the arena")
     room_bytes = reserve_bytes
     try:
-        schedule = solve(budget_bytes - reserve_bytes)
+        schedule = solve(view, budget_bytes - reserve_bytes)
     except BudgetError as error:
         say(f"no plan leaves that room ({error})")
         in_order_bytes = in_order[0]() if in_order is not None else reserve_bytes
@@ -280,7 +315,7 @@ def plan_beside_the_arena(profile: GraphProfile, budget_bytes: int, reserve_byte
         say(f"planning within {format_bytes(budget_bytes - in_order_bytes)}: the budget less the "
             f"{format_bytes(in_order_bytes)} the keep-all step holds beside the arena in its own order")
         try:
-            schedule = solve(budget_bytes - in_order_bytes)
+            schedule = solve(view, budget_bytes - in_order_bytes)
         except BudgetError as error:
             say(f"no plan leaves that room either ({error})")
             return None, reserve_bytes
@@ -293,21 +328,26 @@ def plan_beside_the_arena(profile: GraphProfile, budget_bytes: int, reserve_byte
             held_bytes = profile.fixed_bytes + arena_bytes + outside_bytes
             if held_bytes <= budget_bytes and schedule.arena_bytes is None:
                 # placed again with the room its own step needs beside the arena
-                schedule = addressed(profile, schedule.model_copy(
+                schedule = addressed(view, schedule.model_copy(
                     update={"budget_bytes": budget_bytes - outside_bytes}))
             if held_bytes <= budget_bytes and schedule.arena_bytes is not None:
                 room_bytes = outside_bytes
             else:
                 say(f"its step would hold {format_bytes(outside_bytes)} beside its arena of "
                     f"{format_bytes(arena_bytes)}: {format_bytes(held_bytes)} with fixed memory, over the budget")
-    return schedule.model_copy(update={"budget_bytes": budget_bytes}), room_bytes
+    try:
+        return _for_the_profile(profile, view, schedule, budget_bytes), room_bytes
+    except ScheduleRejected as error:
+        # planned within the keep-all step's room, for a step that cannot write into its arena after all
+        say(f"with every workspace counted whole, that plan does not fit the budget through the allocator ({error})")
+        return None, reserve_bytes
 
 
 def _arena_program(profile: GraphProfile, profiled: ProfiledStep, schedule: Schedule, device: torch.device,
                    largest_workspace: bool = False) -> Program:
     """The program of `schedule` writing into an arena, generated to be read, not run: any address will do (what
     it would hold beside the arena does not depend on where the slots are); `largest_workspace`: each node with its
-    largest workspace over its implementations."""
+    largest workspace over its implementations, and its smallest workspace slot (the rest is beside the arena)."""
     planning = profiled.planning
     groups = planning.groups
     operations = schedule_operations(profile, schedule, {group.id: group.index for group in groups})
@@ -316,12 +356,17 @@ def _arena_program(profile: GraphProfile, profiled: ProfiledStep, schedule: Sche
     nodes = profile.node_by_id
     if largest_workspace:
         largest = {g.index: max((i.workspace_bytes for i in nodes[g.id].implementations), default=0) for g in groups}
+        smallest_slot = {g.index: min((i.placed_workspace_bytes for i in nodes[g.id].implementations), default=0)
+                         for g in groups}
         workspace_of = lambda group, name: largest[group]  # noqa: E731
+        slot_of = lambda group, name: smallest_slot[group]  # noqa: E731
     else:
-        workspaces = {(g.index, i.name): i.workspace_bytes for g in groups for i in nodes[g.id].implementations}
-        workspace_of = lambda group, name: workspaces[(group, name)]  # noqa: E731
+        implementations = {(g.index, i.name): i for g in groups for i in nodes[g.id].implementations}
+        workspace_of = lambda group, name: implementations[(group, name)].workspace_bytes  # noqa: E731
+        slot_of = lambda group, name: implementations[(group, name)].placed_workspace_bytes  # noqa: E731
     operations = [dataclasses.replace(op, offset_bytes=0, workspace_offset_bytes=0,
-                                      workspace_bytes=workspace_of(op.group, op.implementation))
+                                      workspace_bytes=workspace_of(op.group, op.implementation),
+                                      workspace_slot_bytes=slot_of(op.group, op.implementation))
                   if op.kind == "compute" else op for op in operations]
     generator = CodeGenerator(planning, Modes(arena=True), cuda=device.type == "cuda")
     generator.workspace_of = workspace_of
