@@ -260,8 +260,8 @@ def workspaces_in_the_arena(profile: GraphProfile) -> GraphProfile:
     data = profile.model_dump(mode="json")
     for node in data["nodes"]:
         for implementation in node["implementations"]:
-            part = implementation.get("arena_workspace_bytes")
-            if part is not None:
+            part = implementation.pop("arena_workspace_bytes", None)  # all of what is left: a plain profile, which
+            if part is not None:  # a planner service older than the field reads too
                 implementation["workspace_bytes"] = part
     return GraphProfile.model_validate(data)
 
