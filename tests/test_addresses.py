@@ -226,6 +226,34 @@ def test_random_plans_are_placed_without_overlap(profile, fraction):
     simulate(profile, _unbounded(with_addresses(profile, schedule, address_plan)))
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(profile=training_profiles(), shares=st.lists(st.sampled_from([0.0, 0.25, 1.0]), min_size=1, max_size=5),
+       fraction=st.sampled_from([1.0, 0.7]))
+def test_random_plans_with_workspaces_partly_beside_the_arena_are_placed_without_overlap(profile, shares, fraction):
+    """Workspaces whose arena part is some share of them: each workspace buffer is its part, none where it is 0;
+    the addresses hold, and the most live in the arena is never more than the peak (aligned)."""
+    data = profile.model_dump(mode="json")
+    implementations = [i for node in data["nodes"] for i in node["implementations"]]
+    for k, implementation in enumerate(implementations):
+        implementation["arena_workspace_bytes"] = int(implementation["workspace_bytes"] * shares[k % len(shares)])
+    changed = type(profile).model_validate(data)
+    try:
+        schedule = plan(changed, memory_ratio=fraction, strategy="swap-recompute-heuristic", time_limit_s=5)
+    except BudgetError:
+        return
+    buffers = allocations(changed, schedule)
+    operations = {position: operation for _, position, operation in schedule.operations()}
+    placed = {position: changed.node_by_id[op.node].implementation(op.implementation).placed_workspace_bytes
+              for position, op in operations.items() if isinstance(op, Compute)}
+    workspaces = {b.operation_index: b.size_bytes for b in buffers if b.workspace}
+    assert workspaces == {position: part for position, part in placed.items() if part}
+    address_plan = place(buffers)
+    assert address_plan.arena_bytes >= address_plan.lower_bound_bytes == most_live_bytes(buffers)
+    assert address_plan.lower_bound_bytes <= schedule.summary.peak_memory_bytes - changed.fixed_bytes \
+        + ALIGNMENT_BYTES * len(buffers)
+    simulate(changed, _unbounded(with_addresses(changed, schedule, address_plan)))
+
+
 def test_a_plan_under_its_budget_whose_arena_does_not_fit_is_planned_again_below_its_own_peak():
     """The plan's peak is under its budget and its arena over it: planning again within the budget less the excess
     only, the solver gave back the same plan (the U-Net at 0.5: 46 MiB over, peak 225 MiB under). The budget asked
