@@ -58,10 +58,10 @@ def test_every_plan_fits_in_real_memory(profile):
 
 
 def test_the_measurement_catches_a_profile_that_hides_workspace(profile):
-    """The old ledger's blind spot: every node's workspace (the product x * s) set to 0."""
+    """The old ledger's blind spot: every node's workspace (the product x * s) set to 0 (its arena part too)."""
     hidden = profile.model_copy(update={"nodes": [
-        node.model_copy(update={"implementations": [i.model_copy(update={"workspace_bytes": 0})
-                                                    for i in node.implementations]})
+        node.model_copy(update={"implementations": [
+            i.model_copy(update={"workspace_bytes": 0, "arena_workspace_bytes": None}) for i in node.implementations]})
         for node in profile.nodes]})
     assert sum(n.fastest.workspace_bytes for n in profile.nodes) > 0
     row = real_memory.check(SPEC, hidden, "recompute-only", 0.5)
