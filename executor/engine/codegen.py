@@ -205,8 +205,6 @@ class CodeGenerator:
         self._offloading: set[int] = set()  # groups whose offload was issued and not yet waited for
         self._sees_storage: dict[fx.Node, bool] = {}
         self.rng_states_kept = 0  # random nodes recomputed later: their generator states live until the step ends
-        # with Modes.arena and no planned workspace: a node's workspace by implementation (the profile's)
-        self.workspace_of: Callable[[int, str], int] | None = None
         self._last_read: dict[fx.Node, int] = {}  # mutated placeholder -> position of the last compute reading it
         self.outputs_of: dict[int | None, list[fx.Node]] = {}
         for value in list(self.gradient_index) + list(self.mutation_index) + [self.step.loss]:
@@ -251,11 +249,11 @@ class CodeGenerator:
 
     def compute(self, w: _Writer, group: Group, implementation: str, first: bool, rng_later: bool,
                 offset_bytes: int | None = None, workspace: tuple[int, int] | None = None,
-                workspace_bytes: int | None = None) -> None:
+                workspace_bytes: int = 0) -> None:
         """The code of one computation of `group`: its operations, graph outputs, and transient frees; with
         Modes.arena, its outputs written into the slot at `offset_bytes`, and what it makes and drops inside into its
         workspace slot ((offset, bytes)); `workspace_bytes`: all the workspace the implementation holds, in its slot
-        or beside the arena (None: the slot's, or `workspace_of`'s without one)."""
+        or beside the arena."""
         graph = self.planning
         w(f"# compute {group.id} [{implementation}]" + ("" if first else " (recompute)"))
         if self.modes.timing:
@@ -344,9 +342,6 @@ class CodeGenerator:
             # outputs and measured workspace): what the arena does not take is a part of that. A node kept out of
             # the arena holds its outputs there for as long as the schedule keeps them.
             slot_bytes = workspace[1] if workspace is not None else 0
-            if workspace_bytes is None:
-                workspace_bytes = workspace[1] if workspace is not None else \
-                    self._workspace_bytes(group, implementation)
             # an operation written in place takes its scratch from the slot, but what the slot leaves out of the
             # workspace (the profile's arena part is less) the kernel still allocates beside the arena
             own_bytes = unplaced_bytes + (workspace_bytes if functional or in_place_seen
@@ -494,9 +489,6 @@ class CodeGenerator:
                         stack.append(user)
             seen = self._sees_storage[root] = found
         return seen
-
-    def _workspace_bytes(self, group: Group, implementation: str) -> int:
-        return self.workspace_of(group.index, implementation) if self.workspace_of is not None else 0
 
     def _slot(self, layout: Layout) -> int:
         index = self._slot_index.get(layout)
@@ -827,7 +819,7 @@ class CodeGenerator:
                     transients = len(self.transient)
                     self.compute(w, group, op.implementation, first, rng_later, op.offset_bytes,
                                  (op.workspace_offset_bytes, op.workspace_slot_bytes)
-                                 if op.workspace_offset_bytes is not None else None, op.workspace_bytes or None)
+                                 if op.workspace_offset_bytes is not None else None, op.workspace_bytes)
                     if self.modes.arena:
                         self._outside_on_device(op.group, on_device, self.kept_outside.get(group.id))
                         self._outside_now(computed=len(self.transient) > transients)

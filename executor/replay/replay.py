@@ -145,13 +145,10 @@ class _Prepared:
         planned_bytes = [nodes[g.id].size_bytes for g in groups]
         region_memory = ((planned_bytes, lambda group, name: implementations[(group, name)][1])
                          if planned.compile_regions else None)
-        workspace_of = lambda group, name: implementations[(group, name)][1]  # noqa: E731
 
         def generator_for(modes: Modes) -> CodeGenerator:
-            generator = CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler,
-                                      region_memory=region_memory)
-            generator.workspace_of = workspace_of
-            return generator
+            return CodeGenerator(planning, modes, cuda=self.device.type == "cuda", compiler=compiler,
+                                 region_memory=region_memory)
 
         name = "planned step (timed)" if timed else "planned step"
         self.program: Program = generator_for(modes).program(self.operations, self.split, name=name)
@@ -369,7 +366,6 @@ def _arena_program(profile: GraphProfile, profiled: ProfiledStep, schedule: Sche
                                       workspace_slot_bytes=slot_of(op.group, op.implementation))
                   if op.kind == "compute" else op for op in operations]
     generator = CodeGenerator(planning, Modes(arena=True), cuda=device.type == "cuda")
-    generator.workspace_of = workspace_of
     return generator.program(operations, split, name="arena reserve")
 
 
