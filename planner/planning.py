@@ -196,7 +196,8 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
         except BudgetError:
             refused_at = lowered
             continue
-        candidate = addressed(profile, candidate.model_copy(update={"budget_bytes": budget}), options)
+        # the placement passes without their search: the time it would take goes to planning again, lower
+        candidate = addressed(profile, candidate.model_copy(update={"budget_bytes": budget}), options, search_s=0.0)
         if candidate.arena_bytes is not None:
             return candidate
         last, planned_at = candidate, lowered
@@ -252,13 +253,14 @@ def _fastest_placed(profile: GraphProfile, candidates: list, unplaced: Schedule,
     return None
 
 
-def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions | None = None) -> Schedule:
+def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions | None = None,
+              search_s: float = ADDRESS_SEARCH_S) -> Schedule:
     """`schedule` with planned addresses where fixed memory and their arena fit its budget, and the arena's size in
     its summary either way; the simulator checks the addresses before anyone sees them. Within `options`' deadline
     (the greedy sweep always runs), and without CP-SAT's search once asked to stop."""
     stopped = options is not None and options.should_stop is not None and options.should_stop()
     buffers = allocations(profile, schedule)
-    address_plan = place(buffers, 0.0 if stopped else ADDRESS_SEARCH_S, options.deadline if options else None)
+    address_plan = place(buffers, 0.0 if stopped else search_s, options.deadline if options else None)
     summary = schedule.summary.model_copy(update={"arena_bytes": address_plan.arena_bytes}) \
         if schedule.summary is not None else None
     budget = schedule.budget_bytes
