@@ -185,12 +185,13 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
             lowered = max(lowered, (refused_at + planned_at) // 2)
         if lowered < profile.fixed_bytes or lowered >= planned_at:
             break
-        # each attempt gets half of what is left (the last all of it), less the time placing its buffers takes:
-        # an attempt cut into quarters was too short for CP-SAT to find any plan on a few hundred nodes
+        # each attempt gets half of what is left (the last all of it), less the time placing its buffers by the
+        # greedy passes takes: an attempt cut into quarters was too short for CP-SAT to find any plan on a few
+        # hundred nodes
         left_s = options.deadline - time.monotonic()
         share = 1.0 if attempt == ARENA_REPLANS - 1 else 0.5
         attempt_options = dataclasses.replace(options, deadline=time.monotonic() + max(
-            MIN_REPLAN_S / 2, share * (left_s - _placing_s(profile, left_s))))
+            MIN_REPLAN_S / 2, share * (left_s - ADDRESS_S_PER_NODE * len(profile.nodes))))
         try:
             candidate = solve(profile, lowered, attempt_options)
         except BudgetError:
@@ -257,7 +258,8 @@ def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions |
               search_s: float = ADDRESS_SEARCH_S) -> Schedule:
     """`schedule` with planned addresses where fixed memory and their arena fit its budget, and the arena's size in
     its summary either way; the simulator checks the addresses before anyone sees them. Within `options`' deadline
-    (the greedy sweep always runs), and without CP-SAT's search once asked to stop."""
+    (the greedy sweep always runs), the search (perturbed orders, CP-SAT) for at most `search_s`, and none once
+    asked to stop."""
     stopped = options is not None and options.should_stop is not None and options.should_stop()
     buffers = allocations(profile, schedule)
     address_plan = place(buffers, 0.0 if stopped else search_s, options.deadline if options else None)
