@@ -153,9 +153,11 @@ def _sweeps_s(profile: GraphProfile) -> float:
     return CANDIDATE_S_PER_NODE * CANDIDATES * len(profile.nodes)
 
 
-def _placing_s(profile: GraphProfile, time_limit_s: float) -> float:
-    """What placing a plan's buffers is given of `time_limit_s`: its passes, and a tenth for the search."""
-    return ADDRESS_S_PER_NODE * len(profile.nodes) + min(ADDRESS_SEARCH_S, 0.1 * time_limit_s)
+def _placing_s(profile: GraphProfile, time_limit_s: float, search: bool = True) -> float:
+    """What placing a plan's buffers is given of `time_limit_s`: its passes, and (with `search`) a tenth for the
+    search."""
+    search_s = min(ADDRESS_SEARCH_S, 0.1 * time_limit_s) if search else 0.0
+    return ADDRESS_S_PER_NODE * len(profile.nodes) + search_s
 
 
 def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: SolveOptions) -> Schedule:
@@ -191,7 +193,7 @@ def _fit_the_arena(profile: GraphProfile, schedule: Schedule, solve, options: So
         left_s = options.deadline - time.monotonic()
         share = 1.0 if attempt == ARENA_REPLANS - 1 else 0.5
         attempt_options = dataclasses.replace(options, deadline=time.monotonic() + max(
-            MIN_REPLAN_S / 2, share * (left_s - ADDRESS_S_PER_NODE * len(profile.nodes))))
+            MIN_REPLAN_S / 2, share * (left_s - _placing_s(profile, left_s, search=False))))
         try:
             candidate = solve(profile, lowered, attempt_options)
         except BudgetError:
