@@ -82,6 +82,19 @@ def gpt2_small(batch_size: int | None = None, layers: int = 4, hidden: int = 256
     return {"model": model, "inputs": (), "kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda out: out.loss}
 
 
+def gpt2_vocab(batch_size: int | None = None, sequence: int = 128):
+    """GPT-2 (4 layers, hidden 256) with its real vocabulary, 50,257 classes, at batch 4: the logits (100 MiB) and
+    their gradient outweigh the blocks' activations, as they do on a GPU at GPT-2's own sizes."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=50257, n_positions=max(512, sequence), n_embd=256, n_layer=4, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 50257, (batch_size or 4, sequence), generator=torch.Generator().manual_seed(0))
+    return {"model": model, "inputs": (), "kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda out: out.loss}
+
+
 def bert_base(batch_size: int | None = None):
     """BERT-base's shape (12 layers, hidden 768, 12 heads) at sequence 512: the planning-node count target."""
     return bert_small(batch_size or 1, layers=12, hidden=768, sequence=512)

@@ -268,3 +268,32 @@ def test_a_half_precision_products_scratch_is_within_its_allowance(threads):
         packing = threads * k * HALF_PRECISION_PACKING_BYTES_PER_STEP
         allowance = m * n * 2 + 2 * half_bytes + packing + SCRATCH_SLACK_BYTES
         assert _scratch_bytes(lambda: torch.mm(a, b)) <= allowance, (m, k, n, transposed)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_embeddings_gradient_holds_scratch_of_its_incoming_gradient_not_of_the_table(threads):
+    """embedding_dense_backward's result is the whole table's gradient (50,257 x 256 for GPT-2's tied LM head: 49
+    MiB); what it holds beyond it is a dense copy of the incoming gradient where that is strided. The allowance
+    follows that operand (SCRATCH_OF_OPERANDS): counted from the result, it alone set a language model's floor."""
+    import torch.fx as fx
+
+    from executor.measure.measuring import scratch_bound_bytes
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    for vocab, hidden, rows, by_frequency, padding in [(50257, 256, 512, False, -1), (50257, 256, 512, True, -1),
+                                                       (1000, 64, 4096, False, 3), (1000, 64, 4096, True, 3)]:
+        indices = torch.randint(0, vocab, (4, rows // 4))
+        for gradient in (torch.randn(4, rows // 4, hidden), torch.randn(hidden, rows).t().reshape(4, rows // 4, -1),
+                         torch.randn(rows // 4, 4, hidden).transpose(0, 1)):
+            graph = fx.Graph()
+            g, i = graph.placeholder("g"), graph.placeholder("i")
+            g.meta["val"], i.meta["val"] = gradient, indices
+            op = graph.call_function(aten.embedding_dense_backward.default, (g, i, vocab, padding, by_frequency))
+            op.meta["val"] = aten.embedding_dense_backward.default(gradient, indices, vocab, padding, by_frequency)
+            allowance = scratch_bound_bytes(op, {op: op.meta["val"].untyped_storage().nbytes()})
+            if vocab == 50257:
+                assert allowance < op.meta["val"].untyped_storage().nbytes() // 10
+            measured = _scratch_bytes(lambda: aten.embedding_dense_backward.default(
+                gradient, indices, vocab, padding, by_frequency))
+            assert measured <= allowance, (vocab, hidden, rows, by_frequency, gradient.stride(), measured, allowance)

@@ -96,6 +96,8 @@ class CapturedStep:
     joint_seconds: float = 0.0
     autocast: tuple = ()  # the autocast regions it was captured under (executor.capture.autocast.autocast_state())
     attention_notes: list[str] = field(default_factory=list)  # each attention mask: taken out as eager, or kept and why
+    loss_split: bool = False  # captured with the split loss asked for (executor.capture.split_loss)
+    loss_notes: list[str] = field(default_factory=list)  # each cross-entropy: split, or computed whole and why
 
     @property
     def graph(self) -> fx.Graph:
@@ -533,9 +535,10 @@ def _quiet_torch():
 
 
 def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
-            autocast_state: tuple | None = None) -> CapturedStep:
+            autocast_state: tuple | None = None, loss_split: bool = False) -> CapturedStep:
     """Capture `loss_fn(model(*inputs, **kwargs), targets)` and its backward as one ATen graph, under the autocast
-    regions of `autocast_state` (default: those in force here)."""
+    regions of `autocast_state` (default: those in force here); with `loss_split`, a language model's
+    cross-entropy over its LM head is the split loss (executor.capture.split_loss), except under autocast."""
     import time
 
     if autocast_state is None:
@@ -587,7 +590,8 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
     exported_at = time.perf_counter()
     try:
         with _quiet_torch(), autocast.disabled():
-            exported = export.joint_graph(program, inputs, kwargs, targets)
+            exported = export.joint_graph(program, inputs, kwargs, targets,
+                                          loss_split=loss_split and not autocast_state)
     except CaptureError:
         raise
     except Exception as error:  # noqa: BLE001
@@ -601,6 +605,14 @@ def capture(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_
             "fails on it too")
     step.attention_notes = [f"attention at {_model_path(path) or ROOT_FORWARD}: {note}"
                             for path, note in exported.attention_notes]
+    step.loss_split = loss_split
+    step.loss_notes = list(exported.loss_notes)
+    if loss_split and autocast_state:
+        step.loss_notes.append(f"the loss is computed whole: it runs under {autocast.describe(autocast_state)}, and "
+                               "the split loss computes its logits in float32 where eager's are half precision")
+    elif loss_split and not step.loss_notes:
+        step.loss_notes.append("the loss is computed whole: the step has no cross-entropy (torch's "
+                               "cross_entropy over a linear layer's logits) to split")
     step.export_seconds = exported_at - started
     step.joint_seconds = joint_at - exported_at
     return step

@@ -181,6 +181,8 @@ def dump_step(step: CapturedStep) -> tuple[dict, dict[str, torch.Tensor]]:
         "backward": sorted(node.name for node in step.backward),
         "autocast": [list(region) for region in step.autocast],
         "attention_notes": list(step.attention_notes),
+        "loss_split": step.loss_split,
+        "loss_notes": list(step.loss_notes),
         "export_seconds": step.export_seconds,
         "joint_seconds": step.joint_seconds,
         "structure_sha256": step.structure_sha256(),
@@ -253,6 +255,8 @@ def _rebuild(data, tensors, model, loss_fn, leaves) -> CapturedStep:
         export_seconds=data["export_seconds"], joint_seconds=data["joint_seconds"],
         autocast=tuple(tuple(region) for region in data["autocast"]),
         attention_notes=list(data["attention_notes"]),
+        loss_split=bool(data.get("loss_split", False)),
+        loss_notes=list(data.get("loss_notes", [])),
     )
     _restore_values(step, leaves, data)
     actual = step.structure_sha256()

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from executor.capture import attention, autocast
+from executor.capture import attention, autocast, split_loss
 from executor.errors import CaptureError
 
 VERIFIED_TORCH = "2.13"
@@ -110,6 +110,7 @@ class Exported:
     descriptors: Any  # the descriptors module (ParamAOTInput, ...)
     constants: dict[str, torch.Tensor]  # descriptor target -> tensor, for constants captured from the model
     attention_notes: list[tuple[str, str]]  # (module path, what became of its mask): executor.capture.attention
+    loss_notes: list[str]  # each cross-entropy: split or computed whole, and why (executor.capture.split_loss)
 
 
 _WRAPPER = "exported."
@@ -144,16 +145,18 @@ def _constants_as_buffers(module: torch.fx.GraphModule) -> None:
             owner.register_buffer(name, value, persistent=False)
 
 
-def joint_graph(program, args: tuple, kwargs: dict, targets) -> Exported:
-    """Forward and backward of the exported program as one functionalised ATen graph."""
+def joint_graph(program, args: tuple, kwargs: dict, targets, loss_split: bool = False) -> Exported:
+    """Forward and backward of the exported program as one functionalised ATen graph; with `loss_split`, an
+    LM head's cross-entropy is the split loss (executor.capture.split_loss)."""
     aot_export_joint_with_descriptors, descriptors = require_supported_torch()
     flat, _ = tree_flatten(((tuple(args), dict(kwargs), targets), {}))
     exported_module = program.module()
     attention_notes = attention.as_eager_runs_it(exported_module)
+    loss_notes = split_loss.split_losses(exported_module) if loss_split else []
     _constants_as_buffers(exported_module)
     module = _Interpreted(exported_module)
     with contextlib.ExitStack() as stack:
         joint = aot_export_joint_with_descriptors(stack, module, tuple(flat))
         graph_module = joint.graph_module
     constants = {_WRAPPER + name: tensor for name, tensor in exported_module.named_buffers()}
-    return Exported(program, graph_module, flat, descriptors, constants, attention_notes)
+    return Exported(program, graph_module, flat, descriptors, constants, attention_notes, loss_notes)

@@ -79,6 +79,30 @@ NO_SCRATCH_WHEN_CONTIGUOUS = frozenset(f"aten.{name}" for name in (
     "pow.Tensor_Scalar", "_to_copy.default",
 ))
 
+# Kernels whose scratch follows an operand rather than their result: (operand position, multiple) per kernel.
+# embedding_dense_backward's result is the whole table's gradient (a language model's vocabulary by its hidden
+# size: counted from it, the allowance alone set GPT-2's floor once its loss was split); what it holds beyond is a
+# dense copy of the incoming gradient where that is strided on the CPU (tests/test_scratch_allowance.py); on CUDA,
+# partial sums per segment of sorted indices (at most the incoming gradient's rows, in float32: twice a bf16
+# gradient) and a few arrays as long as the indices (sorted, their order, segment offsets, counts).
+SCRATCH_OF_OPERANDS = {
+    "aten.embedding_dense_backward.default": ((0, 2), (1, 6)),
+}
+
+
+def _operand_bytes(value) -> int:
+    tensor = value.meta.get("val") if hasattr(value, "meta") else None
+    return tensor.untyped_storage().nbytes() if isinstance(tensor, torch.Tensor) else 0
+
+
+def scratch_bound_bytes(op, root_bytes: dict) -> int:
+    """One kernel's unseen scratch, from above: as large as the largest storage it makes, or for the kernels of
+    SCRATCH_OF_OPERANDS, multiples of the operands their scratch follows."""
+    operands = SCRATCH_OF_OPERANDS.get(str(op.target))
+    if operands is not None:
+        return sum(multiple * _operand_bytes(op.args[position]) for position, multiple in operands)
+    return max((root_bytes.get(v, 0) for v in [op] + [u for u in op.users if u.target is operator.getitem]), default=0)
+
 
 def scratch_allowance_bytes(planning, group, measured=()) -> int:
     """A kernel's own scratch, which no fake tensor shows (dropout's mask, a reduction's buffer): up to one more
@@ -86,10 +110,8 @@ def scratch_allowance_bytes(planning, group, measured=()) -> int:
     (NO_SCRATCH_OPERATIONS: at ResNet-18-small's stem the allowance alone set the floor). Operations in `measured`
     are left out: their scratch is counted from a measurement (a native convolution probed on slices of its
     batch)."""
-    facts = planning.facts
     scratchy = [op for op in group.ops if not _makes_no_scratch(op)]
-    sizes = [facts.root_bytes.get(v, 0) for op in scratchy if op not in measured
-             for v in [op] + [u for u in op.users if u.target is operator.getitem]]
+    sizes = [scratch_bound_bytes(op, planning.facts.root_bytes) for op in scratchy if op not in measured]
     return max(sizes, default=0) + max(map(_half_precision_scratch, scratchy), default=0) + SCRATCH_SLACK_BYTES
 
 
@@ -430,5 +452,5 @@ def with_implementations(provisional: GraphProfile, schedule: Schedule, choose, 
 
 
 __all__ = ["MODES", "MeasuringPlan", "measuring_schedule", "substituted", "with_implementations",
-           "scratch_allowance_bytes", "NO_SCRATCH_OPERATIONS",
+           "scratch_allowance_bytes", "scratch_bound_bytes", "SCRATCH_OF_OPERANDS", "NO_SCRATCH_OPERATIONS",
            "NO_SCRATCH_WHEN_CONTIGUOUS"]

@@ -258,10 +258,11 @@ class ProfiledStep:
 
 
 def plan_step(model: nn.Module, inputs: tuple, kwargs: dict | None, targets, loss_fn: Callable,
-              autocast_state: tuple | None = None) -> ProfiledStep:
+              autocast_state: tuple | None = None, loss_split: bool = False) -> ProfiledStep:
     """Capture the step (under `autocast_state`, default the autocast in force) and group it into planning nodes
     (no arithmetic: shapes come from fake tensors)."""
-    return planning_of(capture(model, inputs, kwargs, targets, loss_fn, autocast_state), inputs, kwargs, targets)
+    step = capture(model, inputs, kwargs, targets, loss_fn, autocast_state, loss_split=loss_split)
+    return planning_of(step, inputs, kwargs, targets)
 
 
 def planning_of(step: CapturedStep, inputs: tuple, kwargs: dict | None, targets) -> ProfiledStep:

@@ -490,7 +490,7 @@ def _check_fresh_capture(step, model, loss_fn, inputs: tuple, kwargs: dict | Non
 
     started = time.perf_counter()
     with preserved(model):
-        fresh = capture(model, inputs, kwargs, targets, loss_fn, autocast_state)
+        fresh = capture(model, inputs, kwargs, targets, loss_fn, autocast_state, loss_split=step.loss_split)
     if fresh.structure_sha256() != step.structure_sha256():
         raise StoreError("a fresh capture of the step differs from the kept one: the model computes something else "
                          "now (a value it reads from outside its modules, such as a global or a closure, changed)")

@@ -193,6 +193,7 @@ def optimize(
     compile_regions: bool = True,
     device_memory: DeviceMemory | None | str = "auto",
     arena: bool | None = None,
+    split_loss: bool = False,
 ) -> PlannedModule:
     """Profile `model` on its device with `example_inputs`, plan within `budget` (or, not both, `memory_ratio` of the
     keep-all peak), and return the PlannedModule that trains as planned.
@@ -241,6 +242,12 @@ def optimize(
     for what `planned.arena_allowances` names; the arena stays allocated between steps. The default, None, is on
     for a model on a GPU (where the allocator's fragmentation is what runs a planned step out of memory) and off
     on the CPU; `compile=True` turns it off (Inductor's kernels allocate their own outputs).
+
+    `split_loss=True` computes a language model's loss (torch's cross-entropy over an LM head's logits, as
+    transformers' causal LM loss is) over chunks of rows, each chunk's gradient made in the forward, so that the
+    logits are never whole (executor/capture/split_loss.py): over a large vocabulary they set the floor of every
+    plan. Its loss and gradients agree with plain PyTorch's to rounding, not bitwise; float32 only (under autocast
+    the loss stays whole, and `planned.loss_notes` says so, as it says what became of each cross-entropy).
     """
     if not isinstance(model, nn.Module):
         raise MososError(f"optimize() takes a torch.nn.Module, not {type(model).__name__}")
@@ -260,6 +267,8 @@ def optimize(
         raise MososError(f"timed_steps is a whole number of steps, at least 0, not {timed_steps!r}")
     if arena is not None and not isinstance(arena, bool):
         raise MososError(f"arena is True, False or None (on a GPU, off on the CPU), not {arena!r}")
+    if not isinstance(split_loss, bool):
+        raise MososError(f"split_loss is True or False, not {split_loss!r}")
     if arena is None:
         arena = next((p.device for p in model.parameters()), torch.device("cpu")).type == "cuda"
     if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
@@ -272,6 +281,7 @@ def optimize(
         algorithms=_algorithms(algorithms if algorithms is not None
                                else COMPILED_ALGORITHMS if compile else ("native",)),
         repeats=repeats, warmup=warmup, measuring=measuring, compile=compile, arena=arena and not compile,
+        split_loss=split_loss,
     )
     planner = SignaturePlanner(model, loss_fn, options, open_cache(cache), _reporter(progress), device_memory)
     profile, schedule, profiled, key = planner.plan_signature(as_tuple(example_inputs), kwargs, targets)
@@ -305,6 +315,7 @@ class OptimizeOptions:
     measuring: str
     compile: bool
     arena: bool = False  # the replay writes into the arena: plans leave room beside it (arena_reserve_bytes)
+    split_loss: bool = False  # a language model's loss over chunks of rows (executor.capture.split_loss)
 
     @property
     def rounding_follows_plan(self) -> bool:
@@ -356,7 +367,8 @@ class SignaturePlanner:
             settings={"measuring": options.measuring, "d2h_gb_per_s": options.d2h_gb_per_s,
                       "h2d_gb_per_s": options.h2d_gb_per_s, "planner": "service" if options.planner_url else "local",
                       "algorithms": list(options.algorithms), **({"compile": True} if options.compile else {}),
-                      **({"arena": True} if options.arena else {})},
+                      **({"arena": True} if options.arena else {}),
+                      **({"split_loss": True} if options.split_loss else {})},
         )
 
     def plan_budget_bytes(self) -> int | None:
@@ -477,9 +489,12 @@ class SignaturePlanner:
             return kept
         say("capturing the step with torch.export")
         with preserved(model):  # the capture runs on fake tensors; leave RNG, buffers and gradients as they were
-            profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
+            profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state,
+                                 loss_split=options.split_loss)
         say(f"captured {len(profiled.planning.groups)} planning nodes in "
             f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
+        for note in profiled.step.loss_notes:
+            say(note)
         signature_budget = self.plan_budget_bytes()
         if signature_budget is not None and self.outside_allocator_bytes:
             say(f"budget {format_bytes(signature_budget)} for the step: {format_bytes(options.budget_bytes)} less the "

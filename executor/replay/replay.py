@@ -916,6 +916,13 @@ class PlannedModule(nn.Module):
         prepared = self._prepared
         return list(prepared.profiled.step.attention_notes) if prepared is not None else []
 
+    @property
+    def loss_notes(self) -> list[str]:
+        """With optimize(..., split_loss=True): per cross-entropy in the captured step, split over chunks of rows or
+        computed whole, and why (executor.capture.split_loss)."""
+        prepared = self._prepared
+        return list(prepared.profiled.step.loss_notes) if prepared is not None else []
+
     def report(self) -> StepReport | None:
         """Measured against planned: the step time and peak of the first timed steps beside the simulator's, and
         the nodes whose measured time differs most from the profile's (None until the timed steps have run).
