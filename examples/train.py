@@ -60,6 +60,9 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--arena", action=argparse.BooleanOptionalAction, default=None,
                         help="write every node's outputs into the plan's arena (planned addresses), allocated once "
                              "(default: on a GPU, not on the CPU)")
+    parser.add_argument("--split-loss", action="store_true",
+                        help="a language model's cross-entropy over chunks of rows, its logits never whole (equal to "
+                             "plain PyTorch to rounding)")
     parser.add_argument("--compare-plain", action="store_true",
                         help="with --budget: run plain PyTorch beside the plan even where it does not fit the budget")
     args = parser.parse_args()
@@ -102,7 +105,7 @@ def main() -> int:
             model, inputs, loss_fn, budget=args.budget, targets=targets, kwargs=kwargs,
             memory_ratio=args.memory_ratio, strategy=args.strategy, planner_url=args.planner_url,
             time_limit_s=args.time_limit, optimizer="momentum", d2h_gb_per_s=args.d2h_gb_per_s,
-            h2d_gb_per_s=args.h2d_gb_per_s, compile=args.compile, arena=args.arena,
+            h2d_gb_per_s=args.h2d_gb_per_s, compile=args.compile, arena=args.arena, split_loss=args.split_loss,
         )
     except MososError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -138,6 +141,8 @@ def main() -> int:
           f"{summary.predicted_step_time_ms:.2f} ms, predicted peak {format_bytes(summary.peak_memory_bytes)}")
     if planned.compiled_nodes is not None:
         print(f"compiled: {planned.compiled_nodes.describe()}")
+    for note in planned.loss_notes:
+        print(f"loss: {note}")
     if planned.arena_enabled:
         if planned.arena_refused is not None:
             print(f"arena: not used: {planned.arena_refused}")

@@ -3,6 +3,8 @@ chunks of rows, its gradient made in the forward, so that the logits are never w
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,11 +106,11 @@ def test_a_planned_step_with_the_loss_split_is_eagers_to_rounding():
         assert worst <= TOLERANCE, worst
 
 
-def _smallest_budget(model, kwargs, split: bool) -> int:
+def _refusal(model, kwargs, split: bool) -> BudgetError:
     with pytest.raises(BudgetError) as refused:
         executor.optimize(model, (), _loss, kwargs=kwargs, budget=1, split_loss=split, repeats=1, warmup=0,
                           time_limit_s=5, workers=1, progress=False, cache=False)
-    return refused.value.minimum_budget_bytes
+    return refused.value
 
 
 def test_the_split_loss_lowers_the_smallest_budget_and_a_step_there_holds_it():
@@ -119,9 +121,15 @@ def test_the_split_loss_lowers_the_smallest_budget_and_a_step_there_holds_it():
 
     torch.set_num_threads(1)
     model, kwargs = _gpt2(vocab=20000, dropout=0.0)
-    whole = _smallest_budget(model, kwargs, split=False)
-    split = _smallest_budget(model, kwargs, split=True)
+    whole_refusal, split_refusal = _refusal(model, kwargs, split=False), _refusal(model, kwargs, split=True)
+    whole, split = whole_refusal.minimum_budget_bytes, split_refusal.minimum_budget_bytes
     assert split < 0.9 * whole, (split, whole)
+    # the refusal of the whole loss says what the split loss would do, the split's says nothing more
+    offered = re.search(r"would lower the floor any plan needs from .* to .* \((\d+) bytes\): ask for it with "
+                        r"split_loss=True", str(whole_refusal))
+    assert offered is not None, str(whole_refusal)
+    assert split <= int(offered.group(1)) * 1.05
+    assert "split_loss=True" not in str(split_refusal)
     resident = _resident_bytes(model, (), kwargs, None)
     with AllocationTrace() as trace:
         planned = executor.optimize(model, (), _loss, kwargs=kwargs, budget=split, split_loss=True, repeats=1,

@@ -559,6 +559,9 @@ def profile_step(
             told = _with_unprobed_scratch(error, profiled, provisional, leaves, device, optimizer, algorithms)
             if told is error:  # a measured floor (not a formula's ceiling the budget left no room to probe)
                 told = _with_batch_splits_offered(error, profiled, provisional, leaves, device, optimizer, algorithms)
+            if told is error:
+                told = _with_split_loss_offered(error, profiled, provisional, leaves, device, optimizer, algorithms,
+                                                (model, inputs, kwargs, targets, loss_fn, autocast_state))
             raise told from None
         profiled.measuring, profiled.provisional = chosen, provisional
         say(f"measuring under {chosen.describe()}")
@@ -729,6 +732,31 @@ def _with_batch_splits_offered(error: BudgetError, profiled: ProfiledStep, provi
         f"{format_bytes(floor)} to {format_bytes(split_floor)} ({split_floor} bytes): offer them with "
         f"algorithms={offered!r} (rounding apart from eager's, about 1e-5 of a filter gradient, not bitwise) or "
         f"compile=True, which offers them", minimum_budget_bytes=error.minimum_budget_bytes)
+
+
+def _with_split_loss_offered(error: BudgetError, profiled: ProfiledStep, provisional: GraphProfile, leaves, device,
+                             optimizer, algorithms, step_arguments: tuple) -> BudgetError:
+    """A floor a language model's whole loss sets (its logits, their log-softmax and gradient, each rows x classes),
+    where the split loss was not asked for (it is rounding apart from eager's, not bitwise): say how far it lowers
+    the floor. The step is captured again with the loss split (fake tensors, no memory) to know."""
+    model, inputs, kwargs, targets, loss_fn, autocast_state = step_arguments
+    losses = profiled.step.graph.find_nodes(op="call_function", target=torch.ops.aten.nll_loss_forward.default)
+    if profiled.step.loss_split or autocast_state or not error.minimum_budget_bytes or not losses:
+        return error
+    try:
+        split = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state, loss_split=True)
+    except (CaptureError, MososError):
+        return error
+    if not any(note.endswith("classes") and " is split" in note for note in split.step.loss_notes):
+        return error
+    floor = minimum_budget_bytes(provisional)
+    split_floor = minimum_budget_bytes(provisional_profile(split, leaves, device, optimizer, algorithms, None, None))
+    if split_floor > 0.95 * floor:
+        return error
+    return BudgetError(
+        f"{error}. The loss computed over chunks of rows, its logits never whole, would lower the floor any plan "
+        f"needs from {format_bytes(floor)} to {format_bytes(split_floor)} ({split_floor} bytes): ask for it with "
+        "split_loss=True (rounding apart from eager's, not bitwise)", minimum_budget_bytes=error.minimum_budget_bytes)
 
 
 def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int,
