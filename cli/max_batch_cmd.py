@@ -22,7 +22,7 @@ from rich.table import Table
 
 from cli.app import EXIT_INFEASIBLE, app, console, error_console, friendly
 from cli.checks import (distinct_files, positive_finite, replacing, time_limit_within, whole_number_in, workload_file,
-                        writable_output, write_output)
+                        writable_output)
 from cli.time_limit import command_started, time_limited
 from planner.errors import MososError, TimeLimitReached
 from planner.max_batch import DEFAULT_STRATEGIES, MAX_BATCH_LIMIT, MaxBatchResult, max_batch, parse_overhead

@@ -11,7 +11,6 @@ planner stays importable without them.
 from __future__ import annotations
 
 import importlib.util
-import time
 from pathlib import Path
 
 import typer
@@ -60,6 +59,8 @@ def profile_command(
                                   "(a frugal schedule even then) or keep-all"),
     compile: bool = typer.Option(False, "--compile", help="measure the planning nodes as Inductor kernels (what "
                                  "optimize(compile=True) runs): fusion changes their times and workspaces"),
+    split_loss: bool = typer.Option(False, "--split-loss", help="a language model's cross-entropy over chunks of "
+                                    "rows, its logits never whole (what optimize(split_loss=True) runs)"),
     time_limit: float = typer.Option(
         None, "--time-limit", help="time limit of the whole command, seconds (loading, capture, compiling, "
         "measuring): at the limit it stops, says what it was doing and writes nothing (exit code 4)"),
@@ -95,7 +96,7 @@ def profile_command(
         measured = reference.profile_workload(
             loaded, optimizer=optimizer, repeats=repeats, warmup=warmup, d2h_gb_per_s=d2h_gb_per_s,
             h2d_gb_per_s=h2d_gb_per_s, threads=threads, budget_bytes=budget_bytes, measuring=measuring,
-            progress=progress, compile=compile, deadline=watch.deadline,
+            progress=progress, compile=compile, deadline=watch.deadline, split_loss=split_loss,
         )
     profile, label, nodes_ms, plain_ms, ratio = (
         measured.profile, measured.label, measured.nodes_ms, measured.plain_ms, measured.ratio

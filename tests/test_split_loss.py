@@ -199,3 +199,31 @@ def test_a_plan_with_the_loss_split_comes_back_from_the_cache_split(tmp_path):
     assert any("no profile or solve" in m for m in messages)
     assert loaded.loss_notes == made.loss_notes and "is split" in made.loss_notes[0]
     assert LINEAR_CROSS_ENTROPY in {node.target for node in loaded._prepared.profiled.step.graph.nodes}
+
+
+def test_mosos_profile_split_loss_profiles_the_split_step_and_mosos_plan_plans_it(tmp_path):
+    """Through the CLI as a user runs it: the profile says the loss was split, and a plan is made from it."""
+    from planner.profile import load_profile
+    from tests.test_budgeted_profiling import _fresh
+
+    spec = tmp_path / "lm.py"
+    spec.write_text(
+        "import torch\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel\n\n\n"
+        "def build(batch_size=None):\n"
+        "    torch.manual_seed(0)\n"
+        "    config = GPT2Config(vocab_size=3000, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,\n"
+        "                        eos_token_id=0)\n"
+        "    ids = torch.randint(0, 3000, (batch_size or 2, 48), generator=torch.Generator().manual_seed(1))\n"
+        "    return {'model': GPT2LMHeadModel(config).train(), 'inputs': (), 'kwargs': {'input_ids': ids, "
+        "'labels': ids}, 'loss_fn': lambda out: out.loss}\n")
+    out = tmp_path / "lm.json"
+    done = _fresh("-m", "cli", "profile", f"{spec}:build", "--split-loss", "--repeats", "1", "--warmup", "0",
+                  "-o", str(out))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    profile = load_profile(out)
+    assert "the loss at cross_entropy_loss is split: 96 rows in chunks of 32 over 3000 classes" in \
+        profile.provenance.notes
+    assert any(node.op_type == "linear_cross_entropy" for node in profile.nodes)
+    planned = _fresh("-m", "cli", "plan", str(out), "--strategy", "keep-all", "-o", str(tmp_path / "plan.json"))
+    assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-2000:]

@@ -506,6 +506,7 @@ def profile_step(
     progress: Callable[[str], None] | None = None,
     compile: bool = False,
     deadline: float | None = None,
+    split_loss: bool = False,
 ) -> tuple[GraphProfile, ProfiledStep]:
     """The profile and the captured step it was measured on.
 
@@ -517,6 +518,8 @@ def profile_step(
     on the CPU it is taken from the arguments or left out (no offloading).
     With `compile`, the planning nodes run as Inductor kernels (executor.engine.compiled_nodes) and are measured so:
     the profile is of the step that will run.
+    With `split_loss`, a language model's loss is captured split (executor.capture.split_loss), as
+    optimize(split_loss=True) runs it (ignored where `profiled` is given: it was captured already).
     `deadline` (a `time.monotonic()` instant, a command's time limit) bounds the search for the measuring schedule
     (TimeLimitReached when it comes first); the command stops the rest (cli/time_limit.py).
     """
@@ -547,9 +550,11 @@ def profile_step(
     with _Preserved(model, device), autocast.disabled():
         if profiled is None:
             say("capturing the step with torch.export")
-            profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state)
+            profiled = plan_step(model, inputs, kwargs, targets, loss_fn, autocast_state, loss_split=split_loss)
             say(f"captured {len(profiled.planning.groups)} planning nodes in "
                 f"{profiled.step.export_seconds + profiled.step.joint_seconds:.1f} s")
+            for note in profiled.step.loss_notes:
+                say(note)
         provisional = provisional_profile(profiled, leaves, device, optimizer, algorithms, d2h_gb_per_s,
                                           h2d_gb_per_s, name, budget_bytes, say)
         try:
@@ -592,7 +597,8 @@ def profile_step(
             "model_structure_sha256": step.structure_sha256(),
             "input_signature": step.input_signature,
             "target_signature": step.target_signature,
-            "notes": "; ".join([f"warmup={warmup}", *notes]),
+            "notes": "; ".join([f"warmup={warmup}", *notes,
+                                *[note for note in profiled.step.loss_notes if " is split" in note]]),
         },
     }
     profile = parse_profile(document, "measured profile")

@@ -109,6 +109,7 @@ def profile_workload(
     progress: Callable[[str], None] | None = None,
     compile: bool = False,
     deadline: float | None = None,
+    split_loss: bool = False,
 ) -> ReferenceProfile:
     """Measure one training step of a workload and check the node times against a plain step; within
     `budget_bytes` the plain step is run only where keep-all fits (executor.measure.measuring)."""
@@ -123,6 +124,7 @@ def profile_workload(
         name=label, optimizer=optimizer, repeats=repeats, warmup=warmup,
         d2h_gb_per_s=d2h_gb_per_s, h2d_gb_per_s=h2d_gb_per_s, budget_bytes=budget_bytes, measuring=measuring,
         progress=lambda message: say(f"profiling {label}: {message}"), compile=compile, deadline=deadline,
+        split_loss=split_loss,
     )
     measured_under = profiled.measuring.describe() if profiled.measuring else "keep-all"
     nodes_ms = profiler.plain_equivalent_time_ms(profile)
