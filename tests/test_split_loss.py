@@ -24,19 +24,20 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("rows_per_chunk", [1, 7, 64, 1000])
-def test_the_split_kernel_is_cross_entropy_to_rounding(rows_per_chunk):
+def test_the_split_kernel_is_cross_entropy_to_rounding(rows_per_chunk, reduction):
     """Loss and both gradients, with rows whose target is ignored, for chunks that do and do not divide the rows."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(64, 16, generator=generator, requires_grad=True)
     weight = (torch.randn(500, 16, generator=generator) * 0.3).requires_grad_()
     target = torch.randint(0, 500, (64,), generator=generator)
     target[::5] = -100
-    eager = F.cross_entropy(hidden @ weight.t(), target)
+    eager = F.cross_entropy(hidden @ weight.t(), target, reduction=reduction)
     eager.backward()
     eager_hidden, eager_weight = hidden.grad, weight.grad
     hidden.grad = weight.grad = None
-    loss, _, _ = linear_cross_entropy(hidden, weight, target, -100, rows_per_chunk)
+    loss, _, _ = linear_cross_entropy(hidden, weight, target, -100, rows_per_chunk, reduction == "mean")
     (loss * 3).backward()  # an incoming gradient other than one scales both
     assert abs(loss.item() - eager.item()) <= TOLERANCE * abs(eager.item())
     assert _relative(hidden.grad, 3 * eager_hidden) <= TOLERANCE
@@ -47,7 +48,8 @@ def test_every_row_ignored_gives_eagers_nan():
     hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(30, 8)
     target = torch.full((4,), -100)
     assert torch.isnan(F.cross_entropy(hidden @ weight.t(), target))
-    assert torch.isnan(linear_cross_entropy(hidden, weight, target, -100, 2)[0])
+    assert torch.isnan(linear_cross_entropy(hidden, weight, target, -100, 2, True)[0])
+    assert linear_cross_entropy(hidden, weight, target, -100, 2, False)[0].item() == 0.0  # as eager's sum
 
 
 def _gpt2(vocab: int = 3000, dropout: float = 0.1):
@@ -161,7 +163,8 @@ class _Smoothed(nn.Module):
 
 @pytest.mark.parametrize("loss_fn, why", [
     (lambda out, t: F.cross_entropy(out, t, label_smoothing=0.1), "label smoothing"),
-    (lambda out, t: F.cross_entropy(out, t, reduction="sum"), "a reduction other than the mean"),
+    (lambda out, t: F.cross_entropy(out, t, reduction="none").mean(), "a reduction other than the mean or the sum"),
+    (lambda out, t: F.cross_entropy(out, t, weight=torch.ones(50)), "class weights"),
     (lambda out, t: F.cross_entropy(out * 2, t), "not a view of a linear layer's output"),
 ])
 def test_a_loss_the_kernel_does_not_compute_stays_whole_and_says_why(loss_fn, why):
@@ -227,3 +230,24 @@ def test_mosos_profile_split_loss_profiles_the_split_step_and_mosos_plan_plans_i
     assert any(node.op_type == "linear_cross_entropy" for node in profile.nodes)
     planned = _fresh("-m", "cli", "plan", str(out), "--strategy", "keep-all", "-o", str(tmp_path / "plan.json"))
     assert planned.returncode == 0, planned.stdout[-2000:] + planned.stderr[-2000:]
+
+
+def test_a_summed_loss_as_transformers_trainer_asks_for_it_is_split_too():
+    """transformers' Trainer passes num_items_in_batch: the loss is then the sum over the rows, divided by the
+    tokens of the whole accumulated batch. Split, it is eager's to rounding."""
+    model, kwargs = _gpt2(vocab=500, dropout=0.0)
+    eager = _gpt2(vocab=500, dropout=0.0)[0]
+    eager.load_state_dict(model.state_dict())
+    items = torch.tensor(300)
+    kwargs = dict(kwargs, num_items_in_batch=items)
+    planned = executor.optimize(model, (), _loss, kwargs=kwargs, budget=None, strategy="keep-all", split_loss=True,
+                                repeats=1, warmup=0, progress=False, cache=False, timed_steps=0)
+    assert any("is split" in note for note in planned.loss_notes), planned.loss_notes
+    loss = planned(**kwargs)
+    loss.backward()
+    eager_loss = eager(**kwargs).loss
+    eager_loss.backward()
+    assert abs(loss.item() - eager_loss.item()) <= TOLERANCE * abs(eager_loss.item())
+    got, expected = _gradients(model), _gradients(eager)
+    largest = max(g.abs().max() for g in expected.values())
+    assert max((got[name] - expected[name]).abs().max() for name in expected) / largest <= TOLERANCE

@@ -8,7 +8,8 @@ The split loss takes the same inputs and computes, chunk by chunk of rows, the l
 and the loss's gradient with respect to the chunk's logits; from that gradient it makes at once the hidden
 states' gradient (rows of it) and the weight's (a sum over chunks), and lets the chunk's logits go. What it saves
 for the backward is those two gradients (the hidden states' size and the weight's), which the backward scales by the
-loss's incoming gradient. The same three matrix products as eager's (logits, hidden gradient, weight gradient), so
+loss's incoming gradient. The loss is the mean or the sum over the rows (transformers' Trainer asks for the sum,
+then divides by the tokens of the whole accumulated batch). The same three matrix products as eager's (logits, hidden gradient, weight gradient), so
 no arithmetic is added; a chunk's logits are at most the weight's size.
 
 The results agree with eager's to rounding, not bitwise (the weight's gradient is summed over chunks, and
@@ -18,8 +19,8 @@ kernel's are not.
 
 The pattern rewritten, in the exported graph (before the backward is traced; transformers' causal LM loss):
 `linear(x, W)` with no bias, optionally `to(float32)` of a float32 result, `view(-1, vocab)`, then
-`cross_entropy_loss(logits, target, weight=None, reduction='mean', ignore_index, label_smoothing=0)`, each read by
-the next alone.
+`cross_entropy_loss(logits, target, weight=None, reduction='mean' or 'sum', ignore_index, label_smoothing=0)`, each
+read by the next alone.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ ATEN = torch.ops.aten
 
 @torch.library.custom_op("mosos::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                         rows_per_chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy of `hidden @ weight.T` against `target` (rows whose target is `ignore_index` count for
-    nothing), with the gradients of that mean with respect to `hidden` and `weight`."""
+                         rows_per_chunk: int, mean: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy of `hidden @ weight.T` against `target`, its mean or its sum over the rows (rows whose target
+    is `ignore_index` count for nothing), with its gradients with respect to `hidden` and `weight`."""
     rows = hidden.shape[0]
     valid = target != ignore_index
-    count = valid.sum().to(hidden.dtype)
+    count = valid.sum().to(hidden.dtype) if mean else hidden.new_ones(())
     loss_sum = hidden.new_zeros(())
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros_like(weight)
@@ -70,7 +71,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, target, ignore_index, rows_per_chunk):
+def _(hidden, weight, target, ignore_index, rows_per_chunk, mean):
     return hidden.new_empty(()), torch.empty_like(hidden), torch.empty_like(weight)
 
 
@@ -82,7 +83,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
     grad_hidden, grad_weight = ctx.saved_tensors
-    return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+    return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -116,9 +117,12 @@ def _argument(node: fx.Node, position: int, name: str, default):
 def _match(loss: fx.Node) -> tuple[dict | None, str]:
     """The chain ending at a cross_entropy_loss node, or None and why it is not the pattern."""
     logits_2d, target = loss.args[0], loss.args[1]
-    if (_argument(loss, 2, "weight", None) is not None or _argument(loss, 3, "reduction", 1) != 1
-            or _argument(loss, 5, "label_smoothing", 0.0) != 0.0):
-        return None, "class weights, a reduction other than the mean, or label smoothing"
+    if _argument(loss, 2, "weight", None) is not None:
+        return None, "class weights"
+    if _argument(loss, 3, "reduction", 1) not in (1, 2):
+        return None, "a reduction other than the mean or the sum"
+    if _argument(loss, 5, "label_smoothing", 0.0) != 0.0:
+        return None, "label smoothing"
     if not isinstance(logits_2d, fx.Node) or logits_2d.target not in (ATEN.view.default, ATEN.reshape.default):
         return None, "its logits are not a view of a linear layer's output"
     chain = [logits_2d]
@@ -144,7 +148,8 @@ def _match(loss: fx.Node) -> tuple[dict | None, str]:
     if _value(weight).dim() != 2 or _value(logits_2d).dim() != 2:
         return None, "its shapes are not (rows, classes)"
     return {"chain": chain, "hidden": hidden, "weight": weight, "target": target,
-            "ignore_index": _argument(loss, 4, "ignore_index", -100)}, ""
+            "ignore_index": _argument(loss, 4, "ignore_index", -100),
+            "mean": _argument(loss, 3, "reduction", 1) == 1}, ""
 
 
 def split_losses(module: fx.GraphModule) -> list[str]:
@@ -166,7 +171,8 @@ def split_losses(module: fx.GraphModule) -> list[str]:
         with graph.inserting_before(loss):
             flat = graph.call_function(ATEN.reshape.default, (hidden, [-1, hidden_size]))
             split = graph.call_function(LINEAR_CROSS_ENTROPY,
-                                        (flat, weight, found["target"], int(found["ignore_index"]), chunk))
+                                        (flat, weight, found["target"], int(found["ignore_index"]), chunk,
+                                         found["mean"]))
             value = graph.call_function(operator.getitem, (split, 0))
         for new in (flat, split, value):
             for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
