@@ -729,15 +729,24 @@ def _with_batch_splits_offered(error: BudgetError, profiled: ProfiledStep, provi
     if not missing or not error.minimum_budget_bytes:
         return error
     offered = tuple(algorithms) + missing
-    floor = minimum_budget_bytes(provisional)
-    split_floor = minimum_budget_bytes(provisional_profile(profiled, leaves, device, optimizer, offered, None, None))
-    if split_floor > 0.95 * floor:
+    return _with_lower_floor(
+        error, provisional, provisional_profile(profiled, leaves, device, optimizer, offered, None, None),
+        "Convolutions run on quarters of the batch",
+        f"offer them with algorithms={offered!r} (rounding apart from eager's, about 1e-5 of a filter gradient, not "
+        "bitwise) or compile=True, which offers them")
+
+
+def _with_lower_floor(error: BudgetError, provisional: GraphProfile, lowered: GraphProfile, change: str,
+                      how: str) -> BudgetError:
+    """`error`, told that `change` would lower the floor any plan needs to `lowered`'s, and `how` to ask for it,
+    where that is at least 5% lower; else `error` as it was."""
+    floor, lowered_floor = minimum_budget_bytes(provisional), minimum_budget_bytes(lowered)
+    if lowered_floor > 0.95 * floor:
         return error
     return BudgetError(
-        f"{error}. Convolutions run on quarters of the batch would lower the floor any plan needs from "
-        f"{format_bytes(floor)} to {format_bytes(split_floor)} ({split_floor} bytes): offer them with "
-        f"algorithms={offered!r} (rounding apart from eager's, about 1e-5 of a filter gradient, not bitwise) or "
-        f"compile=True, which offers them", minimum_budget_bytes=error.minimum_budget_bytes)
+        f"{error}. {change} would lower the floor any plan needs from {format_bytes(floor)} to "
+        f"{format_bytes(lowered_floor)} ({lowered_floor} bytes): {how}",
+        minimum_budget_bytes=error.minimum_budget_bytes)
 
 
 def _with_split_loss_offered(error: BudgetError, profiled: ProfiledStep, provisional: GraphProfile, leaves, device,
@@ -755,14 +764,10 @@ def _with_split_loss_offered(error: BudgetError, profiled: ProfiledStep, provisi
         return error
     if not any(note.endswith("classes") and " is split" in note for note in split.step.loss_notes):
         return error
-    floor = minimum_budget_bytes(provisional)
-    split_floor = minimum_budget_bytes(provisional_profile(split, leaves, device, optimizer, algorithms, None, None))
-    if split_floor > 0.95 * floor:
-        return error
-    return BudgetError(
-        f"{error}. The loss computed over chunks of rows, its logits never whole, would lower the floor any plan "
-        f"needs from {format_bytes(floor)} to {format_bytes(split_floor)} ({split_floor} bytes): ask for it with "
-        "split_loss=True (rounding apart from eager's, not bitwise)", minimum_budget_bytes=error.minimum_budget_bytes)
+    return _with_lower_floor(
+        error, provisional, provisional_profile(split, leaves, device, optimizer, algorithms, None, None),
+        "The loss computed over chunks of rows, its logits never whole,",
+        "ask for it with split_loss=True (rounding apart from eager's, not bitwise)")
 
 
 def fixed_memory(profiled: ProfiledStep, leaves: list, optimizer, loss_bytes: int,
