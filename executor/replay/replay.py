@@ -45,6 +45,8 @@ from executor.capture.capture import tensor_signature
 from executor.engine.codegen import CodeGenerator, Modes, Op, Program, rng_state_bytes, schedule_operations
 from executor.engine.compiled_nodes import CompiledNodes, NodeCompiler
 from executor.replay import optimizer_state
+from executor.replay.gradient_edges import (PlannedLoss, accumulation_signals, edge_anchor, hooks_wait_for_accumulation,
+                                            note_anchored, refuse_hooks_added_since_forward, refuse_other_backwards)
 from executor.capture import autocast
 from executor.capture.python_state import describe_change, python_state
 from executor.errors import CaptureError, ProfileMismatch, ReplayError
@@ -687,7 +689,11 @@ class PlannedModule(nn.Module):
         self._live_step = weakref.ref(state)
         if self.device_memory is not None:
             self.device_memory.begin_step()
-        return _StepFunction.apply(self, state, *parameters)
+        if hooks_wait_for_accumulation(parameters):  # their AccumulateGrad nodes must run: every parameter an edge
+            return _StepFunction.apply(self, state, *parameters)
+        state.anchored = parameters
+        note_anchored(self.model)
+        return _StepFunction.apply(self, state, edge_anchor())
 
     def _step_held(self) -> None:
         """After a step's backward: what the device held during it, against the budget."""
@@ -1075,6 +1081,8 @@ class _StepState:
         self.superseded = False  # a later step began before this one's backward
         self.planned = None
         self.node: weakref.ref | None = None  # the loss's autograd node (the step function's context)
+        # the parameters of a step whose one autograd input is the edge anchor (executor.replay.gradient_edges)
+        self.anchored: list | None = None
 
 
 class _StepFunction(torch.autograd.Function):
@@ -1092,7 +1100,7 @@ class _StepFunction(torch.autograd.Function):
         ctx.state = state
         state.node = weakref.ref(ctx)
         ctx.parameters = parameters
-        return loss
+        return loss.as_subclass(PlannedLoss) if state.anchored is not None else loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -1103,9 +1111,11 @@ class _StepFunction(torch.autograd.Function):
                 "saved tensors (the plan's budget holds one step at a time): call backward() on each loss before "
                 "the next call (gradients accumulate across calls, as in eager PyTorch)"
             )
-        # the parameters' AccumulateGrad nodes as this step's graph holds them (after the module and the state);
-        # found through get_gradient_edge, they took 27 us a parameter at every step
-        _refuse_other_backwards(ctx.parameters, [node for node, _ in ctx.next_functions[2:]])
+        # the AccumulateGrad nodes this step's graph holds, one per tensor input (the module and the state have
+        # none; found through get_gradient_edge, they took 27 us a parameter at every step)
+        refuse_other_backwards([node for node, _ in ctx.next_functions])
+        if state.anchored is not None:
+            refuse_hooks_added_since_forward(state.anchored)
         state.planned._refuse_backward_through_superseded()
         if state.backward_done:
             raise ReplayError(
@@ -1135,7 +1145,7 @@ class _StepFunction(torch.autograd.Function):
         state.planned._step_held()
         if prepared.timed:
             state.planned._step_timed(runtime)
-        return (None, None) + _accumulation_signals(ctx.parameters)
+        return (None, None) + accumulation_signals(ctx.parameters)
 
 
 _BUCKETS_CHECKED: "weakref.WeakSet" = weakref.WeakSet()  # DistributedDataParallel wrappers whose buckets fit
@@ -1181,55 +1191,4 @@ def _refuse_gradient_hooks(model: nn.Module, parameters: list[torch.Tensor]) -> 
         f"parameter {name!r} has a gradient hook (Tensor.register_hook): the replay writes each parameter's gradient "
         "into .grad itself, so the hook would never see it. Act on p.grad with "
         "register_post_accumulate_grad_hook (which the replay runs as eager does), or after backward()"
-    )
-
-
-def _refuse_other_backwards(parameters, edges: tuple) -> None:
-    """The replay computes every parameter's gradient into `.grad`, as loss.backward() does; torch.autograd.grad,
-    backward(inputs=...) over some parameters and create_graph=True ask for something else, which it cannot give."""
-    if torch.is_grad_enabled():
-        raise ReplayError(
-            "backward(create_graph=True) (a double backward, e.g. a gradient penalty) on a planned step: the replay "
-            "computes gradients outside autograd, so they cannot be differentiated again; compute such a loss with "
-            "the model itself"
-        )
-    will_execute = torch._C._will_engine_execute_node
-    for node in edges:
-        if node is None:  # frozen
-            continue
-        try:
-            runs = will_execute(node)
-        except RuntimeError as error:
-            if "autograd.grad" not in str(error):
-                raise
-            raise ReplayError(
-                "torch.autograd.grad on a planned step: the replay writes the parameters' gradients into .grad, "
-                "as loss.backward() does, and returns none; call loss.backward() and read p.grad"
-            ) from None
-        if not runs:
-            raise ReplayError(
-                "backward(inputs=...) that leaves out some parameters on a planned step: the replay computes every "
-                "parameter's gradient into .grad; call loss.backward() without inputs= (and freeze parameters with "
-                "requires_grad_(False) before planning)"
-            )
-
-
-def _hooks_wait_for_accumulation(parameters) -> bool:
-    """DistributedDataParallel's reducer (and any post-accumulate-grad hook) acts when a parameter's AccumulateGrad
-    runs; the replay has written `.grad` already, so the autograd engine must still run those nodes."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return True
-    return any([p._post_accumulate_grad_hooks for p in parameters])
-
-
-def _accumulation_signals(parameters) -> tuple:
-    """Per parameter: None, or (when hooks wait for it) a gradient of negative zeros, broadcast from one element.
-    Adding -0.0 leaves every float as it is, bit for bit (-0.0 and NaN included), and allocates nothing: the engine
-    runs AccumulateGrad, which adds it in place to the `.grad` the replay wrote, and the hooks fire as in eager."""
-    if not _hooks_wait_for_accumulation(parameters):
-        return (None,) * len(parameters)
-    return tuple(
-        torch.full((), -0.0, dtype=p.dtype, device=p.device).expand(p.shape)
-        if p.requires_grad and p.grad is not None and p.dtype.is_floating_point else None
-        for p in parameters
     )
