@@ -12,6 +12,9 @@ Per model, in a process of its own:
 - **floor**: what any plan needs on the measured profile: the step profiled without a budget (keep-all, every
   node's workspace measured by the allocator's events), then `planner.budget.minimum_budget_bytes` of it: fixed
   memory plus the largest node with its inputs, outputs and measured workspace. No plan can run below it.
+- **smallest plan (searched)**: the smallest budget mosos' solver plans on that measured profile: a plan at the
+  floor, or else the smallest budget its error names (CP-SAT with the peak as the objective; "best found" where it
+  did not prove it minimal). The floor above is a lower bound no plan may reach; this is a budget a plan meets.
 - **trained**: the planned step at the budget named, three steps, every allocation counted by the allocator's
   events (`AllocationTrace`): its rise over what the caller held, beside the budget less that.
 
@@ -121,6 +124,7 @@ def child(name: str, time_limit_s: float) -> dict:
     profile, _ = profile_step(model, inputs, loss_fn, targets, kwargs=kwargs, repeats=1, warmup=0, budget_bytes=None,
                               algorithms=("native",), profiled=profiled)
     row["floor_bytes"] = minimum_budget_bytes(profile)
+    row.update(_smallest_plan(profile, row["floor_bytes"], time_limit_s))
     row["keep_all_note"] = f"{len(profile.nodes)} nodes, fixed {profile.fixed_bytes / MIB:.2f} MiB"
     budget, asked = 1, []
     planned = None
@@ -152,6 +156,21 @@ def child(name: str, time_limit_s: float) -> dict:
     return row
 
 
+def _smallest_plan(profile, floor_bytes: int, time_limit_s: float) -> dict:
+    """The smallest budget mosos' own model plans on the measured profile: planned at the floor, or the smallest
+    budget its InfeasibleBudget names (searched with the peak as the objective; `proven` where CP-SAT proved it)."""
+    from planner.errors import BudgetError
+    from planner.planning import plan
+
+    try:
+        plan(profile, floor_bytes, strategy="mosos", time_limit_s=time_limit_s, workers=1, seed=0)
+        return {"searched_bytes": floor_bytes, "searched_proven": True}
+    except BudgetError as error:
+        proven = "not proven" not in str(error) and "proven minimal" in str(error)
+        return {"searched_bytes": error.minimum_budget_bytes, "searched_proven": proven,
+                "searched_said": str(error)[-160:]}
+
+
 def run(name: str, time_limit_s: float) -> dict:
     command = [sys.executable, __file__, "--child", name, "--time-limit", str(time_limit_s)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=1800)
@@ -161,18 +180,30 @@ def run(name: str, time_limit_s: float) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | floor (measured) | named | named / floor | budgets asked | step's rise / room | note |",
-             "|---|---:|---:|---:|---|---:|---|"]
+    lines = ["| model | floor (measured) | smallest plan (searched) | named | named / floor | named / smallest plan "
+             "| budgets asked | step's rise / room | note |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in rows:
         if "named_bytes" not in r:
             lines.append(f"| {r['model']} | | | | | | failed: {r.get('error', '')} |")
             continue
         asked = ", ".join(f"{b / MIB:.2f}" for b in r["asked_bytes"])
         lines.append(f"| {r['model']}{' (split loss)' if r.get('split_loss') else ''} | "
-                     f"{r['floor_bytes'] / MIB:.2f} MiB | {r['named_bytes'] / MIB:.2f} MiB | "
-                     f"{r['named_bytes'] / r['floor_bytes']:.3f} | {asked} | "
+                     f"{r['floor_bytes'] / MIB:.2f} MiB | {_searched(r)} | {r['named_bytes'] / MIB:.2f} MiB | "
+                     f"{r['named_bytes'] / r['floor_bytes']:.3f} | {_ratio(r['named_bytes'], r.get('searched_bytes'))} | "
+                     f"{asked} | "
                      f"{r['step_rise_bytes'] / MIB:.2f} / {r['room_bytes'] / MIB:.2f} MiB | {r['keep_all_note']} |")
     return lines
+
+
+def _searched(row: dict) -> str:
+    if row.get("searched_bytes") is None:
+        return "none found"
+    return f"{row['searched_bytes'] / MIB:.2f} MiB{'' if row.get('searched_proven') else ' (best found)'}"
+
+
+def _ratio(named: int, searched: int | None) -> str:
+    return f"{named / searched:.3f}" if searched else ""
 
 
 def main(argv: list[str] | None = None) -> int:
