@@ -102,3 +102,19 @@ def test_double_backward_is_still_refused_on_the_anchor():
     _, _, planned, _ = planned_pair()
     with pytest.raises(ReplayError, match="create_graph=True"):
         planned(*data(1)).backward(create_graph=True)
+
+
+def test_what_a_loop_keeps_of_the_loss_is_a_plain_tensor_that_loads_anywhere(tmp_path):
+    """A logged or saved loss holds nothing of mosos': torch.load's weights_only refuses classes it does not know."""
+    _, _, planned, _ = planned_pair()
+    loss = planned(*data(1))
+    kept = {"detached": loss.detach(), "item": loss.item(), "loss": loss, "scaled": loss * 2}
+    assert type(kept["detached"]) is torch.Tensor and isinstance(kept["scaled"], PlannedLoss)
+    torch.save(kept, tmp_path / "kept.pt")
+    loaded = torch.load(tmp_path / "kept.pt", weights_only=True)
+    assert {type(value) for key, value in loaded.items() if key != "item"} == {torch.Tensor}
+    assert torch.equal(loaded["detached"], kept["detached"]) and loaded["item"] == kept["item"]
+    total = torch.zeros(())
+    total += loss.detach()
+    assert type(total) is torch.Tensor
+    loss.backward()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from executor.errors import ReplayError
 
@@ -121,8 +122,10 @@ _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward)
 
 class PlannedLoss(torch.Tensor):
     """The loss of a planned step made on the anchor (see the module's doc). Everything but the refused calls
-    behaves as on a plain tensor, and results computed from it are PlannedLoss too, so a scaled or summed loss
-    (GradScaler, gradient accumulation, several losses) keeps the check."""
+    behaves as on a plain tensor. A result computed from it that autograd can still differentiate (a scaled or
+    summed loss: GradScaler, gradient accumulation, several losses) is a PlannedLoss too, so it keeps the check; one
+    that cannot (`loss.detach()`, `loss.item()`, the gradients) is a plain tensor, and a PlannedLoss saves as one,
+    so a checkpoint or a log holds nothing of mosos' (torch.load's weights_only refuses classes it does not know)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -133,7 +136,16 @@ class PlannedLoss(torch.Tensor):
         elif func in _BACKWARDS:
             if _names_planned_parameters(kwargs.get("inputs")):
                 raise ReplayError(INPUTS_REFUSED)
-        else:
-            return super().__torch_function__(func, types, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():  # their results are gradients, not losses: left as they are
-            return func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        if func is torch.autograd.grad or func in _BACKWARDS:
+            return result
+        return tree_map_only(torch.Tensor, _carried, result)
+
+    def __reduce_ex__(self, protocol):
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+def _carried(value: torch.Tensor) -> torch.Tensor:
+    return value.as_subclass(PlannedLoss) if value.requires_grad and type(value) is torch.Tensor else value
