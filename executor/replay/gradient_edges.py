@@ -69,7 +69,8 @@ def refuse_hooks_added_since_forward(parameters) -> None:
 def refuse_other_backwards(edges: list) -> None:
     """The replay computes every parameter's gradient into `.grad`, as loss.backward() does; torch.autograd.grad,
     backward(inputs=...) over some parameters and create_graph=True ask for something else, which it cannot give.
-    `edges`: the AccumulateGrad nodes the step's graph holds (a step with every parameter as an input)."""
+    `edges`: the AccumulateGrad nodes the step's graph holds (every parameter's, or the anchor's alone, where
+    PlannedLoss has refused those calls before the engine starts)."""
     if torch.is_grad_enabled():
         raise ReplayError(
             "backward(create_graph=True) (a double backward, e.g. a gradient penalty) on a planned step: the replay "
@@ -130,17 +131,13 @@ class PlannedLoss(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.autograd.grad:
-            if _names_planned_parameters(args[1] if len(args) > 1 else kwargs.get("inputs")):
-                raise ReplayError(AUTOGRAD_GRAD_REFUSED)
-        elif func in _BACKWARDS:
-            if _names_planned_parameters(kwargs.get("inputs")):
-                raise ReplayError(INPUTS_REFUSED)
+        grad = func is torch.autograd.grad
+        backward = grad or func in _BACKWARDS
+        if backward and _names_planned_parameters(args[1] if grad and len(args) > 1 else kwargs.get("inputs")):
+            raise ReplayError(AUTOGRAD_GRAD_REFUSED if grad else INPUTS_REFUSED)
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
-        if func is torch.autograd.grad or func in _BACKWARDS:
-            return result
-        return tree_map_only(torch.Tensor, _carried, result)
+        return result if backward else tree_map_only(torch.Tensor, _carried, result)
 
     def __reduce_ex__(self, protocol):
         with torch._C.DisableTorchFunctionSubclass():
