@@ -197,6 +197,40 @@ def test_a_budget_below_every_measuring_pass_names_the_smallest_that_works():
     assert planned.schedule.budget_bytes == minimum
 
 
+def test_a_step_measured_once_is_planned_below_the_bound_that_refused_it():
+    """The zoo's ResNet at batch 16: before anything runs, each native convolution's scratch is bounded from above
+    (the shape formula: no slice of so small a batch is probed), and that bound names the smallest budget. Planned
+    once there, the step's profile is kept with its measured workspaces; asked again for less, mosos plans on that
+    profile and names what a plan on it needs, well below the bound, and the step trains within it by the
+    allocator's events. Without the kept profile the same budget is refused."""
+    from tests.zoo import ZOO
+
+    model, inputs, kwargs, targets, loss_fn = ZOO["resnet"]()
+
+    def optimize(budget, **options):
+        return executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, budget=budget, repeats=1,
+                                 warmup=0, time_limit_s=10, workers=1, progress=False, timed_steps=1, **options)
+
+    with pytest.raises(BudgetError) as bounded:
+        optimize(1)
+    bounded_bytes = bounded.value.minimum_budget_bytes
+    optimize(bounded_bytes)
+    with pytest.raises(BudgetError) as measured:
+        optimize(1)
+    measured_bytes = measured.value.minimum_budget_bytes
+    assert "profile an earlier run measured" in str(measured.value)
+    assert measured_bytes < 0.8 * bounded_bytes, (measured_bytes, bounded_bytes)
+    with pytest.raises(BudgetError):
+        optimize(measured_bytes, cache=False)
+    planned = optimize(measured_bytes)
+    resident = _resident_bytes(model, inputs, kwargs, targets)
+    with AllocationTrace() as trace:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            planned(*inputs, targets=targets, **kwargs).backward()
+    assert trace.peak_bytes <= measured_bytes - resident, (trace.peak_bytes, measured_bytes, resident)
+
+
 @pytest.mark.parametrize("replanning", ["finds a plan", "finds none"])
 def test_the_first_steps_are_timed_reported_and_re_planned_once_when_the_plan_is_off(replanning):
     """A profile whose times are ten times what the step takes: the report says so, names the nodes, the module

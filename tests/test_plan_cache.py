@@ -275,3 +275,30 @@ def test_a_plan_from_the_cache_whose_picks_decide_the_rounding_is_not_replanned_
         assert any("kept as it is" in m for m in loaded_messages) and "kept as it is" in report.describe()
     else:
         assert report.history[0].replanned and not report.replan_kept
+
+
+def test_plans_of_one_step_at_other_budgets_share_the_step_digest_and_nothing_else_does():
+    """The step digest names the profile, which any budget's plan can use: the budget, the strategy, the
+    measuring strategy and where the plan is solved leave it alone; the model, the inputs and what the profile
+    holds (the algorithms measured, the loss split) change it."""
+    import torch
+    from torch import nn
+
+    from executor.plan.cache import plan_key
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    inputs = (torch.randn(2, 4),)
+    settings = {"measuring": "auto", "planner": "local", "algorithms": ["native"]}
+
+    def key(model=model, inputs=inputs, budget=None, strategy="mosos", **changed):
+        return plan_key(model, None, inputs, None, None, device=torch.device("cpu"),
+                        budget=budget or {"bytes": 1 << 20}, strategy=strategy, optimizer=None,
+                        settings=settings | changed)
+
+    base = key()
+    for same in (key(budget={"bytes": 1 << 19}), key(budget={"memory_ratio": 0.5}), key(strategy="recompute-only"),
+                 key(measuring="frugal"), key(planner="service")):
+        assert same.step_digest == base.step_digest and same.digest != base.digest
+    for other in (key(algorithms=["native", "batch-split"]), key(split_loss=True),
+                  key(model=nn.Sequential(nn.Linear(4, 4), nn.ReLU())), key(inputs=(torch.randn(3, 4),))):
+        assert other.step_digest != base.step_digest

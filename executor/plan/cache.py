@@ -13,6 +13,12 @@ and hash as it did with this model's parameters, and the profile must be
 this graph's. A stale or corrupt entry is said, removed and made again; it
 never fails the run.
 
+Entries of one step made for other budgets share a step digest (the key less
+the budget, the strategy, the measuring strategy and where it is solved). Their
+profiles hold measured workspaces, where a new measuring pass would have to
+bound every unrun kernel's scratch from above; so a budget no measuring pass
+fits is planned on the newest such profile (`PlanCache.measured_profile`).
+
 `MOSOS_CACHE_DIR` moves the cache (default: the user's cache directory,
 `platformdirs.user_cache_dir("mosos")`); `mosos cache list` and
 `mosos cache clear` show and empty it; `optimize(cache=False)` skips it.
@@ -216,6 +222,9 @@ class PlanKey:
 
     fields: dict
     digest: str
+    # the same without what only the plan depends on (the budget, the strategy, how the step is measured and where
+    # it is solved): entries that share it hold profiles of the same step, each as good for a plan at any budget
+    step_digest: str = ""
 
     @property
     def summary(self) -> dict:
@@ -247,13 +256,20 @@ def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targ
         "settings": settings,
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+    step_fields = {name: value for name, value in fields.items() if name not in _PLAN_ONLY_FIELDS}
+    step_fields["settings"] = {name: value for name, value in settings.items() if name not in _PLAN_ONLY_SETTINGS}
+    step_digest = hashlib.sha256(json.dumps(step_fields, sort_keys=True, default=str).encode()).hexdigest()
     fields["summary"] = {
         "model": type(model).__qualname__,
         "inputs": input_signature + "".join(f" {device} {dtype}" for device, dtype, _ in autocast_state),
         "device": device_name,
         "budget": budget, "strategy": strategy,
     }
-    return PlanKey(fields, digest)
+    return PlanKey(fields, digest, step_digest)
+
+
+_PLAN_ONLY_FIELDS = ("budget", "strategy", "settings")
+_PLAN_ONLY_SETTINGS = ("measuring", "planner")
 
 
 # --- entries ---------------------------------------------------------------------------------------------
@@ -313,6 +329,7 @@ class _Key(_Checked):
 
 class _EntryMeta(_Checked):
     key: _Key
+    step_digest: str | None = None  # absent in entries kept before profiles were shared between budgets
     created: float = Field(ge=0, le=_LATEST_TIMESTAMP_S)
     last_used: float | None = Field(default=None, ge=0, le=_LATEST_TIMESTAMP_S)
 
@@ -393,7 +410,8 @@ class PlanCache:
             say(f"this plan is not kept across runs: {error}")
             return None
         now = time.time()
-        meta = {"key": key.fields, "digest": key.digest, "created": now, "last_used": now,
+        meta = {"key": key.fields, "digest": key.digest, "step_digest": key.step_digest, "created": now,
+                "last_used": now,
                 "mosos": MOSOS_VERSION, "torch": torch.__version__}
         try:
             self.plans.mkdir(parents=True, exist_ok=True)
@@ -415,6 +433,34 @@ class PlanCache:
         except OSError as error:
             say(f"this plan is not kept across runs: cannot write {self.plans} ({error})")
             return None
+
+    def measured_profile(self, key: PlanKey, step, say: Callable[[str], None]) -> tuple[GraphProfile, Path] | None:
+        """The newest kept profile of this step made for another budget (or strategy), with its entry: every
+        node's time and workspace measured within that plan's budget, which a plan at any budget can use (a
+        workspace is what the allocator's events saw the kernel take, not a bound). `step` is this run's
+        capture, which the profile must describe; an entry that does not, or whose files changed, is passed over
+        (and left for `load` to judge)."""
+        if not key.step_digest:
+            return None
+        candidates = []
+        for entry in self._kept():
+            try:
+                _, meta = _read_meta(entry)
+            except (OSError, ValueError):
+                continue
+            if meta.step_digest == key.step_digest and entry.name != key.digest:
+                candidates.append((meta.created, entry))
+        for _, entry in sorted(candidates, key=lambda found: found[0], reverse=True):
+            try:
+                if changed_files(json.loads((entry / "capture.json").read_text())):
+                    continue
+                profile = GraphProfile.model_validate_json((entry / "profile.json").read_text())
+            except (OSError, ValueError) as error:
+                say(f"the profile kept in {entry.name[:12]} is not usable ({type(error).__name__}): passed over")
+                continue
+            if profile.provenance.model_structure_sha256 == step.structure_sha256():
+                return profile, entry
+        return None
 
     def update(self, key: PlanKey, profile: GraphProfile, schedule: Schedule, say: Callable[[str], None]) -> None:
         """A re-plan on measured times replaces the kept profile and schedule."""

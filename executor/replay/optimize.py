@@ -447,6 +447,21 @@ class SignaturePlanner:
                               "budget names that on top)", *error.args[1:])
             raise
 
+    def measured_before(self, key: PlanKey | None, profiled: ProfiledStep, error: BudgetError) -> GraphProfile | None:
+        """Where no measuring pass fits the budget (the scratch of kernels not yet run is bounded from above, and
+        the bound is what refuses it), the profile an earlier run measured of this same step within another budget,
+        if the cache keeps one: its workspaces are what the kernels took, so the plan needs no bound, and no pass
+        runs here. None where none is kept."""
+        if key is None or self.store is None:
+            return None
+        found = self.store.measured_profile(key, profiled.step, self.say)
+        if found is None:
+            return None
+        profile, entry = found
+        self.say(f"no measuring pass fits this budget ({error}); planning on the profile of this step measured by "
+                 f"an earlier run, kept in {entry}: its kernels' workspaces are measured, not bounded")
+        return profile
+
     def _from_cache(self, key: PlanKey, inputs, kwargs, targets, autocast_state):
         """The kept plan of this signature, where one is kept and its budget is still what this run allows."""
         options, store, say = self.options, self.store, self.say
@@ -508,21 +523,32 @@ class SignaturePlanner:
             say(f"budget {format_bytes(signature_budget)} ({options.memory_ratio:g} of the estimated keep-all peak"
                 + (", or the first input signature's budget where that is more)" if signature_budget > own_bytes
                    else ")"))
-        profile, profiled = profile_step(
-            model, inputs, loss_fn, targets, kwargs=kwargs,
-            optimizer=options.optimizer, repeats=options.repeats, warmup=options.warmup,
-            d2h_gb_per_s=options.d2h_gb_per_s, h2d_gb_per_s=options.h2d_gb_per_s, budget_bytes=signature_budget,
-            measuring=options.measuring, algorithms=options.algorithms, profiled=profiled, progress=say,
-            compile=options.compile,
-        )
-        say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
+        kept_profile = None
+        try:
+            profile, profiled = profile_step(
+                model, inputs, loss_fn, targets, kwargs=kwargs,
+                optimizer=options.optimizer, repeats=options.repeats, warmup=options.warmup,
+                d2h_gb_per_s=options.d2h_gb_per_s, h2d_gb_per_s=options.h2d_gb_per_s, budget_bytes=signature_budget,
+                measuring=options.measuring, algorithms=options.algorithms, profiled=profiled, progress=say,
+                compile=options.compile,
+            )
+            say(f"profiled {len(profile.nodes)} nodes; fixed memory {format_bytes(profile.fixed_bytes)}")
+        except BudgetError as error:
+            kept_profile = self.measured_before(key, profiled, error)
+            if kept_profile is None:
+                raise
+            profile = kept_profile
         reserve = arena_reserve_bytes(profile, profiled, self.device) if options.arena else 0
         try:
             schedule = self.make_plan(profile, signature_budget, reserve, profiled)
         except BudgetError as error:
             # the step was just measured within this budget: the measuring pass's schedule is a plan that fits
-            schedule = profiled.measuring.as_plan(profile, signature_budget) if profiled.measuring else None
+            schedule = (profiled.measuring.as_plan(profile, signature_budget)
+                        if profiled.measuring and kept_profile is None else None)
             if schedule is None:
+                if kept_profile is not None:
+                    error.args = (f"{error} (planned on the profile an earlier run measured of this step; no "
+                                  "measuring pass fits this budget)", *error.args[1:])
                 raise
             say(f"no plan found by {options.strategy!r} ({error}); the plan is the schedule the step was measured "
                 "under, which fits")
