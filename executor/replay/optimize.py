@@ -536,6 +536,10 @@ class SignaturePlanner:
         except BudgetError as error:
             kept_profile = self.measured_before(key, profiled, error)
             if kept_profile is None:
+                if self.store is not None and error.minimum_budget_bytes:
+                    error.args = (f"{error} (the scratch of kernels not yet run is bounded from above here; a plan "
+                                  "made at that budget keeps the step's measured profile in the plan cache, and a "
+                                  "smaller budget asked later is planned on it)", *error.args[1:])
                 raise
             profile = kept_profile
         reserve = arena_reserve_bytes(profile, profiled, self.device) if options.arena else 0
