@@ -301,3 +301,45 @@ def test_plans_of_one_step_at_other_budgets_share_the_step_digest_and_nothing_el
     for other in (key(algorithms=["native", "batch-split"]), key(split_loss=True),
                   key(model=nn.Sequential(nn.Linear(4, 4), nn.ReLU())), key(inputs=(torch.randn(3, 4),))):
         assert other.step_digest != base.step_digest
+
+
+def test_the_kept_profile_of_a_step_is_the_newest_whole_one_that_describes_this_capture(tmp_path, offload_profile):
+    """Entries of the same step at other budgets, newest first: a damaged profile is said and passed over, one whose
+    traced source changed or that describes another graph is passed over in silence, another step's is never
+    looked at, and the entry of this very key is load()'s, not this."""
+    import json
+    import types
+
+    from executor.plan.cache import PlanCache, PlanKey
+
+    cache = PlanCache(tmp_path)
+    step = types.SimpleNamespace(structure_sha256=lambda: "graph-a")
+    source = tmp_path / "model.py"
+    source.write_text("x = 1\n")
+
+    def keep(name: str, created: float, step_digest: str, graph: str = "graph-a", profile_text: str | None = None,
+             changed_source: bool = False) -> None:
+        entry = cache.plans / name
+        entry.mkdir(parents=True)
+        provenance = offload_profile.provenance.model_copy(update={"model_structure_sha256": graph})
+        profile = offload_profile.model_copy(update={"provenance": provenance, "name": name})
+        (entry / "profile.json").write_text(profile_text if profile_text is not None else profile.model_dump_json())
+        files = {str(source): "0" * 64} if changed_source else {}
+        (entry / "capture.json").write_text(json.dumps({"source_files": files}))
+        summary = {"model": "M", "inputs": "", "device": "cpu", "budget": {"bytes": 1}, "strategy": "mosos"}
+        (entry / "entry.json").write_text(json.dumps({"key": {"summary": summary}, "created": created,
+                                                      "step_digest": step_digest}))
+
+    keep("a-oldest", 1.0, "step")
+    keep("b-newest-whole", 2.0, "step")
+    keep("c-another-graph", 3.0, "step", graph="graph-b")
+    keep("d-source-changed", 4.0, "step", changed_source=True)
+    keep("e-damaged", 5.0, "step", profile_text="{not json")
+    keep("f-another-step", 6.0, "other-step")
+    keep("this-key", 7.0, "step")
+    said = []
+    found = cache.measured_profile(PlanKey({}, "this-key", "step"), step, said.append)
+    assert found is not None and found[0].name == "b-newest-whole" and found[1].name == "b-newest-whole"
+    assert len(said) == 1 and "e-damaged" in said[0] and "passed over" in said[0]
+    assert cache.measured_profile(PlanKey({}, "this-key", "nothing-kept"), step, said.append) is None
+    assert cache.measured_profile(PlanKey({}, "this-key", ""), step, said.append) is None
