@@ -279,7 +279,8 @@ def test_a_plan_from_the_cache_whose_picks_decide_the_rounding_is_not_replanned_
 def test_plans_of_one_step_at_other_budgets_share_the_step_digest_and_nothing_else_does():
     """The step digest names the profile, which any budget's plan can use: the budget, the strategy, the
     measuring strategy and where the plan is solved leave it alone; the model, the inputs and what the profile
-    holds (the algorithms measured, the loss split) change it."""
+    holds (the algorithms measured, the loss split, on the CPU the thread count, by which oneDNN's scratch grows)
+    change it."""
     import torch
     from torch import nn
 
@@ -298,9 +299,16 @@ def test_plans_of_one_step_at_other_budgets_share_the_step_digest_and_nothing_el
     for same in (key(budget={"bytes": 1 << 19}), key(budget={"memory_ratio": 0.5}), key(strategy="recompute-only"),
                  key(measuring="frugal"), key(planner="service")):
         assert same.step_digest == base.step_digest and same.digest != base.digest
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        more_threads = key()
+    finally:
+        torch.set_num_threads(threads)
     for other in (key(algorithms=["native", "batch-split"]), key(split_loss=True),
-                  key(model=nn.Sequential(nn.Linear(4, 4), nn.ReLU())), key(inputs=(torch.randn(3, 4),))):
-        assert other.step_digest != base.step_digest
+                  key(model=nn.Sequential(nn.Linear(4, 4), nn.ReLU())), key(inputs=(torch.randn(3, 4),)),
+                  more_threads):
+        assert other.step_digest != base.step_digest and other.digest != base.digest
 
 
 def test_the_kept_profile_of_a_step_is_the_newest_whole_one_that_describes_this_capture(tmp_path, offload_profile):

@@ -5,8 +5,9 @@ the schedule `optimize()` made, under a key that is known before anything is
 captured: the model's structure (every module's class, plain attributes and
 mode, every parameter's and buffer's name, shape and dtype), the source files
 of the model's classes and the loss function, the input signature, the
-device, the budget, the strategy and the optimizer, and the versions of
-mosos, torch and Python. The key is a promise only as far as it goes, so a
+device (on a CPU with its thread count: oneDNN keeps scratch per thread), the
+budget, the strategy and the optimizer, and the versions of mosos, torch and
+Python. The key is a promise only as far as it goes, so a
 hit is checked again before it is used: the files the capture traced through
 must be unchanged, the rebuilt graph must give every node the shape it had
 and hash as it did with this model's parameters, and the profile must be
@@ -255,6 +256,10 @@ def plan_key(model: nn.Module, loss_fn, inputs: tuple, kwargs: dict | None, targ
         "optimizer": _optimizer_identity(optimizer),
         "settings": settings,
     }
+    if device.type == "cpu":
+        # oneDNN's convolutions keep scratch per thread (im2col's columns): a workspace measured with one thread
+        # count is not another's
+        fields["threads"] = torch.get_num_threads()
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
     step_fields = {name: value for name, value in fields.items() if name not in _PLAN_ONLY_FIELDS}
     step_fields["settings"] = {name: value for name, value in settings.items() if name not in _PLAN_ONLY_SETTINGS}
