@@ -92,9 +92,11 @@ def offload_profile() -> GraphProfile:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray for the whole session (its start costs seconds): 2 CPUs, a small object store.
+    """One local Ray for each module that asks for it (its start costs seconds): 2 CPUs, a small object store.
+    Not one for the whole session: its processes (raylet, log monitor, idle workers) took a few percent of a core
+    from every test in between, the timed ones included.
 
     `mosos sweep` and the service's Ray backend find it already running in this process and use it; a command
     run in a subprocess joins it with --address.

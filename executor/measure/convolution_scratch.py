@@ -10,12 +10,16 @@ that every real step fits.
 
 On the CPU the scratch is layout conversions and per-thread buffers: it grows
 linearly with the batch (measured exactly linear from batch 4 to 2048 on
-ResNet-18-small's convolutions, forward and each backward half). So each
-distinct convolution call is run for real on a sixteenth and an eighth of its
-batch, under the allocator's own events, and carried to the full batch (the line
-through the two, or the larger scaled, whichever is more) with a margin. A probe
-holds at most a quarter of one convolution's tensors, one probe at a time, and
-only where the budget has room for it.
+ResNet-18-small's convolutions, forward and each backward half; the
+six-convolution network at batch 128 took at its full batch what the line
+through 16 and 32 samples said, to the byte). So each distinct convolution call
+is run for real on a sixteenth and an eighth of its batch, and halfway between,
+under the allocator's own events, and carried to the full batch (the line
+through the outer two, or the larger scaled, whichever is more) with a margin:
+5% where the middle probe lies on the line (within 2% of the larger probe's
+scratch, or 64 KiB), 25% where it does not. A probe holds at most a quarter of
+one convolution's tensors, one probe at a time, and only where the budget has
+room for it.
 
 The kernel must be the one the full batch runs: with one thread oneDNN ran
 MobileNetV2's 1x1 convolutions without any scratch at 4 and 8 samples and with
@@ -42,6 +46,11 @@ from executor.capture.planning_graph import CONVOLUTION
 SMALLEST_PROBE_SAMPLES = 16  # below it oneDNN may run another kind of kernel than at the full batch
 SMALLEST_BATCH_PROBED = 128  # so that a probe holds at most a quarter of the batch
 SCRATCH_MARGIN = 1.25
+# where the probe between the two lies on their line (within LINEAR_WITHIN of the larger, or LINEAR_SLACK_BYTES):
+# the scratch is seen to grow by the sample, as it did on every convolution measured, and the margin is for rounding
+LINEAR_SCRATCH_MARGIN = 1.05
+LINEAR_WITHIN = 0.02
+LINEAR_SLACK_BYTES = 64 << 10
 SCRATCH_FLOOR_BYTES = 256 << 10  # fixed buffers of tiny convolutions
 
 
@@ -258,13 +267,15 @@ def _probeable(planning):
         value = convolution_input(group).meta["val"]
         batch = int(value.shape[0])
         if batch >= SMALLEST_BATCH_PROBED:
-            yield group, batch, _probe_need_bytes(group, probe_batches(batch)[1], value.element_size())
+            yield group, batch, _probe_need_bytes(group, probe_batches(batch)[-1], value.element_size())
 
 
-def probe_batches(batch: int) -> tuple[int, int]:
+def probe_batches(batch: int) -> tuple[int, int, int]:
     """A sixteenth and an eighth of the batch (16 and 32 samples at least): large enough that the per-sample part
-    outweighs fixed buffers, and that oneDNN runs the kind of kernel it runs at the full batch."""
-    return max(SMALLEST_PROBE_SAMPLES, batch // 16), max(2 * SMALLEST_PROBE_SAMPLES, batch // 8)
+    outweighs fixed buffers, and that oneDNN runs the kind of kernel it runs at the full batch; and the batch
+    halfway between them, which tells whether the scratch lies on their line."""
+    small, large = max(SMALLEST_PROBE_SAMPLES, batch // 16), max(2 * SMALLEST_PROBE_SAMPLES, batch // 8)
+    return small, (small + large) // 2, large
 
 
 def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dict[int, int]:
@@ -297,11 +308,13 @@ def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dic
         scratch.setdefault(signature, []).append((probe_batch, measured.get(index, 0)))
     bounds = {}
     for signature, members in by_signature.items():
-        (small, at_small), (large, at_large) = scratch[signature]
+        (small, at_small), (middle, at_middle), (large, at_large) = scratch[signature]
         per_sample = max(0.0, (at_large - at_small) / (large - small))
+        on_the_line = abs(at_middle - (at_small + per_sample * (middle - small))) <= max(LINEAR_WITHIN * at_large,
+                                                                                         LINEAR_SLACK_BYTES)
+        margin = LINEAR_SCRATCH_MARGIN if on_the_line else SCRATCH_MARGIN
         for group, batch in members:
             # the line through the two probes, or the larger probe scaled, whichever is more
             carried = max(at_small + per_sample * (batch - small), at_large * batch / large)
-            bounds[group.index] = min(native_scratch_bound_bytes(group),
-                                      int(SCRATCH_MARGIN * carried) + SCRATCH_FLOOR_BYTES)
+            bounds[group.index] = min(native_scratch_bound_bytes(group), int(margin * carried) + SCRATCH_FLOOR_BYTES)
     return bounds
