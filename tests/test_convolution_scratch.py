@@ -256,3 +256,56 @@ def test_a_budget_too_small_to_probe_is_told_what_is_known_not_the_formulas_floo
         assert "no room to probe" not in str(error) and error.minimum_budget_bytes >= named
     else:
         assert planned.schedule.summary.peak_memory_bytes <= named
+
+
+def _six_convolutions(batch: int = 128):
+    """Six 3x3 convolutions with ReLUs at 32x32 (16 to 64 channels): the issue's example of a CNN the bounds
+    refused at budgets its floor allows."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers, channels = [], 3
+    for width in (16, 16, 32, 32, 64, 64):
+        layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
+        channels = width
+    model = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+    images = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1))
+    return model, images, labels, F.cross_entropy
+
+
+@pytest.mark.slow
+def test_the_first_budget_named_for_six_convolutions_is_within_5_percent_of_the_measured_floor(threads):
+    """Probed on slices, each convolution's scratch is held while it runs, not beside the ReLU's output made after
+    it (that counted 32 MiB too many on each of the last convolutions, and the first budget named was 1.14 of the
+    floor): asked for 1 byte, then each budget named (the first ones are told before the probes can run), the
+    budget that plans is within 5% of the floor any plan needs on the step measured without a budget, and the
+    measuring pass and two steps at it hold within it by the allocator's events."""
+    from executor.measure.profiler import profile_step
+    from planner.errors import BudgetError
+
+    threads(1)
+    model, images, labels, loss_fn = _six_convolutions()
+    unbudgeted, _ = profile_step(model, (images,), loss_fn, labels, repeats=1, warmup=0, algorithms=("native",))
+    floor = minimum_budget_bytes(unbudgeted)
+    budget, asked = 1, []
+    for _ in range(5):  # as a user who wants the least would: each budget the error names, until one plans
+        try:
+            with AllocationTrace() as trace:
+                planned = executor.optimize(model, (images,), loss_fn, targets=labels, budget=budget, repeats=1,
+                                            warmup=0, time_limit_s=10, workers=1, progress=False, cache=False,
+                                            timed_steps=1)
+                for _ in range(2):
+                    model.zero_grad(set_to_none=True)
+                    planned(images, targets=labels).backward()
+            break
+        except BudgetError as error:
+            assert error.minimum_budget_bytes > budget, (asked, str(error))
+            budget = error.minimum_budget_bytes
+            asked.append(budget)
+    else:
+        pytest.fail(f"no plan at the budgets named: {asked}")
+    assert floor <= budget <= 1.05 * floor, (asked, floor)
+    resident = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), images, labels])
+    assert trace.peak_bytes <= budget - resident, (trace.peak_bytes, budget - resident)

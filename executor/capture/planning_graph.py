@@ -483,27 +483,45 @@ def roots_of_op(planning: PlanningGraph, op: fx.Node) -> list[fx.Node]:
     return [user for user in op.users if user in planning.facts.root_bytes]
 
 
-def transient_peak_bytes(planning: PlanningGraph, group: Group) -> int:
+def transient_peak_bytes(planning: PlanningGraph, group: Group, scratch_at: dict[fx.Node, int] | None = None) -> int:
     """The most bytes a node's intermediates (storages it makes and only it reads, outputs and fixed memory
-    excepted) hold at once while its operations run in order, each freed after its last reader in the node."""
+    excepted) hold at once while its operations run in order, each freed after its last reader in the node.
+
+    `scratch_at`: an operation's own scratch, known (a native convolution probed on slices of its batch). It is
+    held while that operation runs, beside the intermediates then live and the outputs made so far, but not the
+    outputs made after it: a convolution's reorder buffers are gone before the ReLU after it writes the node's
+    output. The bytes above the node's outputs at the worst operation then come back, so that the node's
+    outputs plus this are what it holds at most (where the outputs are counted as held throughout, this would
+    count a convolution's scratch and its ReLU's output at once: on the six-convolution network at batch 128, 32
+    MiB too many on each of the last convolutions)."""
     facts = planning.facts
-    kept = {facts.storage_of.get(r, r) for r in group.outputs} | set(planning.fixed_roots)
+    outputs = {facts.storage_of.get(r, r) for r in group.outputs}
+    kept = outputs | set(planning.fixed_roots)
     members = set(group.ops)
     live: dict[fx.Node, int] = {}
     last: dict[fx.Node, fx.Node] = {}
+    made: dict[fx.Node, int] = {}  # the outputs made so far, where scratch_at is given
     peak = 0
     for op in group.ops:
         for root in roots_of_op(planning, op):
             storage = facts.storage_of.get(root, root)
+            if storage in outputs and scratch_at is not None:
+                made.setdefault(storage, facts.root_bytes.get(storage, 0))
             if storage in kept or root in kept:
                 continue
             live.setdefault(storage, facts.root_bytes.get(storage, 0))
             readers = [r for r in planning.readers.get(root, []) if r in members]
             last[storage] = max([last.get(storage, op), *readers], key=lambda n: group.ops.index(n))
-        peak = max(peak, sum(live.values()) + (0 if op in facts.alias_of else unread_result_bytes(op)))
+        held = sum(live.values()) + (0 if op in facts.alias_of else unread_result_bytes(op))
+        if scratch_at is not None:
+            held += scratch_at.get(op, 0) + sum(made.values())
+        peak = max(peak, held)
         for storage in [s for s, end in last.items() if end is op]:
             live.pop(storage, None)
             last.pop(storage)
+    if scratch_at is not None:
+        # the outputs this node made (one that is a view of an input's storage is not made here, and not taken off)
+        return max(0, peak - sum(made.values()))
     return peak
 
 

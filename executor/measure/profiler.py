@@ -75,7 +75,7 @@ from executor.measure.measuring import (
 from executor.measure.optimizer_step import constructor_defaults, held_state, optimizer_step_bytes, state_bytes
 from planner.budget import minimum_budget_bytes
 from planner.errors import BudgetError, MososError
-from planner.profile import GraphProfile, parse_profile
+from planner.profile import FixedMemory, GraphProfile, parse_profile
 from planner.schedule import Schedule
 from planner.simulator import simulate
 from planner.units import MAX_SIZE_BYTES, format_bytes
@@ -426,7 +426,9 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
     loss = step.loss.meta["val"]
     fixed = fixed_memory(profiled, leaves, optimizer, loss.untyped_storage().nbytes())
     if profiled.convolution_scratch is None:
-        room = None if budget_bytes is None else budget_bytes - sum(fixed.values())
+        # beside what is resident all step: the optimizer step's temporaries come at its end, not while probing
+        # (counted here, they kept the largest probes 64 bytes short of the budget the error named for them)
+        room = None if budget_bytes is None else budget_bytes - FixedMemory.model_validate(fixed).total_bytes
         started = time.perf_counter()
         profiled.convolution_scratch = probe_native_scratch(planning, device, room)
         if profiled.convolution_scratch and progress is not None:
@@ -446,9 +448,12 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
         for implementation in names[group.index]:
             workspace = transient + allowance
             if geometry is not None and implementation == "native" and group.index in profiled.convolution_scratch:
-                # the probe measured everything the call allocates beyond its result: no allowance for it on top
-                workspace = (transient + scratch_allowance_bytes(planning, group, measured=(group.convolution,))
-                             + profiled.convolution_scratch[group.index])
+                # the probe measured everything the call allocates beyond its result: no allowance for it on top,
+                # and it is held while the convolution runs, not beside what the node makes after it
+                held = transient_peak_bytes(planning, group,
+                                            scratch_at={group.convolution: profiled.convolution_scratch[group.index]})
+                workspace = (held + accumulation_bytes(planning, group)
+                             + scratch_allowance_bytes(planning, group, measured=(group.convolution,)))
             elif group.convolution is not None and implementation == "native":
                 workspace += native_scratch_bound_bytes(group)
             elif geometry is not None and implementation in conv_algorithms.BATCH_SPLITS:
