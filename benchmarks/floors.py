@@ -113,11 +113,9 @@ def workload(name: str):
 def child(name: str, time_limit_s: float) -> dict:
     import torch
 
-    import executor
     from executor.measure.allocations import AllocationTrace
     from executor.measure.profiler import plan_step, profile_step
     from planner.budget import minimum_budget_bytes
-    from planner.errors import BudgetError
     from tests.test_budgeted_profiling import _resident_bytes
 
     torch.set_num_threads(1)
@@ -131,21 +129,16 @@ def child(name: str, time_limit_s: float) -> dict:
     row.update(_smallest_plan(profile, row["floor_bytes"], time_limit_s))
     row["keep_all_note"] = f"{len(profile.nodes)} nodes, fixed {profile.fixed_bytes / MIB:.2f} MiB"
     cache = tempfile.mkdtemp(prefix="floors-cache-")  # this run's own: the first plan's profile is kept in it
-    planned, asked = _smallest_named(executor, BudgetError, model, inputs, kwargs, targets, loss_fn, split,
-                                     time_limit_s, cache)
-    row["asked_bytes"] = asked
-    if planned is None:
-        row["error"] = f"no plan at the budgets named: {asked}"
-        return row
-    row["named_bytes"] = asked[-1]
-    # as a user who wants less would go on: asked for 1 byte again, mosos plans on the profile the first plan kept
-    planned, asked = _smallest_named(executor, BudgetError, model, inputs, kwargs, targets, loss_fn, split,
-                                     time_limit_s, cache)
-    row["asked_kept_bytes"] = asked
-    if planned is None:
-        row["error"] = f"no plan at the budgets named on the kept profile: {asked}"
-        return row
-    budget = row["named_kept_bytes"] = asked[-1]
+    # from 1 byte until a plan is made; then again, as a user who wants less would go on: on the kept profile
+    for asked_key, named_key, where in (("asked_bytes", "named_bytes", ""),
+                                        ("asked_kept_bytes", "named_kept_bytes", " on the kept profile")):
+        planned, asked = _smallest_named(model, inputs, kwargs, targets, loss_fn, split, time_limit_s, cache)
+        row[asked_key] = asked
+        if planned is None:
+            row["error"] = f"no plan at the budgets named{where}: {asked}"
+            return row
+        row[named_key] = asked[-1]
+    budget = row["named_kept_bytes"]
     resident = _resident_bytes(model, inputs, kwargs, targets)
     with AllocationTrace() as trace:
         for _ in range(3):
@@ -159,9 +152,12 @@ def child(name: str, time_limit_s: float) -> dict:
     return row
 
 
-def _smallest_named(executor, BudgetError, model, inputs, kwargs, targets, loss_fn, split, time_limit_s, cache):
+def _smallest_named(model, inputs, kwargs, targets, loss_fn, split, time_limit_s, cache):
     """From 1 byte, each budget the BudgetError names until a plan is made: (the planned module or None, the
     budgets asked, the last the one planned)."""
+    import executor
+    from planner.errors import BudgetError
+
     budget, asked = 1, []
     for _ in range(8):
         try:
