@@ -23,6 +23,7 @@ from executor.errors import ProfileMismatch  # noqa: E402
 from executor.measure.profiler import profile_step  # noqa: E402
 from executor.replay.replay import PlannedModule  # noqa: E402
 from executor.engine.schedules import offload_everything_schedule, recompute_everything_schedule  # noqa: E402
+from planner.errors import BudgetError  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from tests.zoo import ZOO, plannable_ratio  # noqa: E402
 
@@ -312,8 +313,8 @@ def test_dropout_over_a_transposed_bfloat16_tensor_draws_eagers_mask():
 @pytest.mark.parametrize("norm", [nn.BatchNorm2d, lambda c: nn.GroupNorm(2, c)], ids=["batch", "group"])
 # 0.6: the head's bf16 product is allowed its threads' packing buffers (executor.measure.measuring), which set the
 # floor of this small a model above 0.5 of its keep-all step
-@pytest.mark.parametrize("ratio", [None, 0.6], ids=["keep-all", "ratio-0.6"])
-def test_compiled_replay_under_autocast_runs_mixed_dtype_norms_eagerly(norm, ratio):
+@pytest.mark.parametrize("budgeted", [False, True], ids=["keep-all", "smallest-budget"])
+def test_compiled_replay_under_autocast_runs_mixed_dtype_norms_eagerly(norm, budgeted):
     """A batch or group norm on autocast's bfloat16 activations with float32 weights: torch's shape functions give
     its statistics bfloat16 where ATen's kernel gives float32, so a kernel compiled around it handed the norm's
     backward bfloat16 statistics and ATen refused them ("mixed dtype (CPU)"). Those nodes run eager's call, said
@@ -326,10 +327,19 @@ def test_compiled_replay_under_autocast_runs_mixed_dtype_norms_eagerly(norm, rat
                           nn.Linear(8 * 8 * 8, 10))
     plain = copy.deepcopy(model)
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
-    with torch.autocast(**BF16):
-        planned = executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=None, memory_ratio=ratio,
-                                    compile=True, cache=False, progress=False, timed_steps=0, time_limit_s=5,
-                                    workers=1)
+
+    def optimize(budget):
+        with torch.autocast(**BF16):
+            return executor.optimize(model, (x,), F.cross_entropy, targets=y, budget=budget, compile=True,
+                                     cache=False, progress=False, timed_steps=0, time_limit_s=5, workers=1)
+
+    if budgeted:  # the smallest budget named, where the plan has least room (so little an activation, it is
+        # fixed memory and the linear layer's node: 0.6 of the keep-all peak is below it)
+        with pytest.raises(BudgetError) as refused:
+            optimize(1)
+        planned = optimize(refused.value.minimum_budget_bytes)
+    else:
+        planned = optimize(None)
     record = planned.compiled_nodes
     reasons = list(record.eager.values()) + list(record.regions_refused.values())
     assert record.compiled and any("normalization on mixed dtypes (bfloat16/float32)" in r for r in reasons), \

@@ -9,25 +9,29 @@ several times what most convolutions take (ResNet-18-small's stem at batch 2048:
 that every real step fits.
 
 On the CPU the scratch is layout conversions and per-thread buffers: it grows
-linearly with the batch (measured exactly linear from batch 4 to 2048 on
-ResNet-18-small's convolutions, forward and each backward half; the
+linearly with the samples times the pixels (measured exactly linear from batch 4
+to 2048 on ResNet-18-small's convolutions, forward and each backward half; the
 six-convolution network at batch 128 took at its full batch what the line
-through 16 and 32 samples said, to the byte). So each distinct convolution call
-is run for real on a sixteenth and an eighth of its batch, and halfway between,
-under the allocator's own events, and carried to the full batch (the line
-through the outer two, or the larger scaled, whichever is more) with a margin:
-5% where the middle probe lies on the line (within 2% of the larger probe's
-scratch, or 64 KiB), 25% where it does not. A probe holds at most a quarter of
-one convolution's tensors, one probe at a time, and only where the budget has
-room for it.
+through 16 and 32 samples said, to the byte; at batch 16 a stem, 3x3, 1x1 and
+depthwise convolutions took from 16x16 images to 64x64 what the pixels said).
+So each distinct convolution call is run for real, under the allocator's own
+events, at three sizes, and carried to the full call (the line through the
+outer two, or the largest scaled, whichever is more) with a margin: 5% where
+the middle probe lies on the line (within 2% of the larger probe's scratch, or
+64 KiB), 25% where it does not. A probe holds at most a quarter of one
+convolution's tensors, one probe at a time, and only where the budget has room
+for it.
 
-The kernel must be the one the full batch runs: with one thread oneDNN ran
+The kernel must be the one the full call runs: with one thread oneDNN ran
 MobileNetV2's 1x1 convolutions without any scratch at 4 and 8 samples and with
-layout copies (0.8-1.2x their tensors) at 64. So no probe is smaller than 16
-samples, and a batch below 128 keeps the formula; a measuring pass that held
-more than estimated all the same is reported (`profiler._check_measuring_peak`).
-The formula stays the ceiling, and on a GPU (where cuDNN picks its algorithm,
-and so its workspace, by the batch) it stays the answer.
+layout copies (0.8-1.2x their tensors) at 16 and 64. So a batch of 128 or more
+is probed on a sixteenth and an eighth of it (16 samples at least) and halfway
+between; a smaller one at its full batch, on crops of its images (a quarter and
+a half of each side); an image under 16 pixels a side, as the call itself, once.
+A measuring pass that held more than estimated all the same is reported
+(`profiler._check_measuring_peak`). The formula stays the ceiling, and on a GPU
+(where cuDNN picks its algorithm, and so its workspace, by the batch) it stays
+the answer.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from executor.capture.planning_graph import CONVOLUTION
 
 SMALLEST_PROBE_SAMPLES = 16  # below it oneDNN may run another kind of kernel than at the full batch
 SMALLEST_BATCH_PROBED = 128  # so that a probe holds at most a quarter of the batch
+PROBE_ROUNDING_BYTES = 1024
+SMALLEST_CROPPED_SIDE = 16  # a smaller image is probed as the call itself: its crops would be a few pixels
 SCRATCH_MARGIN = 1.25
 # where the probe between the two lies on their line (within LINEAR_WITHIN of the larger, or LINEAR_SLACK_BYTES):
 # the scratch is seen to grow by the sample, as it did on every convolution measured, and the margin is for rounding
@@ -52,6 +58,9 @@ LINEAR_SCRATCH_MARGIN = 1.05
 LINEAR_WITHIN = 0.02
 LINEAR_SLACK_BYTES = 64 << 10
 SCRATCH_FLOOR_BYTES = 256 << 10  # fixed buffers of tiny convolutions
+
+
+ProbeShape = tuple[int, int, int]  # an input's samples, height and width
 
 
 def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, element_size: int) -> int:
@@ -197,11 +206,6 @@ def _lifted_1d_geometry(group) -> conv_algorithms.ConvGeometry | None:
                                        (1, stride[0]), (0, padding[0]), (1, dilation[0]), False, groups)
 
 
-def _batched_positions(node) -> tuple[int, ...]:
-    """The arguments that carry the batch: the input (and, backward, the output's gradient)."""
-    return (0,) if node.target is CONVOLUTION else (0, 1)
-
-
 def _fake(argument) -> torch.Tensor | None:
     """The fake tensor an fx argument stands for, or None (a literal)."""
     value = argument.meta.get("val") if hasattr(argument, "meta") else None
@@ -224,50 +228,62 @@ def _signature(node) -> tuple:
     return tuple(parts)
 
 
-def _real_like(value: torch.Tensor, batch: int | None, device) -> torch.Tensor:
-    shape = (batch, *value.shape[1:]) if batch is not None else tuple(value.shape)
+def _real_like(value: torch.Tensor, shape: tuple[int, ...], device) -> torch.Tensor:
     channels_last = value.dim() == 4 and not value.is_contiguous() and value.is_contiguous(
         memory_format=torch.channels_last)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     return torch.zeros(shape, dtype=value.dtype, device=device).contiguous(memory_format=layout)
 
 
-def _arguments(node, batch: int, device) -> list:
-    """The call's arguments at `batch`, made as the step makes them: a data gradient's stand-in for the input is
-    one element expanded to the input's shape, which oneDNN writes out in full in its scratch (an input's size more
-    than with a real input: ResNet-18-small's data gradients at batch 2048 took 2-16 MiB more)."""
-    batched = _batched_positions(node)
+def _cut(geometry: conv_algorithms.ConvGeometry, probe: ProbeShape) -> conv_algorithms.ConvGeometry:
+    """The convolution's geometry with its input cut to `probe` (samples, height, width)."""
+    batch, height, width = probe
+    return dataclasses.replace(geometry, input_shape=(batch, geometry.input_shape[1], height, width))
+
+
+def _arguments(group, probe: ProbeShape, device) -> list:
+    """The call's arguments cut to `probe`, made as the step makes them: a data gradient's stand-in for the input
+    is one element expanded to the input's shape, which oneDNN writes out in full in its scratch (an input's size
+    more than with a real input: ResNet-18-small's data gradients at batch 2048 took 2-16 MiB more)."""
+    node = group.convolution
+    geometry = _cut(convolution_geometry(group), probe)
+    output_shape = (probe[0], geometry.weight_shape[0], *geometry.output_hw)
+    input_position = 0 if node.target is CONVOLUTION else 1
+    shapes = {input_position: geometry.input_shape}
+    if node.target is not CONVOLUTION:
+        shapes[0] = output_shape  # the output's gradient
     arguments = []
     for position, argument in enumerate(node.args):
         value = _fake(argument)
+        shape = shapes.get(position, None if value is None else tuple(value.shape))
         if value is not None and _shape_only(argument):
-            shape = (batch, *value.shape[1:]) if position in batched else tuple(value.shape)
             arguments.append(torch.zeros((), dtype=value.dtype, device=device).expand(shape))
         elif value is not None:
-            arguments.append(_real_like(value, batch if position in batched else None, device))
+            arguments.append(_real_like(value, shape, device))
         else:
             arguments.append(argument)
     return arguments
 
 
-def _probe_need_bytes(group, batch: int, element_size: int) -> int:
-    """What a probe at `batch` may hold at most: its tensors, its results, the formula's scratch."""
-    geometry = convolution_geometry(group)
-    sliced = dataclasses.replace(geometry, input_shape=(batch, *geometry.input_shape[1:]))
-    return 3 * _tensor_elements(sliced) * element_size + covering_blocked_filter_gradient(
-        native_convolution_scratch_bytes(sliced, element_size), group, batch)
+def _probe_need_bytes(group, probe: ProbeShape, element_size: int) -> int:
+    """What a probe of `probe`'s size may hold at most: its arguments and results (a filter and data gradient's
+    call holds the output's gradient, the input, the weights and a gradient of each: within twice input + weights
+    + output, whatever the bias), the formula's scratch, and 1 KiB for the allocator's rounding."""
+    cut = _cut(convolution_geometry(group), probe)
+    return 2 * _tensor_elements(cut) * element_size + PROBE_ROUNDING_BYTES + covering_blocked_filter_gradient(
+        native_convolution_scratch_bytes(cut, element_size), group, probe[0])
 
 
 def _probeable(planning):
-    """(planning group, batch, bytes its larger probe needs) for each native convolution the probe applies to: one
-    the formula covers, at a batch of SMALLEST_BATCH_PROBED or more."""
+    """(planning group, probe shapes, bytes its largest probe needs) for each native convolution the probe applies
+    to: each one the formula covers."""
     for group in planning.groups:
-        if convolution_geometry(group) is None:  # no convolution, or one the formula does not cover either
+        geometry = convolution_geometry(group)
+        if geometry is None:  # no convolution, or one the formula does not cover either
             continue
-        value = convolution_input(group).meta["val"]
-        batch = int(value.shape[0])
-        if batch >= SMALLEST_BATCH_PROBED:
-            yield group, batch, _probe_need_bytes(group, probe_batches(batch)[-1], value.element_size())
+        probes = probe_shapes(geometry)
+        element_size = convolution_input(group).meta["val"].element_size()
+        yield group, probes, _probe_need_bytes(group, probes[-1], element_size)
 
 
 def probe_batches(batch: int) -> tuple[int, int, int]:
@@ -278,43 +294,87 @@ def probe_batches(batch: int) -> tuple[int, int, int]:
     return small, (small + large) // 2, large
 
 
+def _crop_sides(side: int) -> tuple[int, int, int] | None:
+    """A quarter and a half of an image side, and halfway between; None for a side below SMALLEST_CROPPED_SIDE."""
+    if side < SMALLEST_CROPPED_SIDE:
+        return None
+    small, large = side // 4, side // 2
+    return small, (small + large) // 2, large
+
+
+def probe_shapes(geometry: conv_algorithms.ConvGeometry) -> tuple[ProbeShape, ...]:
+    """The input shapes (samples, height, width) the call is probed at, the largest last: slices of a batch of
+    SMALLEST_BATCH_PROBED or more; below it, the full batch (so that oneDNN runs the kernel it runs for the step:
+    it picks by the batch, see above) on crops of the image, a sixteenth to a quarter of its area; where the image
+    is too small to crop, the call itself, once."""
+    batch, _, height, width = geometry.input_shape
+    if batch >= SMALLEST_BATCH_PROBED:
+        return tuple((samples, height, width) for samples in probe_batches(batch))
+    heights, widths = _crop_sides(height), _crop_sides(width)
+    if heights is not None and widths is not None:
+        crops = tuple((batch, h, w) for h, w in zip(heights, widths))
+        if all(min(_cut(geometry, crop).output_hw) >= 1 for crop in crops):
+            return crops
+    return ((batch, height, width),)
+
+
+def _positions(probe: ProbeShape) -> int:
+    """The probe's size along which the scratch grows: samples x pixels of the input."""
+    return math.prod(probe)
+
+
+def _carried_bytes(geometry: conv_algorithms.ConvGeometry, probed: list[tuple[ProbeShape, int]]) -> int:
+    """The scratch at the full size from what the probes took: the call itself as measured; else the line through
+    the smallest and largest probes, or the largest scaled, whichever is more, with SCRATCH_MARGIN, or
+    LINEAR_SCRATCH_MARGIN where the middle probe lies on the line."""
+    batch, _, height, width = geometry.input_shape
+    full = _positions((batch, height, width))
+    if len(probed) == 1:
+        return probed[0][1]  # the call itself, as the step makes it
+    (small, at_small), (middle, at_middle), (large, at_large) = (
+        (_positions(probe), taken) for probe, taken in probed)
+    per_position = max(0.0, (at_large - at_small) / (large - small))
+    on_the_line = abs(at_middle - (at_small + per_position * (middle - small))) <= max(LINEAR_WITHIN * at_large,
+                                                                                       LINEAR_SLACK_BYTES)
+    margin = LINEAR_SCRATCH_MARGIN if on_the_line else SCRATCH_MARGIN
+    carried = max(at_small + per_position * (full - small), at_large * full / large)
+    # slices of the batch keep the formula's 256 KiB for fixed buffers; crops run at the full batch, and a line
+    # through them has the call's fixed buffers in it
+    slack = SCRATCH_FLOOR_BYTES if probed[0][0][0] < batch else LINEAR_SLACK_BYTES
+    return int(margin * carried) + slack
+
+
 def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dict[int, int]:
     """Planning node index -> scratch bound (bytes) for each native convolution probed; nodes absent keep the
-    formula. `room_bytes`: what the budget leaves beside what the caller holds (None: unknown; a probe holds at
-    most a quarter of its node's batch, one probe at a time)."""
+    formula. `room_bytes`: what the budget leaves beside what the caller holds (None: unknown; one probe runs at a
+    time)."""
     device = torch.device(device)
     if device.type != "cpu":
         return {}
     by_signature: dict[tuple, list] = {}
-    for group, batch, need in _probeable(planning):
+    for group, probes, need in _probeable(planning):
         if room_bytes is None or need <= room_bytes:
-            by_signature.setdefault(_signature(group.convolution), []).append((group, batch))
+            by_signature.setdefault(_signature(group.convolution), []).append((group, probes))
     if not by_signature:
         return {}
-    calls = []  # (signature, probe batch, node)
+    calls = []  # (signature, probe shape, planning group)
     for signature, members in by_signature.items():
-        group, batch = members[0]
-        calls += [(signature, probe_batch, group.convolution) for probe_batch in probe_batches(batch)]
+        group, probes = members[0]
+        calls += [(signature, probe, group) for probe in probes]
     with torch.no_grad(), memory_events() as trees:
-        for index, (_, probe_batch, node) in enumerate(calls):
-            arguments = _arguments(node, probe_batch, device)
-            node.target(*arguments)  # oneDNN's first call of a kind sets up its primitive
+        for index, (_, probe, group) in enumerate(calls):
+            arguments = _arguments(group, probe, device)
+            group.convolution.target(*arguments)  # oneDNN's first call of a kind sets up its primitive
             with record_function(f"mosos-node:{index}"):
-                result = node.target(*arguments)
+                result = group.convolution.target(*arguments)
             del result, arguments
     measured = cpu_workspace_bytes(trees[0], len(calls))
-    scratch: dict[tuple, list[tuple[int, int]]] = {}
-    for index, (signature, probe_batch, _) in enumerate(calls):
-        scratch.setdefault(signature, []).append((probe_batch, measured.get(index, 0)))
+    scratch: dict[tuple, list[tuple[ProbeShape, int]]] = {}
+    for index, (signature, probe, _) in enumerate(calls):
+        scratch.setdefault(signature, []).append((probe, measured.get(index, 0)))
     bounds = {}
     for signature, members in by_signature.items():
-        (small, at_small), (middle, at_middle), (large, at_large) = scratch[signature]
-        per_sample = max(0.0, (at_large - at_small) / (large - small))
-        on_the_line = abs(at_middle - (at_small + per_sample * (middle - small))) <= max(LINEAR_WITHIN * at_large,
-                                                                                         LINEAR_SLACK_BYTES)
-        margin = LINEAR_SCRATCH_MARGIN if on_the_line else SCRATCH_MARGIN
-        for group, batch in members:
-            # the line through the two probes, or the larger probe scaled, whichever is more
-            carried = max(at_small + per_sample * (batch - small), at_large * batch / large)
-            bounds[group.index] = min(native_scratch_bound_bytes(group), int(margin * carried) + SCRATCH_FLOOR_BYTES)
+        for group, _ in members:
+            carried = _carried_bytes(convolution_geometry(group), scratch[signature])
+            bounds[group.index] = min(native_scratch_bound_bytes(group), carried)
     return bounds

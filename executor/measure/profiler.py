@@ -420,7 +420,7 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
                         progress: Callable[[str], None] | None = None) -> GraphProfile:
     """The profile as far as the capture knows it, before the step runs: exact sizes from the fake run, workspaces
     from above (transient intermediates, a kernel's scratch, a convolution's columns; a native convolution's
-    scratch probed on slices of its batch where that fits `budget_bytes`), times from bytes moved."""
+    scratch probed on smaller calls where that fits `budget_bytes`), times from bytes moved."""
     planning, step = profiled.planning, profiled.step
     names = implementations_of(planning, algorithms)
     loss = step.loss.meta["val"]
@@ -432,8 +432,8 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
         started = time.perf_counter()
         profiled.convolution_scratch = probe_native_scratch(planning, device, room)
         if profiled.convolution_scratch and progress is not None:
-            progress(f"probed the scratch of {len(profiled.convolution_scratch)} native convolutions on slices of "
-                     f"the batch in {time.perf_counter() - started:.1f} s")
+            progress(f"probed the scratch of {len(profiled.convolution_scratch)} native convolutions on smaller calls "
+                     f"in {time.perf_counter() - started:.1f} s")
     nodes = []
     for group in planning.groups:
         transient = transient_peak_bytes(planning, group) + accumulation_bytes(planning, group)
@@ -484,7 +484,7 @@ def provisional_profile(profiled: ProfiledStep, leaves: list, device, optimizer,
             "input_signature": step.input_signature,
             "target_signature": step.target_signature,
             "notes": "sizes from the fake run; workspaces from above"
-                     + (f" ({probed} native convolutions' scratch probed on slices of the batch)" if probed else "")
+                     + (f" ({probed} native convolutions' scratch probed on smaller calls)" if probed else "")
                      + "; times from bytes moved (only to choose how to measure)",
         },
     }
@@ -717,7 +717,7 @@ def _with_unprobed_scratch(error: BudgetError, profiled: ProfiledStep, provision
     return BudgetError(
         f"{error}. That floor counts the shape formula's ceiling for the scratch of {len(unprobed)} native "
         f"convolution(s) ({largest!r}: {format_bytes(ceilings[largest])}), which this budget leaves no room to "
-        f"probe on slices of the batch: without their scratch any plan needs at least {format_bytes(lower)} "
+        f"probe: without their scratch any plan needs at least {format_bytes(lower)} "
         f"({lower} bytes), and from {format_bytes(probing)} ({probing} bytes) the probes run; ask for "
         f"{format_bytes(worth_asking)} ({worth_asking} bytes) or more and the floor is measured (it may be higher: "
         "the error then names the floor measured, which works)",
