@@ -33,8 +33,6 @@ HEADING = "## Replay speed on the CPU"
 
 
 def measure(spec: str, rounds: int, warmup: int, ratio: float, time_limit_s: float, say=print) -> dict:
-    import torch
-
     from executor.measure.profiler import profile_step
     from executor.replay.replay import PlannedModule
     from models.workload import load_workload

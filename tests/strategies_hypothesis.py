@@ -54,7 +54,6 @@ def residual_profiles(draw, max_blocks: int = 4, with_bandwidth: bool = True):
 
     nodes = [timed("stem", "forward", [])]
     previous = "stem"
-    readers_in_backward = {"stem": []}
     for b in range(blocks):
         conv, bn, add, relu = f"conv{b}", f"bn{b}", f"add{b}", f"relu{b}"
         nodes += [timed(conv, "forward", [previous]), timed(bn, "forward", [conv]),

@@ -3,7 +3,7 @@ shape and strides), and whether the capture can take the memory-efficient kernel
 
     python benchmarks/gpu_checks/attention_masks.py
 """
-import copy, sys, warnings
+import sys, warnings
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
 import torch
 import torch.nn.functional as F
