@@ -13,8 +13,8 @@ from executor.capture.capture import SHAPE_ONLY  # noqa: E402
 from executor.measure.allocations import AllocationTrace, cpu_workspace_bytes, memory_events  # noqa: E402
 from executor.engine import conv_algorithms  # noqa: E402
 from executor.measure.convolution_scratch import (  # noqa: E402
-    _probe_need_bytes, convolution_geometry, convolution_input, native_convolution_scratch_bytes, probe_native_scratch,
-    probe_shapes)
+    _probe_need_bytes, convolution_geometry, convolution_input, native_convolution_scratch_bytes,
+    native_scratch_bound_bytes, probe_native_scratch, probe_shapes)
 from executor.measure.measuring import SCRATCH_SLACK_BYTES  # noqa: E402
 from executor.measure.profiler import plan_step, provisional_profile  # noqa: E402
 from models.workload import reference_workload  # noqa: E402
@@ -101,6 +101,26 @@ def test_probed_scratch_covers_the_full_size_call_and_stays_within_the_formula(n
     largest = max(allowed, key=allowed.get)
     assert bounds[by_id[largest]] <= allowed[largest] / 2, (largest, bounds[by_id[largest]], allowed[largest])
     assert sum(bounds.values()) <= 0.7 * sum(allowed.values()), (sum(bounds.values()), sum(allowed.values()))
+
+
+@pytest.mark.parametrize("network", ["resnet", "mobilenet"])
+def test_probed_scratch_covers_the_full_size_call_under_bfloat16_autocast(network, threads):
+    """Captured under autocast, the convolutions run on bfloat16, whose oneDNN kernels and layouts are not
+    float32's: the crops of a batch-16 step's images still see what the full call takes."""
+    from tests.zoo import ZOO
+
+    threads(1)
+    model, inputs, kwargs, targets, loss_fn = ZOO[network]()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profiled = plan_step(model, inputs, kwargs, targets, loss_fn)
+    bounds = probe_native_scratch(profiled.planning, "cpu")
+    convolutions = [g for g in profiled.planning.groups if g.convolution is not None]
+    assert {convolution_input(g).meta["val"].dtype for g in convolutions} == {torch.bfloat16}
+    assert set(bounds) == {g.index for g in convolutions}
+    assert any(len(probe_shapes(convolution_geometry(g))) == 3 for g in convolutions)  # crops, not only whole calls
+    for group in convolutions:
+        taken = _full_size_scratch(group)
+        assert taken <= bounds[group.index] <= native_scratch_bound_bytes(group), (group.id, taken, bounds[group.index])
 
 
 def test_the_probe_covers_a_data_gradient_called_as_the_step_calls_it(threads):
