@@ -64,16 +64,10 @@ def _six_convolutions():
 
 
 def _convnext():
-    import torch
-    from transformers import ConvNextConfig, ConvNextForImageClassification
+    from benchmarks import workloads
 
-    torch.manual_seed(0)
-    config = ConvNextConfig(num_channels=3, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10,
-                            image_size=64)
-    model = ConvNextForImageClassification(config).train()
-    pixels = torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
-    return model, (), {"pixel_values": pixels, "labels": labels}, None, lambda out: out.loss, False
+    work = workloads.convnext_small()
+    return work["model"], (), work["kwargs"], None, work["loss_fn"], False
 
 
 def _whisper():

@@ -95,6 +95,22 @@ def gpt2_vocab(batch_size: int | None = None, sequence: int = 128):
     return {"model": model, "inputs": (), "kwargs": {"input_ids": ids, "labels": ids}, "loss_fn": lambda out: out.loss}
 
 
+def convnext_small(batch_size: int | None = None):
+    """transformers' ConvNeXt from a config (four stages, 16-128 channels, 7x7 depthwise), 64x64 images at batch
+    16: its last stages' images are 4x4 and 2x2."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    torch.manual_seed(0)
+    config = ConvNextConfig(num_channels=3, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10,
+                            image_size=64)
+    model = ConvNextForImageClassification(config).train()
+    batch = batch_size or 16
+    pixels = torch.randn(batch, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (batch,), generator=torch.Generator().manual_seed(1))
+    return {"model": model, "inputs": (), "kwargs": {"pixel_values": pixels, "labels": labels},
+            "loss_fn": lambda out: out.loss}
+
+
 def bert_base(batch_size: int | None = None):
     """BERT-base's shape (12 layers, hidden 768, 12 heads) at sequence 512: the planning-node count target."""
     return bert_small(batch_size or 1, layers=12, hidden=768, sequence=512)

@@ -206,18 +206,10 @@ def test_a_step_measured_once_is_planned_below_the_bound_that_refused_it():
     a plan on it needs, well below the bound, and the step trains within it by the allocator's events. Without the
     kept profile the same budget is refused."""
     pytest.importorskip("transformers")
-    from transformers import ConvNextConfig, ConvNextForImageClassification
+    from benchmarks.workloads import convnext_small
 
-    torch.manual_seed(0)
-    config = ConvNextConfig(num_channels=3, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10,
-                            image_size=64)
-    model = ConvNextForImageClassification(config).train()
-    pixels = torch.randn(16, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1))
-    inputs, kwargs, targets = (), {"pixel_values": pixels, "labels": labels}, None
-
-    def loss_fn(output):
-        return output.loss
+    work = convnext_small()
+    model, inputs, kwargs, targets, loss_fn = work["model"], (), work["kwargs"], None, work["loss_fn"]
 
     def optimize(budget, **options):
         return executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, budget=budget, repeats=1,

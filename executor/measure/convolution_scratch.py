@@ -373,8 +373,9 @@ def probe_native_scratch(planning, device, room_bytes: int | None = None) -> dic
     for index, (signature, probe, _) in enumerate(calls):
         scratch.setdefault(signature, []).append((probe, measured.get(index, 0)))
     bounds = {}
-    for signature, members in by_signature.items():
-        for group, _ in members:
-            carried = _carried_bytes(convolution_geometry(group), scratch[signature])
-            bounds[group.index] = min(native_scratch_bound_bytes(group), carried)
+    for signature, members in by_signature.items():  # one signature, one shape: one bound for all its members
+        group = members[0][0]
+        bound = min(native_scratch_bound_bytes(group),
+                    _carried_bytes(convolution_geometry(group), scratch[signature]))
+        bounds.update((member.index, bound) for member, _ in members)
     return bounds
