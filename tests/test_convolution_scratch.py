@@ -123,6 +123,38 @@ def test_probed_scratch_covers_the_full_size_call_under_bfloat16_autocast(networ
         assert taken <= bounds[group.index] <= native_scratch_bound_bytes(group), (group.id, taken, bounds[group.index])
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_grouped_convolution_too_small_to_crop_is_probed_on_some_of_its_groups(count, threads):
+    """transformers' ConvNeXt (batch 16): its 2x2 and 4x4 stages' 7x7 depthwise convolutions (with a bias, over a
+    channels-last input, whose filter gradient takes oneDNN's blocked layout) are probed on multiples of 16 of
+    their groups, at the full batch and image: each bound covers the full call, within the formula, and the
+    largest probe needs at most 0.6 of the room probing the calls themselves would."""
+    pytest.importorskip("transformers")
+    from benchmarks.workloads import convnext_small
+
+    threads(count)
+    work = convnext_small()
+    profiled = plan_step(work["model"], (), work["kwargs"], None, work["loss_fn"])
+    bounds = probe_native_scratch(profiled.planning, "cpu")
+    grouped = [g for g in profiled.planning.groups
+               if g.convolution is not None and convolution_geometry(g).input_shape[2] < 8
+               and convolution_geometry(g).groups > 1]
+    assert len(grouped) >= 9  # three 7x7 depthwise convolutions, forward and both backward halves
+    needs, wholes = [], []
+    for group in grouped:
+        geometry = convolution_geometry(group)
+        probes = probe_shapes(geometry)
+        assert geometry.groups >= 64 and all(p[3] % 16 == 0 and p[3] <= geometry.groups // 2 for p in probes)
+        assert all(p[:3] == (16, *geometry.input_shape[2:]) for p in probes)
+        taken = _full_size_scratch(group)
+        assert taken <= bounds[group.index] <= native_scratch_bound_bytes(group), (group.id, taken, bounds)
+        element_size = convolution_input(group).meta["val"].element_size()
+        call = (geometry.input_shape[0], *geometry.input_shape[2:], geometry.groups)
+        needs.append(_probe_need_bytes(group, probes[-1], element_size))
+        wholes.append(_probe_need_bytes(group, call, element_size))
+    assert max(needs) <= 0.6 * max(wholes), (max(needs), max(wholes))
+
+
 def test_the_probe_covers_a_data_gradient_called_as_the_step_calls_it(threads):
     """The step's data-gradient call reads a stand-in of the convolution's input, which oneDNN writes out in full:
     probed with a real input instead, ResNet-18-small's at batch 2048 took up to an input's size (2 MiB) more
@@ -149,15 +181,21 @@ def test_a_small_batch_is_probed_whole_on_crops_of_its_images_and_a_small_image_
     side is probed as the call itself, once. Each call is probed within its largest probe's
     need, one at a time."""
     geometry = conv_algorithms.ConvGeometry.of((16, 3, 32, 32), (8, 3, 3, 3), 2, 1)
-    assert probe_shapes(geometry) == ((16, 8, 8), (16, 12, 12), (16, 16, 16))
+    assert probe_shapes(geometry) == ((16, 8, 8, 1), (16, 12, 12, 1), (16, 16, 16, 1))
     assert probe_shapes(conv_algorithms.ConvGeometry.of((16, 8, 16, 24), (8, 8, 3, 3), 1, 1)) == (
-        (16, 4, 6), (16, 6, 9), (16, 8, 12))
-    assert probe_shapes(conv_algorithms.ConvGeometry.of((16, 8, 15, 32), (8, 8, 3, 3), 1, 1)) == ((16, 15, 32),)
-    assert probe_shapes(conv_algorithms.ConvGeometry.of((16, 8, 8, 8), (8, 8, 3, 3), 1, 1)) == ((16, 8, 8),)
+        (16, 4, 6, 1), (16, 6, 9, 1), (16, 8, 12, 1))
+    assert probe_shapes(conv_algorithms.ConvGeometry.of((16, 8, 15, 32), (8, 8, 3, 3), 1, 1)) == ((16, 15, 32, 1),)
+    assert probe_shapes(conv_algorithms.ConvGeometry.of((16, 8, 8, 8), (8, 8, 3, 3), 1, 1)) == ((16, 8, 8, 1),)
     assert probe_shapes(conv_algorithms.ConvGeometry.of((256, 8, 8, 8), (8, 8, 3, 3), 1, 1)) == (
-        (16, 8, 8), (24, 8, 8), (32, 8, 8))
+        (16, 8, 8, 1), (24, 8, 8, 1), (32, 8, 8, 1))
     # a kernel larger than the crop, without padding, has no output there: the call itself
-    assert probe_shapes(conv_algorithms.ConvGeometry.of((4, 3, 20, 20), (8, 3, 11, 11))) == ((4, 20, 20),)
+    assert probe_shapes(conv_algorithms.ConvGeometry.of((4, 3, 20, 20), (8, 3, 11, 11))) == ((4, 20, 20, 1),)
+    # too small to crop, grouped: some of its groups, in whole channel blocks of 16; under 48 groups, the call
+    depthwise = {groups: conv_algorithms.ConvGeometry.of((16, groups, 8, 8), (groups, 1, 3, 3), 1, 1, groups=groups)
+                 for groups in (32, 48, 64, 96, 128)}
+    assert [[probe[3] for probe in probe_shapes(g)] for g in depthwise.values()] == [
+        [32], [16, 32], [16, 32], [16, 32, 48], [32, 48, 64]]
+    assert probe_shapes(depthwise[128])[0][:3] == (16, 8, 8)
     _, profiled = _captured("resnet18", 16, small=True)
     with AllocationTrace() as trace:
         bounds = probe_native_scratch(profiled.planning, "cpu")
@@ -168,7 +206,7 @@ def test_a_small_batch_is_probed_whole_on_crops_of_its_images_and_a_small_image_
     # the stem is cut (a quarter of its input), so the room it needs is a fraction of the call's (the formula's
     # 256 KiB for fixed buffers apart)
     stem = next(g for g in convolutions if g.id == "conv1/convolution")
-    whole = _probe_need_bytes(stem, (16, 32, 32), 4)
+    whole = _probe_need_bytes(stem, (16, 32, 32, 1), 4)
     assert _probe_need_bytes(stem, probe_shapes(convolution_geometry(stem))[-1], 4) <= 0.4 * whole
 
 

@@ -16,7 +16,7 @@ through 16 and 32 samples said, to the byte; at batch 16 a stem, 3x3, 1x1 and
 depthwise convolutions took from 16x16 images to 64x64 what the pixels said).
 So each distinct convolution call is run for real, under the allocator's own
 events, at three sizes, and carried to the full call (the line through the
-outer two, or the largest scaled, whichever is more) with a margin: 5% where
+outer two, or the largest scaled, whichever is more) with a margin: 2% where
 the middle probe lies on the line (within 2% of the larger probe's scratch, or
 64 KiB), 25% where it does not. A probe holds at most a quarter of one
 convolution's tensors, one probe at a time, and only where the budget has room
@@ -27,7 +27,11 @@ MobileNetV2's 1x1 convolutions without any scratch at 4 and 8 samples and with
 layout copies (0.8-1.2x their tensors) at 16 and 64. So a batch of 128 or more
 is probed on a sixteenth and an eighth of it (16 samples at least) and halfway
 between; a smaller one at its full batch, on crops of its images (a quarter and
-a half of each side); an image under 16 pixels a side, as the call itself, once.
+a half of each side); where the image is under 16 pixels a side, a grouped
+convolution of 48 groups or more on some of its groups (multiples of 16, whole
+batch and image: a depthwise convolution's scratch is exactly linear in its
+groups at multiples of oneDNN's channel block, and above it off them), and any
+other as the call itself, once.
 A measuring pass that held more than estimated all the same is reported
 (`profiler._check_measuring_peak`). The formula stays the ceiling, and on a GPU
 (where cuDNN picks its algorithm, and so its workspace, by the batch) it stays
@@ -53,14 +57,19 @@ PROBE_ROUNDING_BYTES = 1024
 SMALLEST_CROPPED_SIDE = 16  # a smaller image is probed as the call itself: its crops would be a few pixels
 SCRATCH_MARGIN = 1.25
 # where the probe between the two lies on their line (within LINEAR_WITHIN of the larger, or LINEAR_SLACK_BYTES):
-# the scratch is seen to grow by the sample, as it did on every convolution measured, and the margin is for rounding
-LINEAR_SCRATCH_MARGIN = 1.05
+# the scratch is seen to grow by the sample, as it did on every convolution measured, and the margin is for rounding:
+# the line without it covered every full call of the zoo's CNNs (float32 and bfloat16), ResNet-18-small at 8, 64 and
+# 256, MobileNetV2 at 128 and ConvNeXt, with one thread and two, to the byte (2026-12-01, a Sapphire Rapids core)
+LINEAR_SCRATCH_MARGIN = 1.02
 LINEAR_WITHIN = 0.02
 LINEAR_SLACK_BYTES = 64 << 10
 SCRATCH_FLOOR_BYTES = 256 << 10  # fixed buffers of tiny convolutions
 
 
-ProbeShape = tuple[int, int, int]  # an input's samples, height and width
+ProbeShape = tuple[int, int, int, int]  # an input's samples, height and width, and the call's groups
+# an uncroppable image's grouped convolution is probed on some of its groups, multiples of oneDNN's channel block,
+# where it has 48 groups or more (16 and 32 of them at least, both less than the call)
+SMALLEST_GROUPS_PROBED = 48
 
 
 def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, element_size: int) -> int:
@@ -75,39 +84,42 @@ def native_convolution_scratch_bytes(geometry: conv_algorithms.ConvGeometry, ele
 ONEDNN_CHANNEL_BLOCK = 16  # oneDNN's channel blocking on AVX-512 (8 on AVX2: 16 covers both)
 
 
-def blocked_filter_gradient_bytes(group, batch: int | None = None, channels_last: bool | None = None) -> int:
+def blocked_filter_gradient_bytes(group, batch: int | None = None, channels_last: bool | None = None,
+                                   groups: int | None = None) -> int:
     """Scratch the shape formula misses: oneDNN computes the filter gradient of a grouped convolution with few
     channels per group over a channels-last input, with a kernel larger than 3x3 (ConvNeXt's 7x7 depthwise), in a
     layout that pads each group's input and output channels to a block of 16, and copies the input: 256 x the
     filter gradient (16 x 16 per channel) and an input's size, whatever the batch (ConvNeXt-T's last stage, 384
     channels at 7x7, at batch 2: 19.4 MiB where the formula said 1.9; a 3x3 one runs a depthwise kernel without
     it). `batch`: the input's batch where it is called on part of it; `channels_last`: the input's layout where the
-    call lays it out so (algorithm channels-last)."""
+    call lays it out so (algorithm channels-last); `groups`: how many of its groups where it is called on some."""
     node = group.convolution
     if node is None or node.target is CONVOLUTION or not node.args[10][1]:
         return 0  # not a filter gradient
-    x, w, _, _, _, transposed, groups = _convolution_arguments(node)
+    x, w, _, _, _, transposed, all_groups = _convolution_arguments(node)
     x_value, w_value = x.meta["val"], w.meta["val"]
-    if transposed or groups == 1 or x_value.dim() != 4 or x_value.device.type != "cpu":
+    if transposed or all_groups == 1 or x_value.dim() != 4 or x_value.device.type != "cpu":
         return 0
     if channels_last is None:
         channels_last = (x_value.is_contiguous(memory_format=torch.channels_last)
                          and not x_value.is_contiguous())
     out_per_group, in_per_group, kernel_h, kernel_w = (int(size) for size in w_value.shape)
-    out_per_group //= groups
+    out_per_group //= all_groups
+    groups = all_groups if groups is None else groups
     block = ONEDNN_CHANNEL_BLOCK
     if not channels_last or kernel_h * kernel_w <= 9 or min(in_per_group, out_per_group) >= block:
         return 0
     padded = groups * -(-out_per_group // block) * block * -(-in_per_group // block) * block * kernel_h * kernel_w
     samples = int(x_value.shape[0]) if batch is None else batch
-    return (padded + samples * math.prod(int(size) for size in x_value.shape[1:])) * x_value.element_size()
+    channels = int(x_value.shape[1]) * groups // all_groups
+    return (padded + samples * channels * math.prod(int(size) for size in x_value.shape[2:])) * x_value.element_size()
 
 
 def covering_blocked_filter_gradient(formula_bytes: int, group, batch: int | None = None,
-                                     channels_last: bool | None = None) -> int:
+                                     channels_last: bool | None = None, groups: int | None = None) -> int:
     """The formula's scratch, or the blocked filter gradient's (beside which the call's other scratch stayed under
     SCRATCH_FLOOR_BYTES in every case measured: 3-75 KB), whichever is more."""
-    blocked = blocked_filter_gradient_bytes(group, batch, channels_last)
+    blocked = blocked_filter_gradient_bytes(group, batch, channels_last, groups)
     return max(formula_bytes, blocked + SCRATCH_FLOOR_BYTES) if blocked else formula_bytes
 
 
@@ -236,9 +248,13 @@ def _real_like(value: torch.Tensor, shape: tuple[int, ...], device) -> torch.Ten
 
 
 def _cut(geometry: conv_algorithms.ConvGeometry, probe: ProbeShape) -> conv_algorithms.ConvGeometry:
-    """The convolution's geometry with its input cut to `probe` (samples, height, width)."""
-    batch, height, width = probe
-    return dataclasses.replace(geometry, input_shape=(batch, geometry.input_shape[1], height, width))
+    """The convolution's geometry cut to `probe`: its input to the samples, height and width, and both its input's
+    channels and its filters to the groups."""
+    batch, height, width, groups = probe
+    channels = geometry.input_shape[1] * groups // geometry.groups
+    filters = geometry.weight_shape[0] * groups // geometry.groups
+    return dataclasses.replace(geometry, input_shape=(batch, channels, height, width),
+                               weight_shape=(filters, *geometry.weight_shape[1:]), groups=groups)
 
 
 def _arguments(group, probe: ProbeShape, device) -> list:
@@ -247,16 +263,27 @@ def _arguments(group, probe: ProbeShape, device) -> list:
     more than with a real input: ResNet-18-small's data gradients at batch 2048 took 2-16 MiB more)."""
     node = group.convolution
     geometry = _cut(convolution_geometry(group), probe)
-    output_shape = (probe[0], geometry.weight_shape[0], *geometry.output_hw)
-    input_position = 0 if node.target is CONVOLUTION else 1
-    shapes = {input_position: geometry.input_shape}
-    if node.target is not CONVOLUTION:
+    filters = geometry.weight_shape[0]
+    output_shape = (probe[0], filters, *geometry.output_hw)
+    forward = node.target is CONVOLUTION
+    # forward: input, weight, bias, ..., groups at 8; backward: output's gradient, input, weight, bias sizes, ...,
+    # groups at 9
+    input_position = 0 if forward else 1
+    shapes = {input_position: geometry.input_shape, input_position + 1: geometry.weight_shape}
+    literals = {8 if forward else 9: geometry.groups}
+    if forward:
+        shapes[2] = (filters,)  # the bias, where there is one
+    else:
         shapes[0] = output_shape  # the output's gradient
+        if node.args[3] is not None:
+            literals[3] = [filters]  # the bias gradient's size
     arguments = []
     for position, argument in enumerate(node.args):
         value = _fake(argument)
         shape = shapes.get(position, None if value is None else tuple(value.shape))
-        if value is not None and _shape_only(argument):
+        if position in literals:
+            arguments.append(literals[position])
+        elif value is not None and _shape_only(argument):
             arguments.append(torch.zeros((), dtype=value.dtype, device=device).expand(shape))
         elif value is not None:
             arguments.append(_real_like(value, shape, device))
@@ -271,7 +298,7 @@ def _probe_need_bytes(group, probe: ProbeShape, element_size: int) -> int:
     + output, whatever the bias), the formula's scratch, and 1 KiB for the allocator's rounding."""
     cut = _cut(convolution_geometry(group), probe)
     return 2 * _tensor_elements(cut) * element_size + PROBE_ROUNDING_BYTES + covering_blocked_filter_gradient(
-        native_convolution_scratch_bytes(cut, element_size), group, probe[0])
+        native_convolution_scratch_bytes(cut, element_size), group, probe[0], groups=probe[3])
 
 
 def _probeable(planning):
@@ -302,44 +329,72 @@ def _crop_sides(side: int) -> tuple[int, int, int] | None:
     return small, (small + large) // 2, large
 
 
+def _probed_groups(groups: int) -> tuple[int, ...] | None:
+    """A quarter and a half of the groups, and halfway between, each rounded down to a multiple of oneDNN's channel
+    block (off it the blocks are padded: MobileNetV2's 8x8 depthwise convolution took 1.0-2.0 x its input at 16,
+    32 and 48 groups, 1.7-2.7 x at 12 and 24); the two smallest multiples where fewer fit; None below
+    SMALLEST_GROUPS_PROBED."""
+    if groups < SMALLEST_GROUPS_PROBED:
+        return None
+    block = ONEDNN_CHANNEL_BLOCK
+
+    def down(count: int) -> int:
+        return max(block, count // block * block)
+
+    small, large = down(groups // 4), down(groups // 2)
+    if large == small:
+        return block, 2 * block
+    middle = down((small + large) // 2)
+    return (small, middle, large) if small < middle < large else (small, large)
+
+
 def probe_shapes(geometry: conv_algorithms.ConvGeometry) -> tuple[ProbeShape, ...]:
-    """The input shapes (samples, height, width) the call is probed at, the largest last: slices of a batch of
-    SMALLEST_BATCH_PROBED or more; below it, the full batch (so that oneDNN runs the kernel it runs for the step:
-    it picks by the batch, see above) on crops of the image, a sixteenth to a quarter of its area; where the image
-    is too small to crop, the call itself, once."""
+    """The input shapes (samples, height, width) and groups the call is probed at, the largest last: slices of a
+    batch of SMALLEST_BATCH_PROBED or more; below it, the full batch (so that oneDNN runs the kernel it runs for
+    the step: it picks by the batch, see above) on crops of the image, a sixteenth to a quarter of its area; where
+    the image is too small to crop, some of a grouped call's groups; else the call itself, once."""
     batch, _, height, width = geometry.input_shape
+    groups = geometry.groups
     if batch >= SMALLEST_BATCH_PROBED:
-        return tuple((samples, height, width) for samples in probe_batches(batch))
+        return tuple((samples, height, width, groups) for samples in probe_batches(batch))
     heights, widths = _crop_sides(height), _crop_sides(width)
     if heights is not None and widths is not None:
-        crops = tuple((batch, h, w) for h, w in zip(heights, widths))
+        crops = tuple((batch, h, w, groups) for h, w in zip(heights, widths))
         if all(min(_cut(geometry, crop).output_hw) >= 1 for crop in crops):
             return crops
-    return ((batch, height, width),)
+    some_groups = _probed_groups(groups)
+    if some_groups is not None:
+        return tuple((batch, height, width, count) for count in some_groups)
+    return ((batch, height, width, groups),)
 
 
 def _positions(probe: ProbeShape) -> int:
-    """The probe's size along which the scratch grows: samples x pixels of the input."""
-    return math.prod(probe)
+    """The probe's size along which the scratch grows: samples x pixels of the input x groups, counted in whole
+    channel blocks (as oneDNN pads them)."""
+    samples, height, width, groups = probe
+    block = ONEDNN_CHANNEL_BLOCK
+    return samples * height * width * -(-groups // block) * block
 
 
 def _carried_bytes(geometry: conv_algorithms.ConvGeometry, probed: list[tuple[ProbeShape, int]]) -> int:
     """The scratch at the full size from what the probes took: the call itself as measured; else the line through
     the smallest and largest probes, or the largest scaled, whichever is more, with SCRATCH_MARGIN, or
-    LINEAR_SCRATCH_MARGIN where the middle probe lies on the line."""
+    LINEAR_SCRATCH_MARGIN where a middle probe lies on the line (two probes, on a few groups, have none)."""
     batch, _, height, width = geometry.input_shape
-    full = _positions((batch, height, width))
+    full = _positions((batch, height, width, geometry.groups))
     if len(probed) == 1:
         return probed[0][1]  # the call itself, as the step makes it
-    (small, at_small), (middle, at_middle), (large, at_large) = (
-        (_positions(probe), taken) for probe, taken in probed)
+    (small, at_small), *between, (large, at_large) = ((_positions(probe), taken) for probe, taken in probed)
     per_position = max(0.0, (at_large - at_small) / (large - small))
-    on_the_line = abs(at_middle - (at_small + per_position * (middle - small))) <= max(LINEAR_WITHIN * at_large,
-                                                                                       LINEAR_SLACK_BYTES)
+    # two probes (a few groups): no third tells whether the scratch is on their line
+    on_the_line = bool(between) and all(
+        abs(at_middle - (at_small + per_position * (middle - small))) <= max(LINEAR_WITHIN * at_large,
+                                                                             LINEAR_SLACK_BYTES)
+        for middle, at_middle in between)
     margin = LINEAR_SCRATCH_MARGIN if on_the_line else SCRATCH_MARGIN
     carried = max(at_small + per_position * (full - small), at_large * full / large)
-    # slices of the batch keep the formula's 256 KiB for fixed buffers; crops run at the full batch, and a line
-    # through them has the call's fixed buffers in it
+    # slices of the batch keep the formula's 256 KiB for fixed buffers; crops and groups run at the full batch, and
+    # a line through them has the call's fixed buffers in it
     slack = SCRATCH_FLOOR_BYTES if probed[0][0][0] < batch else LINEAR_SLACK_BYTES
     return int(margin * carried) + slack
 
