@@ -82,7 +82,8 @@ def threads():
 def test_probed_scratch_covers_the_full_size_call_and_stays_within_the_formula(network, batch, count, threads):
     """With one thread oneDNN runs small 1x1 convolutions (MobileNetV2's, at up to 8 samples) without layout
     copies and larger ones with them: the probes are large enough to see the kernel of the full batch. Below
-    SMALLEST_BATCH_PROBED they run at the full batch, on crops of the image or (8x8 and smaller) as the call."""
+    SMALLEST_BATCH_PROBED they run at the full batch, on crops of the image or (8x8 and smaller) on some of a
+    depthwise call's groups or as the call."""
     threads(count)
     torch.manual_seed(0)
     profiled = _captured("resnet18", batch, small=True)[1] if network == "resnet18-small" else _mobilenet(batch)
@@ -178,8 +179,8 @@ def test_no_probe_without_room():
 def test_a_small_batch_is_probed_whole_on_crops_of_its_images_and_a_small_image_as_the_call():
     """Below SMALLEST_BATCH_PROBED a slice of the batch may run another kernel (oneDNN picks by the batch), so the
     batch stays whole and the image is cut to a sixteenth to a quarter of its area; an image under 16 pixels a
-    side is probed as the call itself, once. Each call is probed within its largest probe's
-    need, one at a time."""
+    side is probed on some of a grouped call's groups, or as the call itself, once. Each call is probed within its
+    largest probe's need, one at a time."""
     geometry = conv_algorithms.ConvGeometry.of((16, 3, 32, 32), (8, 3, 3, 3), 2, 1)
     assert probe_shapes(geometry) == ((16, 8, 8, 1), (16, 12, 12, 1), (16, 16, 16, 1))
     assert probe_shapes(conv_algorithms.ConvGeometry.of((16, 8, 16, 24), (8, 8, 3, 3), 1, 1)) == (

@@ -54,7 +54,7 @@ from executor.capture.planning_graph import CONVOLUTION
 SMALLEST_PROBE_SAMPLES = 16  # below it oneDNN may run another kind of kernel than at the full batch
 SMALLEST_BATCH_PROBED = 128  # so that a probe holds at most a quarter of the batch
 PROBE_ROUNDING_BYTES = 1024
-SMALLEST_CROPPED_SIDE = 16  # a smaller image is probed as the call itself: its crops would be a few pixels
+SMALLEST_CROPPED_SIDE = 16  # a smaller image is not cropped (its crops would be a few pixels): groups or the call
 SCRATCH_MARGIN = 1.25
 # where the probe between the two lies on their line (within LINEAR_WITHIN of the larger, or LINEAR_SLACK_BYTES):
 # the scratch is seen to grow by the sample, as it did on every convolution measured, and the margin is for rounding:
