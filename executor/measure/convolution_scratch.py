@@ -119,7 +119,7 @@ def blocked_filter_gradient_bytes(group, batch: int | None = None, channels_last
     # in bfloat16 or half oneDNN holds the padded gradient twice, in float32 and in the input's type, and copies the
     # padded input in float32 (the residue stayed within 8 bytes a padded input element: 0.5-6.6 measured, over 2-16
     # samples, 64-384 channels, 2x2 to 8x8 images, 5x5 and 7x7 kernels); an input of 80 channels at 4x4 and batch
-    # 16 took 6.1 MiB, where counting it as float32's in the input's type said 2.0
+    # 16 took 5.9 MiB, where counting it as float32's in the input's type said 2.2
     padded_pixels = math.prod(int(size) + 2 * int(pad) for size, pad in zip(x_value.shape[2:], padding))
     return padded * (4 + element_size) + samples * channels * padded_pixels * 8
 
