@@ -22,6 +22,7 @@ from planner.schedule import Schedule  # noqa: E402
 from planner.simulator import simulate  # noqa: E402
 from planner.units import format_bytes  # noqa: E402
 from planner.strategies.keep_all import keep_all_peak_bytes  # noqa: E402
+from tests.budgets_named import plan_at_the_budgets_named  # noqa: E402
 from tests.zoo import ZOO, assert_trains_like_plain  # noqa: E402
 
 
@@ -215,17 +216,7 @@ def test_a_step_measured_once_is_planned_below_the_bound_that_refused_it():
         return executor.optimize(model, inputs, loss_fn, targets=targets, kwargs=kwargs, budget=budget, repeats=1,
                                  warmup=0, time_limit_s=10, workers=1, progress=False, timed_steps=1, **options)
 
-    bounded_bytes, asked = 1, []
-    for _ in range(4):  # each budget the error names, as a user would, until one plans
-        try:
-            optimize(bounded_bytes)
-            break
-        except BudgetError as error:
-            assert error.minimum_budget_bytes > bounded_bytes, (asked, str(error))
-            bounded_bytes = error.minimum_budget_bytes
-            asked.append(bounded_bytes)
-    else:
-        pytest.fail(f"no plan at the budgets named: {asked}")
+    _, bounded_bytes, _ = plan_at_the_budgets_named(optimize, tries=4)
     with pytest.raises(BudgetError) as measured:
         optimize(1)
     measured_bytes = measured.value.minimum_budget_bytes

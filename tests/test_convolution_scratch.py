@@ -431,29 +431,24 @@ def test_the_first_budget_named_for_a_cnn_is_within_5_percent_of_the_measured_fl
     within 5% of the floor any plan needs on the step measured without a budget, and the measuring pass and two
     steps at it hold within it by the allocator's events."""
     from executor.measure.profiler import profile_step
-    from planner.errors import BudgetError
+    from tests.budgets_named import plan_at_the_budgets_named
 
     threads(1)
     model, images, labels, loss_fn = _six_convolutions() if network.startswith("six") else _zoo_resnet()
     unbudgeted, _ = profile_step(model, (images,), loss_fn, labels, repeats=1, warmup=0, algorithms=("native",))
     floor = minimum_budget_bytes(unbudgeted)
-    budget, asked = 1, []
-    for _ in range(5):  # as a user who wants the least would: each budget the error names, until one plans
-        try:
-            with AllocationTrace() as trace:
-                planned = executor.optimize(model, (images,), loss_fn, targets=labels, budget=budget, repeats=1,
-                                            warmup=0, time_limit_s=10, workers=1, progress=False, cache=False,
-                                            timed_steps=1)
-                for _ in range(2):
-                    model.zero_grad(set_to_none=True)
-                    planned(images, targets=labels).backward()
-            break
-        except BudgetError as error:
-            assert error.minimum_budget_bytes > budget, (asked, str(error))
-            budget = error.minimum_budget_bytes
-            asked.append(budget)
-    else:
-        pytest.fail(f"no plan at the budgets named: {asked}")
+
+    def plan_and_train(budget: int) -> AllocationTrace:
+        with AllocationTrace() as trace:
+            planned = executor.optimize(model, (images,), loss_fn, targets=labels, budget=budget, repeats=1,
+                                        warmup=0, time_limit_s=10, workers=1, progress=False, cache=False,
+                                        timed_steps=1)
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                planned(images, targets=labels).backward()
+        return trace
+
+    trace, budget, asked = plan_at_the_budgets_named(plan_and_train)
     assert floor <= budget <= 1.05 * floor, (asked, floor)
     resident = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*model.parameters(), *model.buffers(), images, labels]}.values())
