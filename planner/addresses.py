@@ -13,10 +13,11 @@ Placing intervals in an arena of least size is dynamic storage allocation
 the tightest gap among those already placed that overlap them in time, as
 TFLite's arena planner and Inductor's memory planning do; several orders are
 tried, then passes that fill the arena from the bottom up (each buffer pressed
-down onto those under it), then squeaky-wheel passes (the buffers on top move up the order), then
-the same orders perturbed at random, then CP-SAT from the best, and the
-smallest arena kept. The most bytes live at one instant is a
-lower bound, so every result says how far it is from the best possible.
+down onto those under it). Where they leave the arena above the lower bound, a
+search that can undo its choices (`planner.canonical_placement`) asks for
+smaller arenas, then CP-SAT from the best, and the smallest arena is kept. The
+most bytes live at one instant is a lower bound, so every result says how far
+it is from the best possible.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner.canonical_placement import CanonicalPlacer
 from planner.profile import GraphProfile
 from planner.schedule import Compute, Prefetch, Schedule
 from planner.simulator import Allocation, allocations
@@ -90,8 +92,9 @@ _PRESSED_DOWN = {
 
 def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float | None = None) -> AddressPlan:
     """The smallest arena the greedy passes find (stopping at the lower bound), and each buffer's offset; with
-    `search_time_s`, CP-SAT then looks for a smaller one for at most that long. `deadline` (time.monotonic()): the
-    sweep always runs (it is fast), a further pass only where the last one's time is still left before it."""
+    `search_time_s`, the canonical search and then CP-SAT look for a smaller one for about that long in all.
+    `deadline` (time.monotonic()): the sweep always runs (it is fast), a further pass only where the last one's time
+    is still left before it."""
     bound = most_live_bytes(buffers)
     if not buffers:
         return AddressPlan(0, 0, [], "none")
@@ -124,11 +127,8 @@ def place(buffers: list[Allocation], search_time_s: float = 0.0, deadline: float
     if best.arena_bytes <= bound or (deadline is not None and time.monotonic() + pass_s > deadline):
         return best
     if search_time_s > 0:
-        best = _squeaky(best, sizes, starts, ends, search_time_s / 3, deadline, pass_s)
-        if best.arena_bytes <= bound:
-            return best
-        best = _perturbed(best, sizes, starts, ends, search_time_s / 3, deadline, pass_s)
-        search_time_s /= 3
+        best = _canonical(best, sizes, starts, ends, CANONICAL_SHARE * search_time_s, deadline)
+        search_time_s *= 1 - CANONICAL_SHARE
         if best.arena_bytes <= bound:
             return best
     # the work limit decides where the search ends (the same addresses on a loaded machine); the clock only as a
@@ -147,62 +147,36 @@ def _stop_at(time_s: float, deadline: float | None) -> float:
     return stop if deadline is None else min(stop, deadline)
 
 
-# At most this many squeaky-wheel passes (a count, as the perturbed passes below)
-SQUEAKY_PASSES = 64
+# What the canonical search gets of the search's time (CP-SAT the rest). It is given a number of nodes, estimated
+# from the time and the buffers, so that the same buffers get the same addresses on a loaded machine.
+CANONICAL_SHARE = 2 / 3
 
 
-def _squeaky(best: AddressPlan, sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, time_s: float,
-             deadline: float | None, pass_s: float) -> AddressPlan:
-    """Squeaky-wheel passes: best fit in an order of priority (first the largest area in size and time), and after
-    each pass the buffers that ended in the upper half of the excess over the lower bound move up the order, by a
-    random factor (seeded). The buffers that set the arena's top are placed earlier until they find room below: on
-    the small ResNet-50 at half its peak, 1.11-1.16 of the bound where the orders and the perturbed passes gave
-    1.24-1.28; on the large U-Net at 0.7, 1.05-1.09 where they gave 1.19."""
-    rng = np.random.default_rng(0)
-    priority = (sizes * (ends - starts)).astype(np.float64)
-    bound = best.lower_bound_bytes
-    stop = _stop_at(time_s, deadline)
-    count = 0
-    while count < SQUEAKY_PASSES and time.monotonic() + pass_s <= stop:
-        order = np.argsort(-priority, kind="stable").tolist()
-        found = _place_in_order(order, sizes, starts, ends)
-        tops = found + sizes
-        arena = int(tops.max())
-        if arena < best.arena_bytes:
-            best = AddressPlan(arena, bound, [int(o) for o in found], "squeaky wheel")
-        if arena <= bound:
+def _canonical(best: AddressPlan, sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, time_s: float,
+               deadline: float | None) -> AddressPlan:
+    """The canonical search (`planner.canonical_placement`) asked for smaller arenas than `best`: first the lower
+    bound itself, then halfway between the smallest arena it failed to find and the smallest found, each try with
+    a share of the nodes. On the zoo's BERT at half its peak, 1.000 of the bound where the greedy passes gave 1.088
+    and the squeaky-wheel, perturbed and CP-SAT passes 1.056."""
+    placer = CanonicalPlacer(sizes, starts, ends)
+    nodes_left = int(time_s / placer.node_s)
+    stop = _stop_at(3 * time_s, deadline)  # a guard only: the node count ends the search
+    failed = best.lower_bound_bytes - ALIGNMENT_BYTES  # the largest arena the search did not find
+    target = best.lower_bound_bytes
+    first = True
+    while nodes_left > 2 * len(sizes) and best.arena_bytes - failed > ALIGNMENT_BYTES and time.monotonic() < stop:
+        nodes = nodes_left // 3 if first else nodes_left // 2
+        first = False
+        found = placer.within(target, nodes, stop)
+        nodes_left -= nodes
+        if found is None:
+            failed = target
+        else:
+            arena = int((found + sizes).max())
+            best = AddressPlan(arena, best.lower_bound_bytes, [int(o) for o in found], "canonical search")
+        target = (failed + best.arena_bytes) // 2 // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+        if target <= failed:
             break
-        blamed = tops > arena - (arena - bound) // 2
-        priority[blamed] *= 1.0 + 0.5 * rng.random(int(blamed.sum()))
-        count += 1
-    return best
-
-
-# At most this many perturbed passes: a count, not the clock, ends them where they are fast (a small graph ran
-# thousands in its half second, a different number each run, and a seeded plan's addresses changed between runs)
-PERTURBED_PASSES = 96
-
-
-def _perturbed(best: AddressPlan, sizes: np.ndarray, starts: np.ndarray, ends: np.ndarray, time_s: float,
-               deadline: float | None, pass_s: float) -> AddressPlan:
-    """Best-fit passes in the three orders with each key scaled by a random factor in [0.7, 1.3] (seeded), at most
-    `PERTURBED_PASSES` of them within `time_s`: on GPT-2 at half its peak, 1.05 of the lower bound in 2 s where the orders gave 1.32 and CP-SAT
-    1.24 in 3 s (1.11 in 90)."""
-    rng = np.random.default_rng(0)
-    lifetimes = ends - starts
-    keys = (sizes, lifetimes, sizes * lifetimes)
-    stop = _stop_at(time_s, deadline)
-    count = 0
-    while count < PERTURBED_PASSES and time.monotonic() + pass_s <= stop:
-        key = keys[count % 3] * rng.uniform(0.7, 1.3, len(sizes))
-        order = np.argsort(-key, kind="stable").tolist()
-        found = _place_in_order(order, sizes, starts, ends)
-        arena = int((found + sizes).max())
-        if arena < best.arena_bytes:
-            best = AddressPlan(arena, best.lower_bound_bytes, [int(o) for o in found], "perturbed orders")
-            if arena <= best.lower_bound_bytes:
-                break
-        count += 1
     return best
 
 

@@ -260,7 +260,7 @@ def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions |
               search_s: float = ADDRESS_SEARCH_S) -> Schedule:
     """`schedule` with planned addresses where fixed memory and their arena fit its budget, and the arena's size in
     its summary either way; the simulator checks the addresses before anyone sees them. Within `options`' deadline
-    (the greedy sweep always runs), the search (perturbed orders, CP-SAT) for at most `search_s`, and none once
+    (the greedy sweep always runs), the search (the canonical search, CP-SAT) for at most `search_s`, and none once
     asked to stop."""
     stopped = options is not None and options.should_stop is not None and options.should_stop()
     buffers = allocations(profile, schedule)
