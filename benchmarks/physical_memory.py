@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_file import publish_section  # noqa: E402
-from planner.addresses import place  # noqa: E402
+from planner.addresses import most_live_bytes, place  # noqa: E402
 from planner.errors import BudgetError  # noqa: E402
 from planner.planning import plan  # noqa: E402
 from planner.profile import load_profile  # noqa: E402
@@ -31,7 +31,8 @@ RESULTS = ROOT / "benchmarks" / "results" / "physical_memory.md"
 INTRO = ("# Planned addresses and held memory\n\nMade by `benchmarks/physical_memory.py`. `live` is the most bytes "
          "the plan's buffers hold at once (aligned to 64 bytes), `arena` what the placement found for them, "
          "`fits` whether fixed memory and the arena fit the budget; `replanned ms` the step of the plan plan() "
-         "returns when it had to plan again within less (fragmentation's price).\n")
+         "returns when it had to plan again within less (fragmentation's price); `returned arena / live` the arena "
+         "of the plan plan() returns over its own live bytes (none: it returned no addresses).\n")
 MIB = 2**20
 
 
@@ -76,7 +77,7 @@ def main() -> None:
     sources = _zoo_profiles() if args.zoo else ((path.stem, load_profile(path)) for path in
                                                  sorted((ROOT / "models" / "profiles").glob("*.json")))
     rows = ["| profile | strategy | ratio | buffers | live MiB | arena MiB | arena / live | pass | place ms | fits | "
-            "step ms | replanned ms |", "|" + " --- |" * 12]
+            "step ms | replanned ms | returned arena / live |", "|" + " --- |" * 13]
     worst = 0.0
     for name, profile in sources:
         for strategy in args.strategies.split(","):
@@ -94,6 +95,8 @@ def main() -> None:
                 fits = unplaced.budget_bytes is None or \
                     profile.fixed_bytes + address_plan.arena_bytes <= unplaced.budget_bytes
                 worst = max(worst, address_plan.overhead)
+                returned = "none" if final.arena_bytes is None else \
+                    f"{final.arena_bytes / max(most_live_bytes(allocations(profile, final)), 1):.4f}"
                 replanned = final.summary.predicted_step_time_ms \
                     if final.summary.predicted_step_time_ms != unplaced.summary.predicted_step_time_ms else None
                 rows.append(
@@ -102,7 +105,7 @@ def main() -> None:
                     f"{1 + address_plan.overhead:.4f} | {address_plan.order} | {place_ms:.0f} | "
                     f"{'yes' if fits else 'no'} | {unplaced.summary.predicted_step_time_ms:.1f} | "
                     f"{'' if replanned is None else f'{replanned:.1f}'}"
-                    f"{'' if final.arena_bytes is not None else ' (none placed)'} |")
+                    f"{'' if final.arena_bytes is not None else ' (none placed)'} | {returned} |")
     body = rows + ["", f"Worst arena over live: {worst:.2%}."]
     what = "the zoo" if args.zoo else "shipped profiles"
     publish_section(RESULTS, INTRO, f"Arena against live memory: {what} ({args.strategies}, time limit "

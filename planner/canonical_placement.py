@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The priority orders among buffers that can sit equally low (tried in turn, each with twice the nodes of the
-# last round): most live bytes around the buffer first, then its length in time, then its area; and the same keys
-# in other orders. A buffer in the busiest section is the hardest to place late.
+# The priority orders among buffers that can sit equally low (each tried once, then perturbed at random): most live
+# bytes around the buffer first, then its length in time, then its area; and the same keys in other orders. A
+# buffer in the busiest section is the hardest to place late.
 PRIORITY_ORDERS = ("busiest, longest, largest area", "largest area, longest, busiest",
                    "busiest, largest area, longest")
 
@@ -283,7 +283,7 @@ class CanonicalPlacer:
                seed: int = 0) -> np.ndarray | None:
         """Offsets (one per buffer) that place every buffer within `capacity` bytes, or None where the searches
         find none within `node_limit` nodes in all (or by the deadline). Many short searches rather than one long
-        one, their lengths the Luby sequence times the buffers' count: a depth-first search that went wrong near
+        one, their lengths the Luby sequence times twice the buffers' count: a depth-first search that went wrong near
         the root spends its nodes near the leaves. The fixed priority orders first, then orders perturbed at
         random."""
         offsets = np.zeros(self.count, dtype=np.int64)

@@ -133,7 +133,7 @@ def plan(
 # 2,000-node graph on a loaded 2-core machine; never more than this share of a time limit is set aside for it
 ADDRESS_S_PER_NODE = 0.0005
 ADDRESS_SHARE = 0.5
-# How long the perturbed passes and CP-SAT may look for a smaller arena than the first passes found (only where
+# How long the canonical search and CP-SAT may look for a smaller arena than the first passes found (only where
 # they are over the lower bound), within the call's time limit
 ADDRESS_SEARCH_S = 1.0
 # Plans made again, each within a budget lowered by what the last one's arena passed it, while this much time is left
