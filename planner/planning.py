@@ -264,10 +264,11 @@ def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions |
     asked to stop."""
     stopped = options is not None and options.should_stop is not None and options.should_stop()
     buffers = allocations(profile, schedule)
-    address_plan = place(buffers, 0.0 if stopped else search_s, options.deadline if options else None)
+    budget = schedule.budget_bytes
+    address_plan = place(buffers, 0.0 if stopped else search_s, options.deadline if options else None,
+                         None if budget is None else budget - profile.fixed_bytes)
     summary = schedule.summary.model_copy(update={"arena_bytes": address_plan.arena_bytes}) \
         if schedule.summary is not None else None
-    budget = schedule.budget_bytes
     if budget is not None and profile.fixed_bytes + address_plan.arena_bytes > budget:
         return without_addresses(schedule).model_copy(update={"summary": summary})
     with_offsets = with_addresses(profile, schedule, address_plan, buffers).model_copy(update={"summary": summary})

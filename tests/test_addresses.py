@@ -308,9 +308,9 @@ def test_plans_made_again_to_fit_the_arena_are_placed_without_the_search(monkeyp
     searches: list[float] = []
     real_place = planning.place
 
-    def recording(buffers, search_time_s=0.0, deadline=None):
+    def recording(buffers, search_time_s=0.0, deadline=None, room_bytes=None):
         searches.append(search_time_s)
-        return real_place(buffers, search_time_s, deadline)
+        return real_place(buffers, search_time_s, deadline, room_bytes)
 
     def again(profile, budget_bytes, options):
         return plan(profile, budget_bytes, strategy="swap-recompute-heuristic", time_limit_s=10, addresses=False)
