@@ -8,7 +8,7 @@ import numbers
 import time
 from typing import Callable
 
-from planner.addresses import ALIGNMENT_BYTES, place, with_addresses, without_addresses
+from planner.addresses import ALIGNMENT_BYTES, AddressPlan, place, with_addresses, without_addresses
 from planner.budget import resolve_budget
 from planner.builder import PlannerBug
 from planner.errors import BudgetError, InfeasibleBudget, MososError, ScheduleRejected
@@ -235,6 +235,7 @@ def _fastest_placed(profile: GraphProfile, candidates: list, unplaced: Schedule,
         address_plan = place(buffers, 0.0, time.monotonic())
         if profile.fixed_bytes + address_plan.arena_bytes > budget:
             continue
+        address_plan = _tightened(buffers, address_plan, options)
         solver = unplaced.summary.solver
         if solver is not None:
             step = _step_ms(candidate)
@@ -256,6 +257,28 @@ def _fastest_placed(profile: GraphProfile, candidates: list, unplaced: Schedule,
     return None
 
 
+# An arena that fits its budget but lies more than this over the live peak is searched for a smaller one, with what
+# is left of the time and at least this much of it
+TIGHTEN_OVER = 0.03
+MIN_TIGHTEN_S = 0.1
+
+
+def _tightened(buffers: list, address_plan: AddressPlan, options: SolveOptions | None) -> AddressPlan:
+    """A placement that fits, by the greedy passes alone, searched for a smaller arena with what is left of the time
+    (at most `ADDRESS_SEARCH_S`): a plan made again within less, or a checkpointing baseline, lies under its budget,
+    and the greedy passes may fill the room it leaves (a ResNet-50 plan made again at 0.7 of its peak: 1.25 of its
+    live peak). The step holds the arena, so a smaller one is memory given back; where no time is left, as it is."""
+    if options is None or address_plan.overhead <= TIGHTEN_OVER:
+        return address_plan
+    if options.should_stop is not None and options.should_stop():
+        return address_plan
+    left_s = math.inf if options.deadline is None else options.deadline - time.monotonic()
+    if left_s < MIN_TIGHTEN_S:
+        return address_plan
+    tighter = place(buffers, min(ADDRESS_SEARCH_S, left_s / 2), options.deadline)
+    return tighter if tighter.arena_bytes < address_plan.arena_bytes else address_plan
+
+
 def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions | None = None,
               search_s: float = ADDRESS_SEARCH_S) -> Schedule:
     """`schedule` with planned addresses where fixed memory and their arena fit its budget, and the arena's size in
@@ -271,6 +294,9 @@ def addressed(profile: GraphProfile, schedule: Schedule, options: SolveOptions |
         if schedule.summary is not None else None
     if budget is not None and profile.fixed_bytes + address_plan.arena_bytes > budget:
         return without_addresses(schedule).model_copy(update={"summary": summary})
+    if search_s == 0.0 and not stopped:
+        address_plan = _tightened(buffers, address_plan, options)
+        summary = summary.model_copy(update={"arena_bytes": address_plan.arena_bytes}) if summary is not None else None
     with_offsets = with_addresses(profile, schedule, address_plan, buffers).model_copy(update={"summary": summary})
     try:
         simulate(profile, with_offsets, keep_timeline=False)
