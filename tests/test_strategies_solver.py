@@ -205,8 +205,10 @@ def test_mosos_progress_names_mosos_with_the_inner_phase():
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_mosos_time_limit_is_the_total_wall_clock_budget(workers):
-    """A model that CP-SAT does not finish in the limit: baselines + inner solves + joint model stay near it."""
+def test_mosos_time_limit_is_the_total_wall_clock_budget(workers, still_heap):
+    """A model that CP-SAT does not finish in the limit: baselines + inner solves + joint model stay near it. Late
+    in the suite a collection of the heap can take a second of the 2 s (once, in CI, no plan was found in time):
+    the heap is frozen for it (still_heap)."""
     import time
     from pathlib import Path
 
