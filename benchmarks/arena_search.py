@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,20 +23,13 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results_file import publish_section  # noqa: E402
 from planner.addresses import place  # noqa: E402
-from planner.simulator import Allocation  # noqa: E402
+from tests.kept_buffers import load_kept_buffers  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "arena_search.md"
 INTRO = ("# Placing kept plans' buffers\n\nMade by `benchmarks/arena_search.py` on the instances in "
          "`tests/arena_instances` (each a real plan's buffers). `arena / bound` is the arena over the most bytes "
          "ever live (1.0000: no arena can be smaller); `arena / room` the arena over what the plan's budget "
          "leaves beside fixed memory, where the instance keeps it (at most 1.0000: it fits).\n")
-
-
-def _buffers(path: Path) -> tuple[list[Allocation], int | None]:
-    data = json.loads(path.read_text())
-    buffers = [Allocation(i, 0, f"t{i}", False, size, start, end)
-               for i, (size, start, end) in enumerate(zip(data["size_bytes"], data["start"], data["end"]))]
-    return buffers, data.get("room_bytes")
 
 
 def main() -> None:
@@ -49,7 +41,7 @@ def main() -> None:
     takes_room = "room_bytes" in inspect.signature(place).parameters
     rows = ["| instance | buffers | search s | arena / bound | arena / room | pass | wall ms |", "|" + " --- |" * 7]
     for path in sorted(args.instances.glob("*.json")):
-        buffers, room = _buffers(path)
+        buffers, room = load_kept_buffers(path)
         for search_s in (float(s) for s in args.search.split(",")):
             began = time.perf_counter()
             found = place(buffers, search_s, room_bytes=room) if takes_room else place(buffers, search_s)

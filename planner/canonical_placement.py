@@ -223,8 +223,6 @@ class _Search:
         ended it first."""
         instance = self.instance
         count = len(instance.sizes)
-        if (instance.section_total > self.capacity).any():
-            return False
         self._refresh_lowest_waiting(0, len(instance.section_total))
         self.nodes, self.node_limit, self.deadline = 0, node_limit, deadline
         # a frame per buffer placed and per group: deeper than Python's default limit on a thousand buffers

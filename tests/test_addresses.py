@@ -372,11 +372,9 @@ def test_an_arena_that_fits_but_lies_over_its_live_peak_is_tightened_with_the_ti
 
     from planner.options import SolveOptions
     from planner.planning import _tightened
-    from planner.simulator import Allocation
+    from tests.kept_buffers import load_kept_buffers
 
-    data = json.loads((Path(__file__).parent / "arena_instances" / "zoo_bert-at-0.5.json").read_text())
-    buffers = [Allocation(i, 0, f"t{i}", False, size, start, end)
-               for i, (size, start, end) in enumerate(zip(data["size_bytes"], data["start"], data["end"]))]
+    buffers, _ = load_kept_buffers(Path(__file__).parent / "arena_instances" / "zoo_bert-at-0.5.json")
     greedy = place(buffers)
     assert greedy.overhead > 0.03
     tightened = _tightened(buffers, greedy, SolveOptions(time_limit_s=5, deadline=time.monotonic() + 5))

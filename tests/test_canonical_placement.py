@@ -3,8 +3,6 @@ arena, and where it says no placement exists, none does (checked against CP-SAT'
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +12,9 @@ from ortools.sat.python import cp_model
 
 from planner.addresses import ALIGNMENT_BYTES, place
 from planner.canonical_placement import CanonicalPlacer, _luby
-from planner.simulator import Allocation
+from tests.kept_buffers import INSTANCES, load_kept_buffers
 
-INSTANCES = sorted((Path(__file__).parent / "arena_instances").glob("*.json"))
-WITH_ROOM = [path for path in INSTANCES if "room_bytes" in json.loads(path.read_text())]
+WITH_ROOM = [path for path in INSTANCES if load_kept_buffers(path)[1] is not None]
 WITHOUT_ROOM = [path for path in INSTANCES if path not in WITH_ROOM]
 
 
@@ -114,17 +111,11 @@ def test_restart_lengths_follow_the_luby_sequence():
     assert [_luby(i) for i in range(15)] == [1, 1, 2, 1, 1, 2, 4, 1, 1, 2, 1, 1, 2, 4, 8]
 
 
-def _instance(path: Path) -> list[Allocation]:
-    data = json.loads(path.read_text())
-    return [Allocation(i, 0, f"t{i}", False, size, start, end)
-            for i, (size, start, end) in enumerate(zip(data["size_bytes"], data["start"], data["end"]))]
-
-
 @pytest.mark.parametrize("path", WITHOUT_ROOM, ids=lambda p: p.stem)
 def test_plans_the_greedy_passes_leave_above_the_bound_are_placed_within_1_percent_of_it(path):
     """Buffers of real plans at half their keep-all peak (tests/arena_instances): the greedy passes leave 1.4-8.9%
     of the arena unused; with the planner's second of search, at most 1%."""
-    buffers = _instance(path)
+    buffers, _ = load_kept_buffers(path)
     greedy = place(buffers)
     assert greedy.overhead > 0.01
     searched = place(buffers, search_time_s=1.0)
@@ -141,8 +132,7 @@ def test_the_search_asks_first_for_the_room_the_budget_leaves(path):
     """A plan made again within less (its live peak 0.99 of the room the budget leaves beside fixed memory): asked
     for the lower bound first, half a second of search leaves the arena 3.8% over the room; asked for the room
     first, it fits."""
-    buffers = _instance(path)
-    room = json.loads(path.read_text())["room_bytes"]
+    buffers, room = load_kept_buffers(path)
     assert place(buffers).arena_bytes > room
     assert place(buffers, search_time_s=0.5).arena_bytes > room
     assert place(buffers, search_time_s=0.5, room_bytes=room).arena_bytes <= room
@@ -150,7 +140,7 @@ def test_the_search_asks_first_for_the_room_the_budget_leaves(path):
 
 def test_the_same_buffers_get_the_same_addresses_every_time():
     """A node count, not the clock, ends the search."""
-    buffers = _instance(next(p for p in INSTANCES if p.stem.startswith("zoo_bert")))
+    buffers, _ = load_kept_buffers(next(p for p in INSTANCES if p.stem.startswith("zoo_bert")))
     first = place(buffers, search_time_s=0.3)
     again = place(buffers, search_time_s=0.3)
     assert first.offsets == again.offsets and first.order == again.order
